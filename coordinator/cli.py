@@ -1,0 +1,50 @@
+"""`swarm`: one command, a subcommand per job. Each part registers its own subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+from swarm.sharding.errors import UserError
+
+# Each module defines `register(subparsers)`, adding subcommands whose `func(args) -> int` runs the job.
+# Registration must stay cheap: heavy imports (torch, grpc) happen inside the handlers.
+COMMAND_MODULES = (
+    "swarm.sharding.cli",
+    "swarm.node.cli",
+    "swarm.coordinator.commands",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="swarm",
+        description="Run mixture-of-experts language models on a swarm of ordinary devices.",
+    )
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = logging.WARNING - 10 * min(args.verbose, 2)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except UserError as e:
+        print(f"swarm {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"swarm {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""Expert backends: where a MoE layer's selected (token, expert) pairs get computed.
+
+Dimension letters: T tokens, K selected experts per token, D model width, N = T*K pairs.
+A model's MoE block calls `backend.start(layer, x, ids)` right after routing, computes its shared
+expert while the work is in flight, then `pending.wait()` gives every pair's output as [T, K, D].
+The weighting and the sum over K stay in the model, in a fixed slot order, so the result is the
+same whichever backend (or node) computed the pairs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from swarm.node.store import ExpertStore
+
+
+class PendingExperts(Protocol):
+    def wait(self) -> torch.Tensor:
+        """Outputs [T, K, D] for every (token, slot) pair, float32."""
+        ...
+
+
+class ExpertBackend(Protocol):
+    def start(self, layer: int, x: torch.Tensor, ids: torch.Tensor) -> PendingExperts:
+        """Begin computing experts ids [T, K] on rows x [T, D] of MoE layer `layer`."""
+        ...
+
+
+@dataclass(frozen=True)
+class ExpertMajor:
+    """(token, slot) pairs grouped expert-major: counts -> offsets -> packed rows."""
+
+    expert_ids: list[int]  # distinct experts, ascending
+    counts: list[int]  # rows per expert, same order
+    order: torch.Tensor  # [N] flat pair index (t*K + k) of each packed row
+
+    def pack(self, x: torch.Tensor, k: int) -> torch.Tensor:
+        """Rows [N, D]: row i is the token of pair order[i]."""
+        return x.index_select(0, torch.div(self.order, k, rounding_mode="floor").to(x.device))
+
+    def unpack(self, out: torch.Tensor, t: int, k: int) -> torch.Tensor:
+        """Packed outputs [N, D] back to [T, K, D]."""
+        full = torch.empty(t * k, out.shape[-1], dtype=out.dtype, device=out.device)
+        full[self.order.to(out.device)] = out
+        return full.view(t, k, -1)
+
+
+def group_expert_major(ids: torch.Tensor) -> ExpertMajor:
+    """Group the pairs of ids [T, K] by expert; within an expert, pairs keep their (token, slot) order."""
+    flat = ids.reshape(-1).cpu()
+    order = torch.argsort(flat, stable=True)
+    experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    return ExpertMajor(expert_ids=experts.tolist(), counts=counts.tolist(), order=order)
+
+
+class _Done:
+    def __init__(self, out: torch.Tensor) -> None:
+        self._out = out
+
+    def wait(self) -> torch.Tensor:
+        return self._out
+
+
+class LocalExperts:
+    """In-process backend: the node's own compute on slabs loaded here. The embedded default and the oracle.
+
+    `wire_dtype` rounds rows and outputs as the swarm's wire would, so that local and swarm results
+    can be compared bit for bit at the same wire precision.
+    """
+
+    def __init__(self, store: ExpertStore, wire_dtype: torch.dtype = torch.float32) -> None:
+        self.store = store
+        self.wire_dtype = wire_dtype
+
+    def start(self, layer: int, x: torch.Tensor, ids: torch.Tensor) -> PendingExperts:
+        t, k = ids.shape
+        groups = group_expert_major(ids)
+        rows = groups.pack(x, k).to(self.wire_dtype)
+        out = self.store.compute(layer, groups.expert_ids, groups.counts, rows).to(self.wire_dtype)
+        return _Done(groups.unpack(out.to(device=x.device, dtype=torch.float32), t, k))

@@ -1,0 +1,160 @@
+"""The one place that opens GGUF files: metadata, stacked expert tensors, dequantization.
+
+Shapes follow torch order (slowest first): a ggml tensor with ne = [D, F, E] is the array [E, F, D].
+Every other part of swarm reads GGUFs through these functions, so a bad file gets the same clear
+`GGUFError` wherever it is opened.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, Keys
+from gguf.gguf_reader import ReaderTensor
+from gguf.quants import dequantize as gguf_dequantize
+
+from swarm.sharding.errors import UserError
+
+GGUF_MAGIC = b"GGUF"
+
+# blk.N.ffn_{gate,up,down,gate_up}_exps.{weight,bias}: the stacked per-expert tensors, expert dim outermost.
+EXPERT_TENSOR_RE = re.compile(
+    r"^blk\.(?P<layer>\d+)\.(?P<kind>ffn_(?:gate|up|down|gate_up)_exps)\.(?P<part>weight|bias)$"
+)
+
+
+class GGUFError(UserError, ValueError):
+    """A GGUF file that cannot be used; the message names the file and says what to do."""
+
+
+def open_gguf(path: str | Path) -> GGUFReader:
+    """Memory-map a GGUF file, turning every way it can be unreadable into one clear GGUFError."""
+    path = Path(path)
+    if not path.exists():
+        raise GGUFError(f"{path}: no such file")
+    if path.is_dir():
+        raise GGUFError(f"{path}: is a directory, expected a .gguf file")
+    try:
+        with path.open("rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise GGUFError(f"{path}: cannot be read ({e.strerror}); check its permissions") from e
+    if magic != GGUF_MAGIC:
+        raise GGUFError(f"{path}: not a GGUF file (starts with {magic!r}, expected {GGUF_MAGIC!r})")
+    try:
+        return GGUFReader(path, "r")
+    except ValueError as e:
+        msg = str(e)
+        if "is not a valid GGMLQuantizationType" in msg:
+            raise GGUFError(
+                f"{path}: uses a tensor type this version of gguf does not know ({msg}); "
+                "upgrade the gguf package or re-quantize the model"
+            ) from e
+        raise GGUFError(f"{path}: damaged or truncated GGUF ({msg}); download or convert it again") from e
+    except (IndexError, OSError, EOFError) as e:
+        raise GGUFError(f"{path}: truncated or damaged GGUF ({e}); download or convert it again") from e
+
+
+def read_metadata(reader: GGUFReader) -> dict[str, Any]:
+    """Every metadata key of the file as plain Python values (str, int, float, bool, lists)."""
+    meta: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue  # header pseudo-fields, not metadata
+        meta[key] = field.contents()
+    return meta
+
+
+def architecture(meta: dict[str, Any], path: str | Path = "") -> str:
+    arch = meta.get(Keys.General.ARCHITECTURE)
+    if not isinstance(arch, str):
+        raise GGUFError(f"{path}: has no {Keys.General.ARCHITECTURE} key; it is not a model GGUF")
+    return arch
+
+
+@dataclass(frozen=True)
+class ExpertTensor:
+    """One stacked expert tensor: expert e is the contiguous byte range [offset + e*slab_bytes, +slab_bytes)."""
+
+    name: str  # blk.7.ffn_up_exps.weight
+    layer: int
+    kind: str  # ffn_gate_exps | ffn_up_exps | ffn_down_exps | ffn_gate_up_exps
+    qtype: GGMLQuantizationType
+    n_expert: int
+    slab_shape: tuple[
+        int, ...
+    ]  # torch order, one expert: [F, D] for gate/up, [D, F] for down, [F] for a bias
+    slab_bytes: int
+    data_offset: int  # absolute file offset of expert 0
+    tensor: ReaderTensor
+
+    def slab(self, expert: int) -> np.ndarray:
+        """Expert `expert`'s raw bytes, a zero-copy view of the memory-mapped file."""
+        raw = self.tensor.data.reshape(-1).view(np.uint8)
+        return raw[expert * self.slab_bytes : (expert + 1) * self.slab_bytes]
+
+
+def torch_shape(tensor: ReaderTensor) -> tuple[int, ...]:
+    return tuple(int(d) for d in reversed(tensor.shape.tolist()))
+
+
+def expert_tensors(reader: GGUFReader, path: str | Path = "") -> list[ExpertTensor]:
+    """All stacked expert tensors of a model, validated as cuttable at the expert grain."""
+    found: list[ExpertTensor] = []
+    for t in reader.tensors:
+        m = EXPERT_TENSOR_RE.match(t.name)
+        if m is None:
+            continue
+        shape = torch_shape(t)
+        if len(shape) < 2:
+            raise GGUFError(
+                f"{path}: expert tensor {t.name} has shape {shape}; expected the expert dimension outermost"
+            )
+        n_expert = shape[0]
+        if t.n_bytes % n_expert != 0:
+            raise GGUFError(
+                f"{path}: expert tensor {t.name} ({t.n_bytes} bytes) does not split into {n_expert} equal slabs"
+            )
+        block_size, _ = GGML_QUANT_SIZES[t.tensor_type]
+        if shape[-1] % block_size != 0:
+            raise GGUFError(
+                f"{path}: expert tensor {t.name} rows of {shape[-1]} elements are not whole {t.tensor_type.name} "
+                f"blocks of {block_size}; it cannot be cut at the expert grain"
+            )
+        found.append(
+            ExpertTensor(
+                name=t.name,
+                layer=int(m.group("layer")),
+                kind=m.group("kind"),
+                qtype=t.tensor_type,
+                n_expert=n_expert,
+                slab_shape=shape[1:],
+                slab_bytes=t.n_bytes // n_expert,
+                data_offset=int(t.data_offset),
+                tensor=t,
+            )
+        )
+    return found
+
+
+def dequantize(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> np.ndarray:
+    """Raw tensor bytes (or typed values) of ggml type `qtype` to a float32 array of torch shape `shape`."""
+    if qtype == GGMLQuantizationType.F32:
+        out = np.asarray(data).view(np.float32) if np.asarray(data).dtype == np.uint8 else np.asarray(data)
+        return np.ascontiguousarray(out, dtype=np.float32).reshape(shape)
+    if qtype == GGMLQuantizationType.F16:
+        out = np.asarray(data).view(np.float16) if np.asarray(data).dtype == np.uint8 else np.asarray(data)
+        return out.astype(np.float32).reshape(shape)
+    raw = np.asarray(data).view(np.uint8).reshape(-1)
+    rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+    values = gguf_dequantize(raw.reshape(rows, -1), qtype)
+    return np.ascontiguousarray(values, dtype=np.float32).reshape(shape)
+
+
+def tensor_to_numpy(tensor: ReaderTensor) -> np.ndarray:
+    """A whole tensor, dequantized to float32 in torch shape order."""
+    return dequantize(tensor.data, tensor.tensor_type, torch_shape(tensor))
