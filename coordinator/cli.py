@@ -14,6 +14,7 @@ from swarm.sharding.errors import UserError
 # Registration must stay cheap: heavy imports (torch, grpc) happen inside the handlers.
 COMMAND_MODULES = (
     "swarm.sharding.cli",
+    "swarm.sharding.synth_cli",
     "swarm.node.cli",
     "swarm.coordinator.commands",
 )

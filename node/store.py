@@ -6,29 +6,14 @@ The quantized slab bytes stay memory-mapped; dequantized float32 copies are made
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
-from gguf import GGMLQuantizationType
 
-from swarm.sharding.gguf_io import dequantize, expert_tensors, open_gguf
-
-
-@dataclass(frozen=True)
-class SlabTensor:
-    """One expert's part of one stacked tensor: raw bytes in the source quant type."""
-
-    kind: str  # ffn_gate_exps | ffn_up_exps | ffn_down_exps | ffn_gate_up_exps (+ ".bias" for biases)
-    qtype: GGMLQuantizationType
-    shape: tuple[int, ...]  # torch order
-    data: np.ndarray  # uint8 bytes (a view of a memory map)
-
-
-SlabKey = tuple[int, int]  # (layer, expert)
+from swarm.sharding.gguf_io import dequantize
+from swarm.sharding.slabs import SlabKey, SlabTensor
 
 
 @dataclass
@@ -42,25 +27,6 @@ class ExpertWeights:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.gate, self.up, self.down))
-
-
-def slabs_from_gguf(
-    path: str | Path, layers: Iterable[int] | None = None, experts: Iterable[int] | None = None
-) -> dict[SlabKey, dict[str, SlabTensor]]:
-    """The expert slabs of a whole (unsharded) GGUF, as zero-copy views of its stacked tensors."""
-    reader = open_gguf(path)
-    want_layers = set(layers) if layers is not None else None
-    want_experts = set(experts) if experts is not None else None
-    out: dict[SlabKey, dict[str, SlabTensor]] = {}
-    for et in expert_tensors(reader, path):
-        if want_layers is not None and et.layer not in want_layers:
-            continue
-        kind = et.kind if et.name.endswith(".weight") else et.kind + ".bias"
-        for e in range(et.n_expert):
-            if want_experts is not None and e not in want_experts:
-                continue
-            out.setdefault((et.layer, e), {})[kind] = SlabTensor(kind, et.qtype, et.slab_shape, et.slab(e))
-    return out
 
 
 def dequantize_expert(parts: dict[str, SlabTensor], device: torch.device) -> ExpertWeights:
