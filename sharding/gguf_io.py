@@ -145,7 +145,8 @@ def dequantize(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, 
     """Raw tensor bytes (or typed values) of ggml type `qtype` to a float32 array of torch shape `shape`."""
     if qtype == GGMLQuantizationType.F32:
         out = np.asarray(data).view(np.float32) if np.asarray(data).dtype == np.uint8 else np.asarray(data)
-        return np.ascontiguousarray(out, dtype=np.float32).reshape(shape)
+        # A copy: the working copy must not alias the read-only memory map.
+        return np.array(out, dtype=np.float32, copy=True).reshape(shape)
     if qtype == GGMLQuantizationType.F16:
         out = np.asarray(data).view(np.float16) if np.asarray(data).dtype == np.uint8 else np.asarray(data)
         return out.astype(np.float32).reshape(shape)

@@ -28,9 +28,6 @@ class SlabTensor:
     data: np.ndarray  # uint8 bytes (a view of a memory map)
 
 
-SlabKey = tuple[int, int]  # (layer, expert)
-
-
 def slabs_from_gguf(
     path: str | Path, layers: Iterable[int] | None = None, experts: Iterable[int] | None = None
 ) -> dict[SlabKey, dict[str, SlabTensor]]:
