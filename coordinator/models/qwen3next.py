@@ -1,0 +1,34 @@
+"""qwen3next: Qwen3-Next (80B-A3B) as llama.cpp's converter writes it.
+
+The same hybrid stack as qwen35moe (deltanet.py), with this arch's file layout:
+- linear-attention value heads stay grouped by key head: value head h reads key head h // (Hv/Hk);
+- beta and alpha come from one matrix `ssm_ba`, laid out per key head as [b (Hv/Hk), a (Hv/Hk)];
+- older files carry HF's fused `ssm_in` (per key head [q, k, v, z]) instead of `attn_qkv` + `attn_gate`;
+  the block splits it when the weights load;
+- plain NeoX RoPE on `rope.dimension_count` dims.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from swarm.coordinator.models.deltanet import HybridConfig, HybridModel, HybridState
+
+ARCH = "qwen3next"
+
+__all__ = ["ARCH", "Config", "Model", "State"]
+
+State = HybridState
+
+
+@dataclass(frozen=True)
+class Config(HybridConfig):
+    @classmethod
+    def from_metadata(cls, meta: dict[str, Any]) -> Config:
+        return cls.parse(meta, ARCH, v_heads_tiled=False, fused_ba=True)
+
+
+class Model(HybridModel):
+    def __init__(self, cfg: HybridConfig, experts: Any) -> None:
+        super().__init__(cfg, experts)
