@@ -1,20 +1,31 @@
-"""Building blocks shared by every architecture: RMSNorm, the routed MoE block, the shared expert.
+"""Building blocks shared by every architecture: norms, RoPE, attention with its KV cache, the routed
+MoE block with the shared expert, and the model API (DecoderModel, SequenceState, Batch).
 
 Dimension letters: T tokens, D model width, E experts, K selected per token, F expert width, Fs shared width.
-Modules are named after GGUF tensors, so a GGUF's tensors load by name. The one convention: a block
-holds its MoE as the child `moe`, a path segment the loader drops (blk.N.moe.ffn_gate_inp.weight is
-the GGUF's blk.N.ffn_gate_inp.weight). Only nn.Modules and pure functions: no file I/O, no network.
+Modules are named after GGUF tensors, so a GGUF's tensors load by name. The one convention: a module
+whose class sets GGUF_TRANSPARENT (the block's `moe`, an arch's attention) is a path segment the loader
+drops (blk.N.moe.ffn_gate_inp.weight is the GGUF's blk.N.ffn_gate_inp.weight). Only nn.Modules and
+pure functions: no file I/O, no network.
+
+The model API: `model.new_state()` -> one SequenceState per sequence; `model(tokens [N], states,
+lengths)` -> logits [N, V] for the new tokens of several sequences concatenated (attention runs per
+sequence, every MoE layer sees all N tokens: one expert fan-out per layer for the whole batch);
+`model.run(tokens, state)` for one sequence.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
 
 import torch
 import torch.nn.functional as F
+from gguf import Keys
 from torch import nn
 
 from swarm.coordinator.experts import ExpertBackend
+from swarm.sharding.gguf_io import GGUFError
 
 # llama.cpp clamps the sum of the selected routing weights before renormalising (build_moe_ffn).
 RENORM_MIN = 2.0**-14
@@ -75,6 +86,9 @@ def route(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor
 class MoE(nn.Module):
     """Routed experts (computed by an ExpertBackend, in process or on the swarm) plus the shared expert."""
 
+    # The loader drops this module's path segment: its tensors sit directly under blk.N in a GGUF.
+    GGUF_TRANSPARENT: ClassVar[bool] = True
+
     def __init__(self, cfg: MoEConfig, layer: int, experts: ExpertBackend) -> None:
         super().__init__()
         self.cfg = cfg
@@ -111,3 +125,224 @@ class MoE(nn.Module):
         if key in state_dict and state_dict[key].dim() == 1:
             state_dict[key] = state_dict[key].unsqueeze(0)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Attention building blocks shared by every architecture: RoPE, the KV cache, causal GQA attention.
+# Extra letters: N tokens of several sequences concatenated, S keys held for one sequence, H heads,
+# Hkv key/value heads, hd head width, R rotated dims per head (n_rot).
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, n_rot: int, base: float) -> torch.Tensor:
+    """NeoX rotary embedding on the first n_rot dims of every head; the rest pass through.
+
+    x [T, H, hd], positions [T] (absolute, int) -> [T, H, hd]. Dim i pairs with i + n_rot/2 (the
+    two halves of the rotated part), frequency base^(-2i/n_rot). Angles are computed in float64 so
+    that the phase stays exact at long positions; the rotation itself runs in x's dtype.
+    """
+    half = n_rot // 2
+    inv_freq = base ** (-torch.arange(half, dtype=torch.float64, device=x.device) * 2.0 / n_rot)  # [R/2]
+    angles = positions.to(device=x.device, dtype=torch.float64)[:, None] * inv_freq[None, :]  # [T, R/2]
+    cos = angles.cos().to(x.dtype)[:, None, :]  # [T, 1, R/2]
+    sin = angles.sin().to(x.dtype)[:, None, :]
+    x1, x2, rest = x[..., :half], x[..., half:n_rot], x[..., n_rot:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal GQA attention of one sequence, scale 1/sqrt(hd).
+
+    q [H, T, hd] are the last T positions of the S held in k, v [Hkv, S, hd] (S >= T: the cache plus
+    the new tokens); query t sits at position S - T + t and sees keys 0..S-T+t. Query head h reads
+    key/value head h // (H / Hkv), as llama.cpp and transformers group them. -> [H, T, hd].
+    """
+    t, s = q.shape[1], k.shape[1]
+    # One query (decode) sees every key: no mask needed, which keeps SDPA on its fastest path.
+    mask = None if t == 1 else torch.ones(t, s, dtype=torch.bool, device=q.device).tril(diagonal=s - t)
+    enable_gqa = q.shape[0] != k.shape[0]
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=q.shape[-1] ** -0.5, enable_gqa=enable_gqa
+    )
+
+
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch, caches: Sequence[KVCache]
+) -> torch.Tensor:
+    """Attention of every sequence in the batch against its own cache.
+
+    q [N, H, hd], k [N, Hkv, hd], v [N, Hkv, hdv] (already normed and rotated) -> [N, H, hdv].
+    Each sequence's new k, v are appended to caches[i] first.
+    """
+    out = []
+    for cache, qi, ki, vi in zip(caches, batch.split(q), batch.split(k), batch.split(v), strict=True):
+        keys, values = cache.append(ki.transpose(0, 1), vi.transpose(0, 1))  # [Hkv, S, hd]
+        out.append(attention(qi.transpose(0, 1), keys, values).transpose(0, 1))  # [T, H, hdv]
+    return torch.cat(out)
+
+
+class KVCache:
+    """Keys and values of one attention layer for one sequence, grown by doubling (amortised O(1) append)."""
+
+    MIN_CAPACITY = 64
+
+    def __init__(self) -> None:
+        self.length = 0  # S: positions held
+        self._k: torch.Tensor | None = None  # [Hkv, capacity, hd]
+        self._v: torch.Tensor | None = None
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add k [Hkv, T, hd], v [Hkv, T, hdv]; return every held key and value [Hkv, S, hd] (views)."""
+        t = k.shape[1]
+        need = self.length + t
+        if self._k is None or self._v is None or need > self._k.shape[1]:
+            self._grow(k, v, need)
+        assert self._k is not None and self._v is not None
+        self._k[:, self.length : need] = k
+        self._v[:, self.length : need] = v
+        self.length = need
+        return self._k[:, :need], self._v[:, :need]
+
+    def _grow(self, k: torch.Tensor, v: torch.Tensor, need: int) -> None:
+        cap = max(self.MIN_CAPACITY, need, 2 * (self._k.shape[1] if self._k is not None else 0))
+        new_k = k.new_empty(k.shape[0], cap, k.shape[2])
+        new_v = v.new_empty(v.shape[0], cap, v.shape[2])
+        if self._k is not None and self._v is not None:
+            new_k[:, : self.length] = self._k[:, : self.length]
+            new_v[:, : self.length] = self._v[:, : self.length]
+        self._k, self._v = new_k, new_v
+
+
+# ---------------------------------------------------------------------------------------------------
+# The model API every architecture implements, and the plumbing of several sequences in one call.
+
+
+@dataclass
+class SequenceState:
+    """Everything a model keeps for one sequence between calls: one entry per block.
+
+    An attention block keeps a KVCache; a linear-attention block its conv and recurrent states.
+    """
+
+    layers: list[Any]
+    length: int = 0  # tokens consumed so far = position of the next token
+
+
+@dataclass(frozen=True)
+class Batch:
+    """The layout of one call: the new tokens of several sequences, concatenated in order."""
+
+    lengths: tuple[int, ...]  # new tokens of each sequence
+    starts: tuple[int, ...]  # tokens each sequence already held = position of its first new token
+    positions: torch.Tensor  # [N] absolute position of every token
+
+    @classmethod
+    def of(cls, states: Sequence[SequenceState], lengths: Sequence[int], device: torch.device) -> Batch:
+        starts = tuple(s.length for s in states)
+        positions = torch.cat(
+            [torch.arange(s, s + n, dtype=torch.long) for s, n in zip(starts, lengths, strict=True)]
+        )
+        return cls(lengths=tuple(int(n) for n in lengths), starts=starts, positions=positions.to(device))
+
+    def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [N, ...] -> one tensor [lengths[i], ...] per sequence (views)."""
+        return torch.split(x, list(self.lengths), dim=0)
+
+
+class Block(Protocol):
+    def __call__(self, x: torch.Tensor, batch: Batch, states: list[Any]) -> torch.Tensor:
+        """x [N, D] -> [N, D]; states[i] is this block's state for sequence i (updated in place)."""
+        ...
+
+    def new_state(self) -> Any: ...
+
+
+class DecoderModel(nn.Module):
+    """token_embd -> blocks -> output_norm -> output. Subclasses fill `blk` with their blocks.
+
+    Every block's forward(x [N, D], batch, states) runs attention (or the recurrence) per sequence
+    and its MoE over all N tokens at once: one expert fan-out per layer for the whole batch.
+    """
+
+    def __init__(self, n_vocab: int, n_embd: int, eps: float) -> None:
+        super().__init__()
+        self.token_embd = nn.Embedding(n_vocab, n_embd)
+        self.token_embd.weight.requires_grad_(False)
+        self.blk = nn.ModuleList()
+        self.output_norm = RMSNorm(n_embd, eps)
+        self.output = Linear(n_embd, n_vocab)
+
+    def new_state(self) -> SequenceState:
+        return SequenceState(layers=[blk.new_state() for blk in self.blk])
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        states: Sequence[SequenceState],
+        lengths: Sequence[int],
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """tokens [N] (lengths[i] new tokens of sequence i, in order) -> logits [N, V] float32.
+
+        With last_only, only each sequence's last position: [len(states), V] (saves the vocab
+        projection of a long prefill). States are advanced in place.
+        """
+        if len(states) != len(lengths):
+            raise ValueError(f"{len(states)} states but {len(lengths)} lengths")
+        if sum(lengths) != tokens.shape[0] or any(n <= 0 for n in lengths):
+            raise ValueError(f"lengths {list(lengths)} do not split {tokens.shape[0]} tokens")
+        device = self.token_embd.weight.device
+        # inference_mode throughout, so caches made in one call stay writable in the next.
+        with torch.inference_mode():
+            batch = Batch.of(states, lengths, device)
+            x = self.token_embd(tokens.to(device))  # [N, D]
+            for i, blk in enumerate(self.blk):
+                x = blk(x, batch, [s.layers[i] for s in states])
+            for s, n in zip(states, batch.lengths, strict=True):
+                s.length += n
+            if last_only:
+                ends = torch.tensor(batch.lengths, device=device).cumsum(0) - 1
+                x = x.index_select(0, ends)  # [B, D]
+            return self.output(self.output_norm(x)).float()  # [N, V]
+
+    def run(self, tokens: Sequence[int] | torch.Tensor, state: SequenceState) -> torch.Tensor:
+        """One sequence: feed its next tokens, get logits [T, V]."""
+        ids = torch.as_tensor(tokens, dtype=torch.long)
+        return self(ids, [state], [ids.shape[0]])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Reading hyper-parameters from GGUF metadata (every arch's Config.from_metadata uses these).
+
+
+def meta_value(meta: dict[str, Any], key: str, default: Any = None) -> Any:
+    """meta[key]; a missing key with no default is a GGUFError naming it (the loader adds the file)."""
+    if key in meta:
+        return meta[key]
+    if default is None:
+        raise GGUFError(f"has no metadata key {key}, which this architecture needs; convert the model again")
+    return default
+
+
+def meta_int(meta: dict[str, Any], key: str, default: int | None = None) -> int:
+    value = meta_value(meta, key, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise GGUFError(f"metadata key {key} is {value!r}, expected an integer")
+    return value
+
+
+def meta_float(meta: dict[str, Any], key: str, default: float | None = None) -> float:
+    value = meta_value(meta, key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise GGUFError(f"metadata key {key} is {value!r}, expected a number")
+    return float(value)
+
+
+def n_vocab_of(meta: dict[str, Any], arch: str) -> int:
+    """Vocabulary size: `<arch>.vocab_size` when present, else the length of the token list."""
+    key = Keys.LLM.VOCAB_SIZE.format(arch=arch)
+    if key in meta:
+        return meta_int(meta, key)
+    tokens = meta.get(Keys.Tokenizer.LIST)
+    if not isinstance(tokens, list) or not tokens:
+        raise GGUFError(f"has neither {key} nor {Keys.Tokenizer.LIST}: the vocabulary size is unknown")
+    return len(tokens)
