@@ -1,11 +1,18 @@
 """Expert slabs held by one node (or in-process by the coordinator) and the SwiGLU compute over them.
 
 Dimension letters: N rows, D model width, F expert width.
-The quantized slab bytes stay memory-mapped; dequantized float32 copies are made on first use.
+The quantized slab bytes stay memory-mapped; dequantized float32 working copies are made on first use
+and kept under a byte budget, least recently used first out. A call that needs an evicted expert
+dequantizes it again. The store is shared by concurrent calls: one lock guards only the cache
+bookkeeping, each expert has its own loading lock (two calls needing the same cold expert dequantize
+it once), and the matmuls run outside any lock.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -13,71 +20,238 @@ import torch
 import torch.nn.functional as F
 
 from swarm.sharding.gguf_io import dequantize
+from swarm.sharding.ranges import format_ranges
 from swarm.sharding.slabs import SlabKey, SlabTensor
+
+log = logging.getLogger(__name__)
+
+GATE, UP, DOWN, GATE_UP = "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_up_exps"
+
+
+class MissingSlabs(KeyError):
+    """A call named slabs this store does not hold."""
+
+    def __init__(self, layer: int, experts: Sequence[int], held_layers: Sequence[int]) -> None:
+        self.layer = layer
+        self.experts = list(experts)
+        self.held_layers = list(held_layers)
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        if self.layer not in self.held_layers:
+            return (
+                f"layer {self.layer} is not held here (this node holds layers "
+                f"{_fmt(self.held_layers)}); send it to a node that holds it"
+            )
+        return (
+            f"expert(s) {_fmt(self.experts)} of layer {self.layer} are not held here; "
+            "send them to a node that holds them (see Info)"
+        )
+
+
+class BadCall(ValueError):
+    """A call whose ids, counts or rows do not fit together."""
 
 
 @dataclass
 class ExpertWeights:
-    """Dequantized weights of one expert: gate/up [F, D], down [D, F]."""
+    """Dequantized weights of one expert: gate and up fused as gate_up [2F, D] (gate rows first), down [D, F].
 
-    gate: torch.Tensor
-    up: torch.Tensor
+    Fusing gate and up makes one matmul of the first two; F.linear takes them as stored ([out, in]),
+    which measured as fast as a pre-transposed copy on CPU.
+    """
+
+    gate_up: torch.Tensor
     down: torch.Tensor
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
+
+    @property
+    def gate(self) -> torch.Tensor:
+        return self.gate_up[: self.gate_up.shape[0] // 2]
+
+    @property
+    def up(self) -> torch.Tensor:
+        return self.gate_up[self.gate_up.shape[0] // 2 :]
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.gate, self.up, self.down))
+        ts = (self.gate_up, self.down, self.gate_up_bias, self.down_bias)
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
 
-def dequantize_expert(parts: dict[str, SlabTensor], device: torch.device) -> ExpertWeights:
-    def load(kind: str) -> torch.Tensor:
-        s = parts[kind]
-        return torch.from_numpy(dequantize(s.data, s.qtype, s.shape)).to(device)
+def _load(s: SlabTensor, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(dequantize(s.data, s.qtype, s.shape)).to(device)
 
-    if "ffn_gate_up_exps" in parts:
-        gate_up = load("ffn_gate_up_exps")  # [2F, D], gate rows first
-        gate, up = gate_up.chunk(2, dim=0)
+
+def dequantize_expert(parts: dict[str, SlabTensor], device: torch.device | str = "cpu") -> ExpertWeights:
+    """One expert's slabs (quantized, memory-mapped) -> float32 working weights on `device`."""
+    device = torch.device(device)
+    if GATE_UP in parts:
+        gate_up = _load(parts[GATE_UP], device)
+        gu_bias = _load(parts[GATE_UP + ".bias"], device) if GATE_UP + ".bias" in parts else None
     else:
-        gate, up = load("ffn_gate_exps"), load("ffn_up_exps")
-    return ExpertWeights(gate=gate.contiguous(), up=up.contiguous(), down=load("ffn_down_exps"))
+        gate_up = torch.cat([_load(parts[GATE], device), _load(parts[UP], device)], dim=0)
+        gu_bias = None
+        if GATE + ".bias" in parts and UP + ".bias" in parts:
+            gu_bias = torch.cat([_load(parts[GATE + ".bias"], device), _load(parts[UP + ".bias"], device)])
+    down_bias = _load(parts[DOWN + ".bias"], device) if DOWN + ".bias" in parts else None
+    return ExpertWeights(gate_up.contiguous(), _load(parts[DOWN], device).contiguous(), gu_bias, down_bias)
 
 
 def swiglu(w: ExpertWeights, x: torch.Tensor) -> torch.Tensor:
     """down(silu(gate x) * up x) for rows x [N, D] -> [N, D], in float32."""
-    return F.linear(F.silu(F.linear(x, w.gate)) * F.linear(x, w.up), w.down)
+    h = F.linear(x, w.gate_up, w.gate_up_bias)  # [N, 2F]
+    gate, up = h.chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, w.down, w.down_bias)
+
+
+def _fmt(ids: Sequence[int]) -> str:
+    return format_ranges(ids) if ids else "none"
+
+
+def _slab_dims(key: SlabKey, parts: dict[str, SlabTensor]) -> tuple[int, int]:
+    """(D, F) of one expert's slabs, checking that its parts are complete and agree."""
+    layer, expert = key
+    if DOWN not in parts or not (GATE_UP in parts or (GATE in parts and UP in parts)):
+        raise ValueError(
+            f"slab {layer}:{expert} is incomplete (has {sorted(parts)}); it needs "
+            f"{GATE}, {UP} (or {GATE_UP}) and {DOWN}"
+        )
+    d, f = parts[DOWN].shape
+    shapes = [parts[GATE_UP].shape] if GATE_UP in parts else [parts[GATE].shape, parts[UP].shape]
+    want = [(2 * f, d)] if GATE_UP in parts else [(f, d), (f, d)]
+    if [tuple(s) for s in shapes] != want:
+        raise ValueError(
+            f"slab {layer}:{expert}: gate/up shapes {shapes} do not match down {parts[DOWN].shape}"
+        )
+    return d, f
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    hits: int
+    misses: int
+    evictions: int
+    resident_bytes: int
+    resident_experts: int
 
 
 class ExpertStore:
-    """The slabs one process holds, computing any of them on request."""
+    """The slabs one process holds, computing any of them on request.
+
+    `memory_budget` bounds the bytes of dequantized working copies (None or 0: unlimited). The expert a
+    call is computing is never evicted under it, so a budget smaller than one expert still works (one
+    expert resident at a time).
+    """
 
     def __init__(
-        self, slabs: dict[SlabKey, dict[str, SlabTensor]], device: str | torch.device = "cpu"
+        self,
+        slabs: dict[SlabKey, dict[str, SlabTensor]],
+        device: str | torch.device = "cpu",
+        memory_budget: int | None = None,
     ) -> None:
         self.slabs = slabs
         self.device = torch.device(device)
-        self._weights: dict[SlabKey, ExpertWeights] = {}
+        self.memory_budget = int(memory_budget or 0)
+        dims = {key: _slab_dims(key, parts) for key, parts in slabs.items()}
+        widths = {d for d, _ in dims.values()}
+        if len(widths) > 1:
+            raise ValueError(
+                f"slabs disagree on the model width D: {sorted(widths)}; they are from different models"
+            )
+        self.hidden_size: int | None = widths.pop() if widths else None
+        self._experts_of: dict[int, set[int]] = {}
+        for layer, expert in slabs:
+            self._experts_of.setdefault(layer, set()).add(expert)
+        self._lock = threading.Lock()  # guards _cache, _bytes and the counters only
+        self._load_locks = {key: threading.Lock() for key in slabs}
+        self._cache: OrderedDict[SlabKey, ExpertWeights] = OrderedDict()
+        self._bytes = 0
+        self._hits = self._misses = self._evictions = 0
 
     def held(self) -> list[SlabKey]:
         return sorted(self.slabs)
 
+    def layers(self) -> list[int]:
+        return sorted(self._experts_of)
+
+    def cache_stats(self) -> CacheStats:
+        with self._lock:
+            return CacheStats(self._hits, self._misses, self._evictions, self._bytes, len(self._cache))
+
     def weights(self, layer: int, expert: int) -> ExpertWeights:
+        """The working copy of one expert, dequantizing it if it is not resident."""
         key = (layer, expert)
-        w = self._weights.get(key)
-        if w is None:
-            if key not in self.slabs:
-                raise KeyError(f"expert {expert} of layer {layer} is not held here")
+        if key not in self.slabs:
+            raise MissingSlabs(layer, [expert], self.layers())
+        with self._lock:
+            w = self._cache.get(key)
+            if w is not None:
+                self._cache.move_to_end(key)
+                self._hits += 1
+                return w
+        with self._load_locks[key]:
+            with self._lock:  # another call may have loaded it while this one waited
+                w = self._cache.get(key)
+                if w is not None:
+                    self._cache.move_to_end(key)
+                    self._hits += 1
+                    return w
+                self._misses += 1
             w = dequantize_expert(self.slabs[key], self.device)
-            self._weights[key] = w
+            with self._lock:
+                self._cache[key] = w
+                self._bytes += w.nbytes
+                self._evict_over_budget(keep=key)
         return w
+
+    def _evict_over_budget(self, keep: SlabKey) -> None:
+        if not self.memory_budget:
+            return
+        while self._bytes > self.memory_budget and len(self._cache) > 1:
+            key = next(iter(self._cache))
+            if key == keep:
+                self._cache.move_to_end(key)
+                continue
+            evicted = self._cache.pop(key)
+            self._bytes -= evicted.nbytes
+            self._evictions += 1
+            log.debug("evicted expert %d of layer %d (%d bytes)", key[1], key[0], evicted.nbytes)
+
+    def check(self, layer: int, expert_ids: Sequence[int], counts: Sequence[int], rows: torch.Tensor) -> None:
+        """Raise BadCall or MissingSlabs when a call does not fit this store; do nothing otherwise."""
+        if len(expert_ids) != len(counts):
+            raise BadCall(
+                f"{len(expert_ids)} expert ids but {len(counts)} counts; send one row count per expert id"
+            )
+        if any(c < 0 for c in counts):
+            raise BadCall(f"negative row count in {list(counts)}")
+        if rows.dim() != 2:
+            raise BadCall(f"rows have shape {list(rows.shape)}; send a 2-D [N, D] tensor")
+        n = sum(counts)
+        if rows.shape[0] != n:
+            raise BadCall(f"rows have {rows.shape[0]} rows but the counts sum to {n}; send sum(counts) rows")
+        if self.hidden_size is not None and rows.shape[1] != self.hidden_size:
+            raise BadCall(
+                f"rows are {rows.shape[1]} wide but this model's width D is {self.hidden_size}; "
+                "check that the node serves the same model (fingerprint)"
+            )
+        held = self._experts_of.get(layer, set())
+        missing = sorted({e for e in expert_ids if e not in held})
+        if missing:
+            raise MissingSlabs(layer, missing, self.layers())
 
     def compute(
         self, layer: int, expert_ids: Sequence[int], counts: Sequence[int], rows: torch.Tensor
     ) -> torch.Tensor:
-        """Rows packed expert-major (counts[i] rows for expert_ids[i]) -> outputs [N, D] in the same order."""
+        """Rows packed expert-major (counts[i] rows for expert_ids[i]) -> outputs [N, D] float32 in the same order."""
+        self.check(layer, expert_ids, counts, rows)
         x = rows.to(self.device, torch.float32)
         out = torch.empty_like(x)
         start = 0
         for expert, n in zip(expert_ids, counts, strict=True):
-            out[start : start + n] = swiglu(self.weights(layer, expert), x[start : start + n])
+            if n:
+                out[start : start + n] = swiglu(self.weights(layer, expert), x[start : start + n])
             start += n
         return out

@@ -1,0 +1,200 @@
+"""Client side of the ExpertNode service, as the coordinator uses it.
+
+    client = NodeClient("127.0.0.1:50051", fingerprint=fp, key=None)
+    call = client.compute_async(layer, expert_ids, counts, rows, timeout=5.0)  # returns at once
+    out = call.result()  # [sum(counts), D] torch tensor, rows in the order sent
+
+`compute_async` returns a ComputeCall wrapping the grpc future, so a coordinator can start the calls
+to every node of a layer at once and then collect them. Failures surface as NodeCallError with the
+grpc status code (NOT_FOUND, INVALID_ARGUMENT, FAILED_PRECONDITION, RESOURCE_EXHAUSTED,
+UNAUTHENTICATED, UNAVAILABLE, DEADLINE_EXCEEDED, ...) and the node's message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from swarm.proto import expert_pb2 as pb
+from swarm.proto import expert_pb2_grpc as pb_grpc
+from swarm.proto.channel import CHANNEL_OPTIONS, PROTOCOL_VERSION, SERVICE_NAME, SWARM_KEY_METADATA
+from swarm.proto.codec import SlabKey, compute_request, decode_tensor, held_from_proto
+
+
+class NodeCallError(RuntimeError):
+    """A call to a node failed: `code` is the grpc.StatusCode, `details` the node's message."""
+
+    def __init__(self, address: str, method: str, code: grpc.StatusCode, details: str) -> None:
+        self.address = address
+        self.method = method
+        self.code = code
+        self.details = details
+        super().__init__(f"{method} on node {address} failed: {code.name}: {details}")
+
+
+def _wrap(address: str, method: str, e: grpc.RpcError) -> NodeCallError:
+    code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
+    details = e.details() if hasattr(e, "details") else str(e)
+    return NodeCallError(address, method, code, details or "")
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    address: str
+    fingerprint: str
+    protocol_version: int
+    held: frozenset[SlabKey]
+    device: str
+    memory_budget_bytes: int
+    max_message_bytes: int
+    workers: int
+    hidden_size: int
+    name: str
+    version: str
+
+
+@dataclass(frozen=True)
+class NodeStats:
+    calls: int
+    rows: int
+    errors: int
+    experts: dict[SlabKey, tuple[int, int]]  # (layer, expert) -> (calls, rows)
+    cache_hits: int
+    cache_misses: int
+    cache_evictions: int
+    cache_bytes: int
+    busy_seconds: float
+    uptime_seconds: float
+    in_flight: int
+
+
+class ComputeCall:
+    """One Compute call in flight. `result()` blocks and returns the output rows [N, D] on the CPU."""
+
+    def __init__(self, address: str, future: grpc.Future) -> None:
+        self.address = address
+        self.grpc_future = future
+
+    def result(self, timeout: float | None = None) -> torch.Tensor:
+        try:
+            reply = self.grpc_future.result(timeout=timeout)
+        except grpc.RpcError as e:
+            raise _wrap(self.address, "Compute", e) from None
+        return decode_tensor(reply.rows, "reply rows")
+
+    def done(self) -> bool:
+        return self.grpc_future.done()
+
+    def cancel(self) -> bool:
+        return self.grpc_future.cancel()
+
+    def add_done_callback(self, fn: Callable[[ComputeCall], None]) -> None:
+        self.grpc_future.add_done_callback(lambda _f: fn(self))
+
+
+class NodeClient:
+    """A channel to one node (address "host:port"). Thread-safe; reuse one per node."""
+
+    def __init__(self, address: str, fingerprint: str | None = None, key: str | None = None) -> None:
+        self.address = address
+        self.fingerprint = fingerprint or ""
+        self._metadata = ((SWARM_KEY_METADATA, key),) if key else None
+        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = pb_grpc.ExpertNodeStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    def compute_async(
+        self,
+        layer: int,
+        expert_ids: Sequence[int],
+        counts: Sequence[int],
+        rows: torch.Tensor,
+        timeout: float | None = None,
+        out_dtype: torch.dtype | None = None,
+    ) -> ComputeCall:
+        """Start computing rows [sum(counts), D] (packed expert-major) of `layer`; outputs come in rows' dtype
+        unless `out_dtype` says otherwise."""
+        request = compute_request(
+            layer, expert_ids, counts, rows, self.fingerprint, out_dtype, protocol_version=PROTOCOL_VERSION
+        )
+        future = self._stub.Compute.future(request, timeout=timeout, metadata=self._metadata)
+        return ComputeCall(self.address, future)
+
+    def compute(
+        self,
+        layer: int,
+        expert_ids: Sequence[int],
+        counts: Sequence[int],
+        rows: torch.Tensor,
+        timeout: float | None = None,
+        out_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        return self.compute_async(layer, expert_ids, counts, rows, timeout, out_dtype).result()
+
+    def info(self, timeout: float | None = 10.0) -> NodeInfo:
+        try:
+            r = self._stub.Info(pb.InfoRequest(), timeout=timeout, metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise _wrap(self.address, "Info", e) from None
+        return NodeInfo(
+            address=self.address,
+            fingerprint=r.fingerprint,
+            protocol_version=r.protocol_version,
+            held=frozenset(held_from_proto(r.held)),
+            device=r.device,
+            memory_budget_bytes=r.memory_budget_bytes,
+            max_message_bytes=r.max_message_bytes,
+            workers=r.workers,
+            hidden_size=r.hidden_size,
+            name=r.node_name,
+            version=r.version,
+        )
+
+    def stats(self, timeout: float | None = 10.0) -> NodeStats:
+        try:
+            r = self._stub.Stats(pb.StatsRequest(), timeout=timeout, metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise _wrap(self.address, "Stats", e) from None
+        return NodeStats(
+            calls=r.calls,
+            rows=r.rows,
+            errors=r.errors,
+            experts={(c.layer, c.expert): (c.calls, c.rows) for c in r.experts},
+            cache_hits=r.cache_hits,
+            cache_misses=r.cache_misses,
+            cache_evictions=r.cache_evictions,
+            cache_bytes=r.cache_bytes,
+            busy_seconds=r.busy_seconds,
+            uptime_seconds=r.uptime_seconds,
+            in_flight=r.in_flight,
+        )
+
+    def health(self, timeout: float | None = 5.0, service: str = SERVICE_NAME) -> bool:
+        """True when the node answers SERVING (no key needed)."""
+        try:
+            r = self._health.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        except grpc.RpcError as e:
+            raise _wrap(self.address, "Health.Check", e) from None
+        return r.status == health_pb2.HealthCheckResponse.SERVING
+
+    def wait_ready(self, timeout: float = 10.0) -> None:
+        """Block until the channel connects (raises NodeCallError UNAVAILABLE after `timeout`)."""
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            raise NodeCallError(
+                self.address, "connect", grpc.StatusCode.UNAVAILABLE, f"no node answered within {timeout} s"
+            ) from None
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> NodeClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

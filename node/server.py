@@ -1,0 +1,294 @@
+"""The node's gRPC server: the ExpertNode service over an ExpertStore, the health service, the swarm key.
+
+The servicer decodes, calls the store's pure compute, encodes; every failure becomes a status code with
+a message that says what to do, in one place (`_answer`), so a bad call never takes the node down.
+"""
+
+from __future__ import annotations
+
+import functools
+import hmac
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from swarm.node.store import BadCall, ExpertStore, MissingSlabs
+from swarm.proto import expert_pb2 as pb
+from swarm.proto import expert_pb2_grpc as pb_grpc
+from swarm.proto.channel import (
+    CHANNEL_OPTIONS,
+    MAX_MESSAGE_BYTES,
+    PROTOCOL_VERSION,
+    SERVICE_NAME,
+    SWARM_KEY_METADATA,
+)
+from swarm.proto.codec import CodecError, decode_tensor, dtype_from_proto, encode_tensor, held_to_proto
+from swarm.sharding.errors import UserError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_WORKERS = 8
+_HEALTH_PREFIX = "/grpc.health.v1.Health/"
+
+Reply = TypeVar("Reply")
+
+
+def software_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("swarm-moe")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+class Refused(Exception):
+    """A call the node answers with a specific status code (wrong model, wrong protocol, ...)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class CallStats:
+    """What this node has done since it started; updated under one small lock."""
+
+    started: float = field(default_factory=time.monotonic)
+    calls: int = 0
+    rows: int = 0
+    errors: int = 0
+    busy_seconds: float = 0.0
+    in_flight: int = 0
+    per_expert: dict[tuple[int, int], list[int]] = field(default_factory=dict)  # -> [calls, rows]
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def begin(self) -> None:
+        with self.lock:
+            self.in_flight += 1
+
+    def end(
+        self, layer: int | None, expert_ids: list[int], counts: list[int], seconds: float, ok: bool
+    ) -> None:
+        with self.lock:
+            self.in_flight -= 1
+            if not ok:
+                self.errors += 1
+                return
+            self.calls += 1
+            self.busy_seconds += seconds
+            self.rows += sum(counts)
+            for e, n in zip(expert_ids, counts, strict=True):
+                c = self.per_expert.setdefault((layer or 0, e), [0, 0])
+                c[0] += 1
+                c[1] += n
+
+
+def _answer(method: Callable[..., Reply]) -> Callable[..., Reply]:
+    """Map every way a call can fail to a status code and a message that says what to do."""
+
+    @functools.wraps(method)
+    def wrapper(self: ExpertServicer, request: Any, context: grpc.ServicerContext) -> Reply:
+        try:
+            return method(self, request, context)
+        except Refused as e:
+            code, msg = e.code, str(e)
+        except MissingSlabs as e:
+            code, msg = grpc.StatusCode.NOT_FOUND, str(e)
+        except (BadCall, CodecError) as e:
+            code, msg = grpc.StatusCode.INVALID_ARGUMENT, str(e)
+        except (MemoryError, torch.OutOfMemoryError) as e:
+            code, msg = (
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"out of memory computing this call ({e}); send fewer rows",
+            )
+        except Exception as e:  # the node must outlive any bad call; the log keeps the traceback
+            log.exception("%s failed", method.__name__)
+            code, msg = grpc.StatusCode.INTERNAL, f"node error: {type(e).__name__}: {e}"
+        context.abort(code, msg)
+
+    return wrapper
+
+
+class ExpertServicer(pb_grpc.ExpertNodeServicer):
+    def __init__(
+        self,
+        store: ExpertStore,
+        fingerprint: str,
+        workers: int,
+        name: str = "",
+        stats: CallStats | None = None,
+    ) -> None:
+        self.store = store
+        self.fingerprint = fingerprint
+        self.workers = workers
+        self.name = name
+        self.stats = stats or CallStats()
+
+    def _check_model(self, request: pb.ComputeRequest) -> None:
+        if request.fingerprint and self.fingerprint and request.fingerprint != self.fingerprint:
+            raise Refused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"this node serves model {self.fingerprint}, the call is for model {request.fingerprint}; "
+                "start the node on the same model (GGUF or shard dir) as the coordinator",
+            )
+        if request.protocol_version and request.protocol_version != PROTOCOL_VERSION:
+            raise Refused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"this node speaks protocol {PROTOCOL_VERSION}, the call uses {request.protocol_version}; "
+                "run the same swarm version on the coordinator and the nodes",
+            )
+
+    @_answer
+    def Compute(self, request: pb.ComputeRequest, context: grpc.ServicerContext) -> pb.ComputeReply:
+        expert_ids, counts = list(request.expert_ids), list(request.counts)
+        self.stats.begin()
+        ok, t0 = False, time.perf_counter()
+        try:
+            self._check_model(request)
+            rows = decode_tensor(request.rows, "rows")
+            out_dtype = dtype_from_proto(request.out_dtype) if request.out_dtype else rows.dtype
+            out = self.store.compute(request.layer, expert_ids, counts, rows)
+            reply = pb.ComputeReply(rows=encode_tensor(out.to(out_dtype)))
+            ok = True
+            return reply
+        finally:
+            self.stats.end(request.layer, expert_ids, counts, time.perf_counter() - t0, ok)
+
+    @_answer
+    def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoReply:
+        return pb.InfoReply(
+            fingerprint=self.fingerprint,
+            protocol_version=PROTOCOL_VERSION,
+            held=held_to_proto(self.store.held()),
+            device=str(self.store.device),
+            memory_budget_bytes=self.store.memory_budget,
+            max_message_bytes=MAX_MESSAGE_BYTES,
+            workers=self.workers,
+            hidden_size=self.store.hidden_size or 0,
+            node_name=self.name,
+            version=software_version(),
+        )
+
+    @_answer
+    def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsReply:
+        cache = self.store.cache_stats()
+        s = self.stats
+        with s.lock:
+            experts = [
+                pb.ExpertCount(layer=layer, expert=e, calls=c, rows=r)
+                for (layer, e), (c, r) in sorted(s.per_expert.items())
+            ]
+            return pb.StatsReply(
+                calls=s.calls,
+                rows=s.rows,
+                errors=s.errors,
+                experts=experts,
+                cache_hits=cache.hits,
+                cache_misses=cache.misses,
+                cache_evictions=cache.evictions,
+                cache_bytes=cache.resident_bytes,
+                busy_seconds=s.busy_seconds,
+                uptime_seconds=time.monotonic() - s.started,
+                in_flight=s.in_flight,
+            )
+
+
+class SwarmKeyInterceptor(grpc.ServerInterceptor):
+    """Refuses every call but health checks unless it carries the swarm key (UNAUTHENTICATED).
+
+    A shared secret compared in constant time: the seam where real authentication (TLS with the key
+    as PSK, signed tokens) goes later without touching the servicer.
+    """
+
+    def __init__(self, key: str) -> None:
+        self._key = key.encode()
+
+        def refuse(request: Any, context: grpc.ServicerContext) -> None:
+            context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"this node needs the swarm key: pass the same --key (or SWARM_KEY) to the coordinator "
+                f"(sent as '{SWARM_KEY_METADATA}' call metadata)",
+            )
+
+        self._refusal = grpc.unary_unary_rpc_method_handler(refuse)
+
+    def intercept_service(self, continuation: Callable, handler_call_details: grpc.HandlerCallDetails) -> Any:
+        if handler_call_details.method.startswith(_HEALTH_PREFIX):
+            return continuation(handler_call_details)
+        for k, v in handler_call_details.invocation_metadata or ():
+            if k == SWARM_KEY_METADATA:
+                given = v.encode() if isinstance(v, str) else bytes(v)
+                if hmac.compare_digest(given, self._key):
+                    return continuation(handler_call_details)
+        return self._refusal
+
+
+def format_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+class NodeServer:
+    """A running expert node: the gRPC server with the expert and health services on host:port."""
+
+    def __init__(
+        self,
+        store: ExpertStore,
+        fingerprint: str,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        workers: int = DEFAULT_WORKERS,
+        key: str | None = None,
+        name: str = "",
+    ) -> None:
+        self.store = store
+        self.host = host
+        self.servicer = ExpertServicer(store, fingerprint, workers, name)
+        self.health = health.HealthServicer()
+        interceptors = [SwarmKeyInterceptor(key)] if key else []
+        self._server = grpc.server(
+            ThreadPoolExecutor(max_workers=workers, thread_name_prefix="swarm-node"),
+            options=CHANNEL_OPTIONS,
+            interceptors=interceptors,
+        )
+        pb_grpc.add_ExpertNodeServicer_to_server(self.servicer, self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        try:
+            self.port = self._server.add_insecure_port(format_address(host, port))
+        except RuntimeError as e:
+            raise UserError(
+                f"cannot listen on {format_address(host, port)} ({e}); pick another --host/--port"
+            ) from e
+        if self.port == 0:
+            raise UserError(
+                f"cannot listen on {format_address(host, port)}: the port is taken or the address is not "
+                "this machine's; pick another --port (0 = any free port) or --host"
+            )
+
+    @property
+    def address(self) -> str:
+        return format_address(self.host, self.port)
+
+    def start(self) -> NodeServer:
+        self._server.start()
+        for service in ("", SERVICE_NAME):
+            self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        log.info("serving %d slabs on %s", len(self.store.slabs), self.address)
+        return self
+
+    def stop(self, grace: float | None = 2.0) -> None:
+        """Say NOT_SERVING, let in-flight calls finish for up to `grace` seconds, then stop."""
+        self.health.enter_graceful_shutdown()
+        self._server.stop(grace).wait()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._server.wait_for_termination(timeout)

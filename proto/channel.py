@@ -1,0 +1,33 @@
+"""Wire constants shared by every client and server: protocol version, size limits, channel options, auth.
+
+Both ends build their channels and servers from CHANNEL_OPTIONS so the limits can never disagree.
+"""
+
+from __future__ import annotations
+
+# Bumped when a change to expert.proto or its meaning breaks older peers.
+PROTOCOL_VERSION = 1
+
+# The largest message either end sends or accepts. A Compute call carries rows [N, D] in and out, so
+# this bounds N*D*itemsize: 64 MiB is 8192 rows of D=2048 in f32 (16384 in f16/bf16). A coordinator
+# splits bigger batches into several calls; a message over the limit fails with RESOURCE_EXHAUSTED.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+# Metadata key carrying the swarm key (a shared secret) on every call when the swarm has one.
+SWARM_KEY_METADATA = "swarm-key"
+
+SERVICE_NAME = "swarm.v1.ExpertNode"
+
+CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # Find a vanished node (phone asleep, laptop lid shut) within about a minute even while idle.
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    # The server side must accept those pings, or it closes the connection with "too_many_pings".
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+    ("grpc.http2.max_pings_without_data", 0),
+    # A node started on an explicit port must fail if the port is taken, not share it silently.
+    ("grpc.so_reuseport", 0),
+)

@@ -1,0 +1,149 @@
+"""The one place tensors and slab sets cross the wire: torch tensors <-> expert_pb2 messages.
+
+Tensors travel as raw little-endian row-major bytes with shape and dtype (f32, f16, bf16).
+A set of held slabs {(layer, expert)} travels compactly as groups of layer ranges that hold the same
+expert ranges, which is what real nodes hold ("experts 0-63 of every layer" is one group).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from swarm.proto import expert_pb2 as pb
+
+SlabKey = tuple[int, int]  # (layer, expert)
+
+_TO_TORCH = {pb.F32: torch.float32, pb.F16: torch.float16, pb.BF16: torch.bfloat16}
+_TO_PROTO = {v: k for k, v in _TO_TORCH.items()}
+_SWAP_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+WIRE_DTYPES = tuple(_TO_PROTO)
+
+
+class CodecError(ValueError):
+    """A message that does not decode: the text says which field is wrong and how."""
+
+
+def dtype_to_proto(dtype: torch.dtype) -> int:
+    try:
+        return _TO_PROTO[dtype]
+    except KeyError:
+        raise CodecError(f"dtype {dtype} cannot cross the wire; use float32, float16 or bfloat16") from None
+
+
+def dtype_from_proto(value: int) -> torch.dtype:
+    try:
+        return _TO_TORCH[value]
+    except KeyError:
+        raise CodecError(
+            f"tensor dtype {pb.DType.Name(value) if value in pb.DType.values() else value} is not "
+            "supported; send F32, F16 or BF16"
+        ) from None
+
+
+def encode_tensor(t: torch.Tensor) -> pb.Tensor:
+    """A tensor as a wire message (copied to host memory if it lives on a device)."""
+    code = dtype_to_proto(t.dtype)
+    t = t.detach().to("cpu").contiguous()
+    if sys.byteorder != "little":
+        t = t.view(_SWAP_VIEW[t.dtype]).numpy().byteswap()
+        data = t.tobytes()
+    else:
+        data = t.view(torch.uint8).numpy().tobytes()
+    return pb.Tensor(dtype=code, shape=list(t.shape), data=data)
+
+
+def decode_tensor(msg: pb.Tensor, what: str = "tensor") -> torch.Tensor:
+    """A wire tensor as a CPU torch tensor (its own writable copy of the bytes)."""
+    dtype = dtype_from_proto(msg.dtype)
+    shape = tuple(int(d) for d in msg.shape)
+    n = 1
+    for d in shape:
+        n *= d
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if len(msg.data) != n * itemsize:
+        raise CodecError(
+            f"{what} has shape {list(shape)} {pb.DType.Name(msg.dtype)} = {n * itemsize} bytes but carries "
+            f"{len(msg.data)} bytes; send exactly prod(shape) * itemsize little-endian bytes"
+        )
+    if n == 0:
+        return torch.empty(shape, dtype=dtype)
+    t = torch.frombuffer(bytearray(msg.data), dtype=dtype)
+    if sys.byteorder != "little":
+        t = torch.from_numpy(t.view(_SWAP_VIEW[dtype]).numpy().byteswap()).view(dtype)
+    return t.view(shape)
+
+
+def compute_request(
+    layer: int,
+    expert_ids: Sequence[int],
+    counts: Sequence[int],
+    rows: torch.Tensor,
+    fingerprint: str = "",
+    out_dtype: torch.dtype | None = None,
+    protocol_version: int = 0,
+) -> pb.ComputeRequest:
+    """The one place a Compute request is built: rows [sum(counts), D] packed expert-major."""
+    return pb.ComputeRequest(
+        fingerprint=fingerprint or "",
+        protocol_version=protocol_version,
+        layer=int(layer),
+        expert_ids=[int(e) for e in expert_ids],
+        counts=[int(c) for c in counts],
+        rows=encode_tensor(rows),
+        out_dtype=dtype_to_proto(out_dtype) if out_dtype is not None else pb.DTYPE_UNSPECIFIED,
+    )
+
+
+# ---- held slab sets ------------------------------------------------------------------------------
+
+
+def to_ranges(ids: Iterable[int]) -> list[tuple[int, int]]:
+    """[0, 1, 2, 5] -> [(0, 2), (5, 5)] (inclusive)."""
+    out: list[tuple[int, int]] = []
+    for i in sorted(set(ids)):
+        if out and i == out[-1][1] + 1:
+            out[-1] = (out[-1][0], i)
+        else:
+            out.append((i, i))
+    return out
+
+
+def from_ranges(ranges: Iterable[tuple[int, int]]) -> list[int]:
+    return [i for a, b in ranges for i in range(a, b + 1)]
+
+
+def group_slabs(keys: Iterable[SlabKey]) -> list[tuple[list[tuple[int, int]], list[tuple[int, int]]]]:
+    """Slabs as (layer ranges, expert ranges) groups: layers holding the same experts share a group."""
+    by_layer: dict[int, set[int]] = {}
+    for layer, expert in keys:
+        by_layer.setdefault(int(layer), set()).add(int(expert))
+    by_experts: dict[tuple[tuple[int, int], ...], list[int]] = {}
+    for layer, experts in sorted(by_layer.items()):
+        by_experts.setdefault(tuple(to_ranges(experts)), []).append(layer)
+    return [(to_ranges(layers), list(ranges)) for ranges, layers in by_experts.items()]
+
+
+def ungroup_slabs(
+    groups: Iterable[tuple[Iterable[tuple[int, int]], Iterable[tuple[int, int]]]],
+) -> set[SlabKey]:
+    experts_of = [(from_ranges(ls), from_ranges(es)) for ls, es in groups]
+    return {(layer, e) for layers, experts in experts_of for layer in layers for e in experts}
+
+
+def held_to_proto(keys: Iterable[SlabKey]) -> list[pb.SlabGroup]:
+    return [
+        pb.SlabGroup(
+            layers=[pb.IdRange(first=a, last=b) for a, b in layers],
+            experts=[pb.IdRange(first=a, last=b) for a, b in experts],
+        )
+        for layers, experts in group_slabs(keys)
+    ]
+
+
+def held_from_proto(groups: Iterable[pb.SlabGroup]) -> set[SlabKey]:
+    return ungroup_slabs(
+        ([(r.first, r.last) for r in g.layers], [(r.first, r.last) for r in g.experts]) for g in groups
+    )
