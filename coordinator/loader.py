@@ -20,7 +20,7 @@ from torch import nn
 
 from swarm.coordinator.experts import ExpertBackend
 from swarm.coordinator.models import get_arch
-from swarm.coordinator.models.layers import DecoderModel
+from swarm.coordinator.models.layers import DecoderModel, n_main_layers
 from swarm.sharding.gguf_io import (
     EXPERT_TENSOR_RE,
     GGUFError,
@@ -67,6 +67,9 @@ def load_model(
         cfg = arch.Config.from_metadata(meta)
     except GGUFError as e:
         raise GGUFError(f"{gguf_path}: {e}") from e
+    refine = getattr(arch, "refine_config", None)  # layouts the metadata does not announce
+    if refine is not None:
+        cfg = refine(cfg, [t.name for t in reader.tensors])
     with torch.device(device):
         model = arch.Model(cfg, experts)
     load_dense_tensors(model, reader, meta, gguf_path)
@@ -100,9 +103,7 @@ def main_pass_tensor(name: str, n_main: int) -> bool:
 
 def load_dense_tensors(model: nn.Module, reader: GGUFReader, meta: dict[str, Any], path: Path) -> None:
     arch = meta[Keys.General.ARCHITECTURE]
-    n_block = int(meta.get(Keys.LLM.BLOCK_COUNT.format(arch=arch), 0))
-    n_mtp = int(meta.get(Keys.LLM.NEXTN_PREDICT_LAYERS.format(arch=arch), 0))
-    n_main = n_block - n_mtp
+    n_main = n_main_layers(meta, arch)
     file_tensors = {t.name: t for t in reader.tensors if main_pass_tensor(t.name, n_main)}
     skipped = len(reader.tensors) - len(file_tensors)
     names = gguf_names(model)

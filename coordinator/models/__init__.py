@@ -1,19 +1,23 @@
 """The architectures the coordinator can run, by GGUF `general.architecture`.
 
 Each arch module defines `Config` (a frozen dataclass with `from_metadata(meta)`) and
-`Model(cfg, experts)` (a layers.DecoderModel). The loader picks the module from ARCHS.
+`Model(cfg, experts)` (a layers.DecoderModel). The loader picks the module from ARCHS. An arch whose
+tensor layout varies between files in ways the metadata does not say also defines
+`refine_config(cfg, tensor_names) -> cfg`.
 """
 
 from __future__ import annotations
 
 from types import ModuleType
 
-from swarm.coordinator.models import qwen2moe, qwen3moe
+from swarm.coordinator.models import qwen2moe, qwen3moe, qwen3next, qwen35moe
 from swarm.sharding.errors import UserError
 
 ARCHS: dict[str, ModuleType] = {
     qwen2moe.ARCH: qwen2moe,
     qwen3moe.ARCH: qwen3moe,
+    qwen35moe.ARCH: qwen35moe,
+    qwen3next.ARCH: qwen3next,
 }
 
 

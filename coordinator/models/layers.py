@@ -346,3 +346,12 @@ def n_vocab_of(meta: dict[str, Any], arch: str) -> int:
     if not isinstance(tokens, list) or not tokens:
         raise GGUFError(f"has neither {key} nor {Keys.Tokenizer.LIST}: the vocabulary size is unknown")
     return len(tokens)
+
+
+def n_main_layers(meta: dict[str, Any], arch: str) -> int:
+    """Blocks of the main pass: block_count less the trailing MTP blocks (`nextn_predict_layers`)."""
+    n_block = meta_int(meta, Keys.LLM.BLOCK_COUNT.format(arch=arch))
+    n_mtp = meta_int(meta, Keys.LLM.NEXTN_PREDICT_LAYERS.format(arch=arch), 0)
+    if not 0 <= n_mtp < n_block:
+        raise GGUFError(f"has {n_mtp} MTP blocks (nextn_predict_layers) but only {n_block} blocks in all")
+    return n_block - n_mtp

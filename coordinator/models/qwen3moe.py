@@ -26,6 +26,7 @@ from swarm.coordinator.models.layers import (
     attend,
     meta_float,
     meta_int,
+    n_main_layers,
     n_vocab_of,
     rope,
 )
@@ -37,7 +38,7 @@ ARCH = "qwen3moe"
 class Config:
     n_vocab: int  # V
     n_embd: int  # D
-    n_layer: int
+    n_layer: int  # main-pass blocks (MTP blocks excluded)
     n_head: int  # H
     n_head_kv: int  # Hkv
     head_dim: int  # hd (key_length; may differ from D / H)
@@ -57,7 +58,7 @@ class Config:
         return cls(
             n_vocab=n_vocab_of(meta, a),
             n_embd=n_embd,
-            n_layer=meta_int(meta, Keys.LLM.BLOCK_COUNT.format(arch=a)),
+            n_layer=n_main_layers(meta, a),
             n_head=n_head,
             n_head_kv=meta_int(meta, Keys.Attention.HEAD_COUNT_KV.format(arch=a), n_head),
             head_dim=head_dim,

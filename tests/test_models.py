@@ -1,0 +1,272 @@
+"""qwen3moe and qwen2moe on the coordinator, against the fixtures' transformers and llama.cpp logits.
+
+The expert backend is the in-process one over the fixture's own expert slabs. References are
+independent engines (tests/fixtures/README.md); tolerances are tests/reference.py's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from conftest import FIXTURES
+from gguf import GGUFReader, GGUFValueType, GGUFWriter, Keys
+from reference import assert_logits_close
+
+from swarm.coordinator.experts import LocalExperts
+from swarm.coordinator.loader import load_model
+from swarm.coordinator.models import ARCHS
+from swarm.coordinator.models.layers import DecoderModel, attention, rope
+from swarm.node.store import ExpertStore
+from swarm.sharding.errors import UserError
+from swarm.sharding.gguf_io import EXPERT_TENSOR_RE, GGUFError, open_gguf
+from swarm.sharding.slabs import slabs_from_gguf
+
+ARCH_NAMES = ["qwen3moe", "qwen2moe"]
+N_PROMPTS = 4
+N_GREEDY = 16
+
+
+def gguf_of(arch: str) -> Path:
+    return FIXTURES / f"{arch}-tiny" / "model-f32.gguf"
+
+
+def local_experts(path: Path) -> LocalExperts:
+    return LocalExperts(ExpertStore(slabs_from_gguf(path)))
+
+
+@pytest.fixture(scope="module", params=ARCH_NAMES)
+def loaded(request: pytest.FixtureRequest) -> tuple[str, DecoderModel, Any]:
+    arch = request.param
+    model, meta = load_model(gguf_of(arch), local_experts(gguf_of(arch)), device="cpu")
+    assert meta[Keys.General.ARCHITECTURE] == arch
+    return arch, model, np.load(FIXTURES / f"{arch}-tiny" / "reference.npz")
+
+
+def tokens(ref: Any, i: int) -> torch.Tensor:
+    return torch.from_numpy(ref[f"tokens_{i}"].astype(np.int64))
+
+
+# --- forward against the references ---------------------------------------------------------------
+
+
+def test_prefill_logits_match_both_engines(loaded: tuple[str, DecoderModel, Any]) -> None:
+    arch, model, ref = loaded
+    for i in range(N_PROMPTS):
+        logits = model.run(tokens(ref, i), model.new_state())
+        assert logits.dtype == torch.float32
+        for engine in ("hf", "llama_f32"):
+            assert_logits_close(logits, ref[f"{engine}_logits_{i}"], f"{arch} prompt {i} vs {engine}")
+
+
+def test_greedy_decode_through_kv_cache(loaded: tuple[str, DecoderModel, Any]) -> None:
+    arch, model, ref = loaded
+    for i in range(N_PROMPTS):
+        state = model.new_state()
+        token = int(model.run(tokens(ref, i), state)[-1].argmax())
+        greedy, rows = [], []
+        for _ in range(N_GREEDY):
+            greedy.append(token)
+            row = model.run([token], state)  # [1, V]: one new token against the cache
+            rows.append(row[0])
+            token = int(row[0].argmax())
+        assert state.length == len(ref[f"tokens_{i}"]) + N_GREEDY
+        decode_logits = torch.stack(rows)
+        for engine in ("hf", "llama_f32"):
+            assert greedy == ref[f"{engine}_greedy_{i}"].tolist(), f"{arch} prompt {i}: greedy vs {engine}"
+            assert_logits_close(
+                decode_logits, ref[f"{engine}_greedy_logits_{i}"], f"{arch} prompt {i} decode vs {engine}"
+            )
+
+
+def test_prefill_then_decode_equals_token_by_token(loaded: tuple[str, DecoderModel, Any]) -> None:
+    arch, model, ref = loaded
+    ids = tokens(ref, 0)
+    whole = model.run(ids, model.new_state())
+
+    state = model.new_state()
+    split = [model.run(ids[:9], state), *(model.run(ids[t : t + 1], state) for t in range(9, len(ids)))]
+    state = model.new_state()
+    one_by_one = torch.cat([model.run(ids[t : t + 1], state) for t in range(len(ids))])
+
+    for name, logits in (("prefill 9 then decode", torch.cat(split)), ("one token at a time", one_by_one)):
+        assert_logits_close(logits, ref["hf_logits_0"], f"{arch} {name} vs hf")
+        # Same model, same weights: only the order of float sums differs.
+        torch.testing.assert_close(logits, whole, rtol=0, atol=1e-4)
+
+
+def test_batched_sequences_equal_each_alone(loaded: tuple[str, DecoderModel, Any]) -> None:
+    arch, model, ref = loaded
+    a, b = tokens(ref, 0), tokens(ref, 3)
+    alone_a = model.run(a, model.new_state())
+    alone_b = model.run(b, model.new_state())
+
+    sa, sb = model.new_state(), model.new_state()
+    both = model(torch.cat([a, b]), [sa, sb], [len(a), len(b)])  # one call, one fan-out per layer
+    got_a, got_b = both[: len(a)], both[len(a) :]
+    torch.testing.assert_close(got_a, alone_a, rtol=0, atol=1e-4)
+    torch.testing.assert_close(got_b, alone_b, rtol=0, atol=1e-4)
+    assert (sa.length, sb.length) == (len(a), len(b))
+
+    # Then a mixed step, as `swarm serve` runs one: sequence a decodes its first greedy token while
+    # a fresh sequence c prefills prompt 2. Each against the references.
+    c = tokens(ref, 2)
+    sc = model.new_state()
+    g0 = int(ref["hf_greedy_0"][0])
+    step = model(torch.cat([torch.tensor([g0]), c]), [sa, sc], [1, len(c)])
+    assert_logits_close(step[:1], ref["hf_greedy_logits_0"][:1], f"{arch} batched decode of a vs hf")
+    assert_logits_close(step[1:], ref["hf_logits_2"], f"{arch} batched prefill of c vs hf")
+
+    last = model(torch.cat([a, b]), [model.new_state(), model.new_state()], [len(a), len(b)], last_only=True)
+    torch.testing.assert_close(last, torch.stack([alone_a[-1], alone_b[-1]]), rtol=0, atol=1e-4)
+
+
+# --- layers against direct formulas ---------------------------------------------------------------
+
+
+def test_rope_partial_neox_pairs_i_with_i_plus_half() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(5, 3, 16, dtype=torch.float64)
+    pos = torch.tensor([0, 1, 7, 100, 4095])
+    out = rope(x, pos, n_rot=4, base=10000.0)
+    torch.testing.assert_close(out[..., 4:], x[..., 4:], rtol=0, atol=0)  # unrotated dims pass through
+    for i, theta_i in ((0, 1.0), (1, 10000.0 ** (-2 / 4))):
+        ang = pos.double()[:, None] * theta_i
+        c, s = ang.cos(), ang.sin()
+        torch.testing.assert_close(out[..., i], x[..., i] * c - x[..., i + 2] * s)
+        torch.testing.assert_close(out[..., i + 2], x[..., i + 2] * c + x[..., i] * s)
+
+
+def test_attention_is_causal_gqa_with_cache_offset() -> None:
+    torch.manual_seed(0)
+    h, hkv, s, t, hd = 4, 2, 6, 3, 8
+    q = torch.randn(h, t, hd, dtype=torch.float64)
+    k = torch.randn(hkv, s, hd, dtype=torch.float64)
+    v = torch.randn(hkv, s, hd, dtype=torch.float64)
+    out = attention(q, k, v)
+    for head in range(h):
+        kv = head // (h // hkv)
+        for qi in range(t):
+            seen = s - t + qi + 1
+            w = torch.softmax(k[kv, :seen] @ q[head, qi] / hd**0.5, dim=0)
+            torch.testing.assert_close(out[head, qi], w @ v[kv, :seen])
+
+
+# --- the loader: shard dirs, MTP blocks, bad files ------------------------------------------------
+
+
+def rewrite_gguf(
+    src: Path,
+    dst: Path,
+    keep: Callable[[str], bool] = lambda name: True,
+    meta: dict[str, tuple[Any, GGUFValueType]] | None = None,
+    extra: dict[str, np.ndarray] | None = None,
+    drop_keys: frozenset[str] = frozenset(),
+) -> None:
+    """Copy a GGUF with some tensors dropped, metadata keys dropped, replaced or added, tensors added."""
+    reader = GGUFReader(src)
+    meta = dict(meta or {})
+    arch_key = Keys.General.ARCHITECTURE
+    arch = meta.pop(arch_key, None)
+    writer = GGUFWriter(dst, arch[0] if arch else reader.fields[arch_key].contents())
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == arch_key or key in meta or key in drop_keys:
+            continue
+        sub = field.types[1] if field.types[0] == GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), field.types[0], sub)
+    for key, (value, vtype) in meta.items():
+        writer.add_key_value(key, value, vtype)
+    for t in reader.tensors:
+        if keep(t.name):
+            writer.add_tensor(t.name, np.array(t.data))
+    for name, array in (extra or {}).items():
+        writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_shard_dir_dense_gguf_loads_without_experts(tmp_path: Path) -> None:
+    src = gguf_of("qwen3moe")
+    rewrite_gguf(src, tmp_path / "dense.gguf", keep=lambda n: not EXPERT_TENSOR_RE.match(n))
+    model, _ = load_model(tmp_path, local_experts(src), device="cpu")
+    ref = np.load(FIXTURES / "qwen3moe-tiny" / "reference.npz")
+    assert_logits_close(model.run(tokens(ref, 3), model.new_state()), ref["hf_logits_3"], "dense.gguf")
+
+
+def test_mtp_block_is_left_out_of_the_main_pass(tmp_path: Path) -> None:
+    """A file with one MTP block (block_count 5, nextn_predict_layers 1) runs blocks 0..3 only."""
+    src = gguf_of("qwen3moe")
+    reader = open_gguf(src)
+    mtp = {
+        t.name.replace("blk.3.", "blk.4.", 1): np.array(t.data)
+        for t in reader.tensors
+        if t.name.startswith("blk.3.")
+    }
+    mtp["blk.4.nextn.eh_proj.weight"] = np.zeros((64, 128), dtype=np.float32)
+    mtp["blk.4.nextn.enorm.weight"] = np.ones(64, dtype=np.float32)
+    meta = {
+        Keys.LLM.BLOCK_COUNT.format(arch="qwen3moe"): (5, GGUFValueType.UINT32),
+        Keys.LLM.NEXTN_PREDICT_LAYERS.format(arch="qwen3moe"): (1, GGUFValueType.UINT32),
+    }
+    rewrite_gguf(src, tmp_path / "mtp.gguf", meta=meta, extra=mtp)
+    model, _ = load_model(tmp_path / "mtp.gguf", local_experts(src), device="cpu")
+    assert len(model.blk) == 4
+    ref = np.load(FIXTURES / "qwen3moe-tiny" / "reference.npz")
+    assert_logits_close(model.run(tokens(ref, 3), model.new_state()), ref["hf_logits_3"], "with MTP block")
+
+
+def test_missing_tensor_is_named(tmp_path: Path) -> None:
+    src = gguf_of("qwen2moe")
+    bad = tmp_path / "bad.gguf"
+    rewrite_gguf(src, bad, keep=lambda n: n != "blk.2.attn_k.bias")
+    with pytest.raises(GGUFError, match=r"bad\.gguf: tensor blk\.2\.attn_k\.bias is missing"):
+        load_model(bad, local_experts(src), device="cpu")
+
+
+def test_unexpected_tensor_is_named(tmp_path: Path) -> None:
+    src = gguf_of("qwen3moe")
+    bad = tmp_path / "bad.gguf"
+    rewrite_gguf(src, bad, extra={"blk.1.attn_bogus.weight": np.zeros(4, dtype=np.float32)})
+    with pytest.raises(GGUFError, match=r"unexpected tensor blk\.1\.attn_bogus\.weight"):
+        load_model(bad, local_experts(src), device="cpu")
+
+
+def test_wrong_shape_is_named(tmp_path: Path) -> None:
+    src = gguf_of("qwen3moe")
+    bad = tmp_path / "bad.gguf"
+    meta = {Keys.Attention.HEAD_COUNT_KV.format(arch="qwen3moe"): (4, GGUFValueType.UINT32)}
+    rewrite_gguf(src, bad, meta=meta)
+    with pytest.raises(
+        GGUFError, match=r"tensor blk\.0\.attn_k\.weight has shape \[64, 64\].*expects \[128, 64\]"
+    ):
+        load_model(bad, local_experts(src), device="cpu")
+
+
+def test_missing_metadata_key_is_named(tmp_path: Path) -> None:
+    src = gguf_of("qwen3moe")
+    bad = tmp_path / "bad.gguf"
+    key = Keys.LLM.EXPERT_USED_COUNT.format(arch="qwen3moe")
+    rewrite_gguf(src, bad, drop_keys=frozenset({key}))
+    with pytest.raises(GGUFError, match=rf"bad\.gguf: has no metadata key {key}"):
+        load_model(bad, local_experts(src), device="cpu")
+
+
+def test_unknown_arch_lists_the_supported_ones(tmp_path: Path) -> None:
+    src = gguf_of("qwen3moe")
+    bad = tmp_path / "bad.gguf"
+    rewrite_gguf(src, bad, meta={Keys.General.ARCHITECTURE: ("llama4", GGUFValueType.STRING)})
+    with pytest.raises(UserError, match="'llama4' is not supported") as e:
+        load_model(bad, local_experts(src), device="cpu")
+    for name in ARCHS:
+        assert name in str(e.value)
+
+
+def test_directory_without_dense_gguf(tmp_path: Path) -> None:
+    with pytest.raises(GGUFError, match="without dense.gguf"):
+        load_model(tmp_path, local_experts(gguf_of("qwen3moe")), device="cpu")
