@@ -6,14 +6,38 @@ mini-GGUF written by `swarm shard`.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType
+from gguf import GGMLQuantizationType, GGUFReader
 
-from swarm.sharding.gguf_io import expert_tensors, open_gguf
+from swarm.sharding.errors import UserError
+from swarm.sharding.gguf_io import (
+    EXPERT_TENSOR_RE,
+    GGUFError,
+    expert_tensors,
+    open_gguf,
+    read_metadata,
+    torch_shape,
+)
+from swarm.sharding.manifest import Manifest, SlabEntry, read_manifest
+
+__all__ = [
+    "Manifest",
+    "SlabKey",
+    "SlabTensor",
+    "check_slab_file",
+    "hash_file_range",
+    "open_dense",
+    "read_manifest",
+    "read_slab_file",
+    "slabs_from_gguf",
+    "slabs_from_shard",
+]
 
 SlabKey = tuple[int, int]  # (layer, expert)
 
@@ -45,3 +69,129 @@ def slabs_from_gguf(
                 continue
             out.setdefault((et.layer, e), {})[kind] = SlabTensor(kind, et.qtype, et.slab_shape, et.slab(e))
     return out
+
+
+# ---- shard directories (written by `swarm shard`, see swarm.sharding.manifest) ----
+
+HASH_CHUNK = 8 << 20  # bytes read per step when hashing a file: memory stays flat
+
+
+def hash_file_range(path: str | Path, start: int = 0, end: int | None = None) -> str:
+    """SHA-256 (hex) of bytes [start, end) of a file, read in chunks into one reused buffer."""
+    h = hashlib.sha256()
+    buf = bytearray(HASH_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        f.seek(start)
+        left = None if end is None else end - start
+        while left is None or left > 0:
+            want = HASH_CHUNK if left is None else min(HASH_CHUNK, left)
+            n = f.readinto(view[:want])
+            if not n:
+                break
+            h.update(view[:n])
+            if left is not None:
+                left -= n
+    return h.hexdigest()
+
+
+def check_slab_file(directory: str | Path, entry: SlabEntry) -> str | None:
+    """None if the slab file matches its manifest entry byte for byte; else what is wrong (one line)."""
+    path = Path(directory) / entry.path
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return f"{entry.path}: missing"
+    except OSError as e:
+        return f"{entry.path}: cannot be read ({e.strerror})"
+    if size != entry.size:
+        return f"{entry.path}: size {size} bytes, manifest says {entry.size}"
+    try:
+        if hash_file_range(path, 0, entry.data_offset) != entry.header_sha256:
+            return f"{entry.path}: header differs from the manifest (SHA-256 mismatch)"
+        if hash_file_range(path, entry.data_offset, entry.size) != entry.sha256:
+            return f"{entry.path}: tensor data differs from the manifest (SHA-256 mismatch)"
+    except OSError as e:
+        return f"{entry.path}: cannot be read ({e.strerror})"
+    return None
+
+
+def read_slab_file(path: str | Path) -> dict[str, SlabTensor]:
+    """The slabs of one mini-GGUF written by `swarm shard`, memory-mapped, keyed like slabs_from_gguf."""
+    reader = open_gguf(path)
+    out: dict[str, SlabTensor] = {}
+    for t in reader.tensors:
+        m = EXPERT_TENSOR_RE.match(t.name)
+        if m is None:
+            raise GGUFError(f"{path}: tensor {t.name} is not an expert slab; this is not a swarm slab file")
+        kind = m.group("kind") if m.group("part") == "weight" else m.group("kind") + ".bias"
+        data = t.data.reshape(-1).view(np.uint8)
+        out[kind] = SlabTensor(kind, t.tensor_type, torch_shape(t), data)
+    return out
+
+
+def slab_file_metadata(path: str | Path) -> dict[str, Any]:
+    """The metadata of a slab file (general.architecture, swarm.layer, swarm.expert, swarm.fingerprint)."""
+    return read_metadata(open_gguf(path))
+
+
+def slabs_from_shard(
+    directory: str | Path,
+    layers: Iterable[int] | None = None,
+    experts: Iterable[int] | None = None,
+    verify: bool = True,
+) -> tuple[dict[SlabKey, dict[str, SlabTensor]], list[str]]:
+    """Load the requested slabs of a shard directory, memory-mapped.
+
+    With `verify`, each slab file is hashed against the manifest first (header and data, every byte); a
+    slab that does not verify, is missing, or is not part of this (partial) shard is left out and named in
+    the returned `problems`. Requested ids outside the model (layer without experts, expert >= n_expert)
+    are problems too.
+    """
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    want_layers = sorted(set(layers)) if layers is not None else list(manifest.moe_layers)
+    want_experts = sorted(set(experts)) if experts is not None else list(range(manifest.n_expert))
+    moe = set(manifest.moe_layers)
+    problems: list[str] = []
+    out: dict[SlabKey, dict[str, SlabTensor]] = {}
+    for layer in want_layers:
+        if layer not in moe:
+            problems.append(f"layer {layer}: the model has no experts in this layer")
+            continue
+        for expert in want_experts:
+            if expert >= manifest.n_expert:
+                problems.append(f"expert {expert}: the model has only {manifest.n_expert} experts per layer")
+                continue
+            entry = manifest.slab(layer, expert)
+            if entry is None:
+                problems.append(
+                    f"layer {layer} expert {expert}: not in this shard directory (it was cut with "
+                    "--layers/--experts); shard it with `swarm shard MODEL.gguf -o DIR --layers/--experts`"
+                )
+                continue
+            if verify:
+                bad = check_slab_file(directory, entry)
+                if bad is not None:
+                    problems.append(f"layer {layer} expert {expert}: {bad}")
+                    continue
+            try:
+                slabs = read_slab_file(directory / entry.path)
+            except GGUFError as e:
+                problems.append(f"layer {layer} expert {expert}: {e}")
+                continue
+            out[(layer, expert)] = slabs
+    return out, problems
+
+
+def open_dense(directory: str | Path, verify: bool = False) -> GGUFReader:
+    """The memory-mapped dense.gguf of a shard directory (optionally hashed against the manifest first)."""
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    path = directory / manifest.dense.path
+    if verify:
+        if not path.exists():
+            raise UserError(f"{path}: missing; re-run `swarm shard` into {directory}")
+        if path.stat().st_size != manifest.dense.size or hash_file_range(path) != manifest.dense.sha256:
+            raise UserError(f"{path}: differs from the manifest; re-run `swarm shard` into {directory}")
+    return open_gguf(path)

@@ -1,0 +1,802 @@
+"""`swarm shard`: cut a MoE GGUF into one mini-GGUF per (layer, expert), a dense.gguf and a manifest.
+
+One sequential pass over the source: every byte is read once into a small reused buffer, written to its
+output file and hashed on a second thread (hashlib releases the GIL), so memory stays flat whatever the
+model size and the hashing overlaps the I/O.
+
+Atomicity and resume. Every file is written under a `.tmp-PID` name, fsync'ed and renamed. A slab file's
+header carries the model fingerprint, which is known only once the whole model has been read; so slab
+files are first completed as `<expert>.gguf.pending` with a placeholder fingerprint of the same length,
+and recorded in a journal (`.shard-journal.jsonl`: the source's identity, then one line per finished
+file with its data hash). Once every byte is hashed, the real header is written into each pending file,
+which is renamed to `<expert>.gguf`; the manifest comes last. No file verifies before the manifest names
+it, and a rerun skips every journaled or manifest-listed file whose bytes still hash right.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import logging
+import os
+import queue
+import shutil
+import sys
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gguf import GGUFReader, Keys
+
+from swarm.sharding.errors import UserError
+from swarm.sharding.gguf_io import (
+    ExpertTensor,
+    GGUFError,
+    architecture,
+    expert_tensors,
+    open_gguf,
+    read_metadata,
+    torch_shape,
+)
+from swarm.sharding.ggufwrite import KV, TensorSpec, alignment_of, build_header, copy_kvs, pad
+from swarm.sharding.manifest import (
+    DENSE_NAME,
+    FORMAT_VERSION,
+    KEY_EXPERT,
+    KEY_FINGERPRINT,
+    KEY_FORMAT,
+    KEY_LAYER,
+    MANIFEST_NAME,
+    ExpertTensorInfo,
+    FileEntry,
+    Manifest,
+    SlabEntry,
+    SourceInfo,
+    fsync_dir,
+    read_manifest,
+    slab_relpath,
+    write_manifest,
+)
+from swarm.sharding.slabs import check_slab_file, hash_file_range
+
+log = logging.getLogger(__name__)
+
+JOURNAL_NAME = ".shard-journal.jsonl"
+CHUNK = 8 << 20  # bytes per read/write/hash step
+N_BUFFERS = 4  # buffers in flight between the copying thread and the hashing thread
+PLACEHOLDER_FINGERPRINT = "0" * 64
+FINGERPRINT_DOMAIN = b"swarm-fingerprint-v1\0"
+
+
+# ---- the source model, as the cut sees it ----
+
+
+@dataclass(frozen=True)
+class SourceModel:
+    path: Path
+    reader: GGUFReader
+    meta: dict[str, Any]
+    arch: str
+    size: int
+    mtime_ns: int
+    data_start: int  # where tensor data begins: [0, data_start) is magic, metadata and tensor infos
+    experts: tuple[ExpertTensor, ...]  # in file order
+    dense: tuple[TensorSpec, ...]  # in file order
+    dense_offsets: tuple[int, ...]  # absolute source offsets of `dense`
+    n_expert: int
+    moe_layers: tuple[int, ...]
+
+    def layer_tensors(self, layer: int) -> list[ExpertTensor]:
+        return [t for t in self.experts if t.layer == layer]
+
+
+def slab_kind(et: ExpertTensor) -> str:
+    return et.kind if et.name.endswith(".weight") else et.kind + ".bias"
+
+
+def load_source(path: str | Path) -> SourceModel:
+    """Open and validate a GGUF for cutting; every problem is a one-line GGUFError."""
+    path = Path(path)
+    reader = open_gguf(path)
+    meta = read_metadata(reader)
+    arch = architecture(meta, path)
+    st = path.stat()
+    for t in reader.tensors:
+        if int(t.data_offset) + int(t.n_bytes) > st.st_size:
+            raise GGUFError(
+                f"{path}: truncated: tensor {t.name} ends at byte {int(t.data_offset) + int(t.n_bytes)} "
+                f"but the file has {st.st_size}; download or convert it again"
+            )
+    experts = expert_tensors(reader, path)
+    if not experts:
+        raise GGUFError(
+            f"{path}: has no stacked expert tensors (blk.N.ffn_*_exps); swarm shards mixture-of-experts "
+            "models only"
+        )
+    counts = {et.n_expert for et in experts}
+    if len(counts) != 1:
+        raise GGUFError(f"{path}: expert tensors disagree on the number of experts ({sorted(counts)})")
+    names = {et.name for et in experts}
+    dense = tuple(
+        TensorSpec(t.name, t.tensor_type, torch_shape(t), int(t.n_bytes))
+        for t in reader.tensors
+        if t.name not in names
+    )
+    offsets = tuple(int(t.data_offset) for t in reader.tensors if t.name not in names)
+    return SourceModel(
+        path=path,
+        reader=reader,
+        meta=meta,
+        arch=arch,
+        size=st.st_size,
+        mtime_ns=st.st_mtime_ns,
+        data_start=int(reader.data_offset),
+        experts=tuple(experts),
+        dense=dense,
+        dense_offsets=offsets,
+        n_expert=counts.pop(),
+        moe_layers=tuple(sorted({et.layer for et in experts})),
+    )
+
+
+def arch_int(src: SourceModel, key: str, default: int = 0) -> int:
+    v = src.meta.get(key.format(arch=src.arch))
+    return int(v) if isinstance(v, (int, float)) else default
+
+
+def slab_tensor_specs(src: SourceModel, layer: int) -> list[TensorSpec]:
+    return [TensorSpec(et.name, et.qtype, et.slab_shape, et.slab_bytes) for et in src.layer_tensors(layer)]
+
+
+def slab_header(src: SourceModel, layer: int, expert: int, fingerprint: str) -> bytes:
+    kvs = [
+        KV(Keys.General.ARCHITECTURE, src.arch, _vt("STRING")),
+        KV(KEY_FORMAT, FORMAT_VERSION, _vt("UINT32")),
+        KV(KEY_LAYER, layer, _vt("UINT32")),
+        KV(KEY_EXPERT, expert, _vt("UINT32")),
+        KV(KEY_FINGERPRINT, fingerprint, _vt("STRING")),
+    ]
+    return build_header(src.arch, kvs, slab_tensor_specs(src, layer))
+
+
+def _vt(name: str) -> Any:
+    from gguf import GGUFValueType
+
+    return GGUFValueType[name]
+
+
+def slab_file_size(src: SourceModel, layer: int) -> tuple[int, int]:
+    """(data_offset, size) of every slab file of `layer` (all its experts have the same layout)."""
+    head = len(slab_header(src, layer, 0, PLACEHOLDER_FINGERPRINT))
+    return head, head + sum(pad(et.slab_bytes, 32) for et in src.layer_tensors(layer))
+
+
+def dense_header(src: SourceModel) -> bytes:
+    return build_header(src.arch, copy_kvs(src.reader, str(src.path)), src.dense, alignment_of(src.reader))
+
+
+# ---- streaming copy with hashing on a second thread ----
+
+
+class Pump:
+    """Copies byte ranges of the source into output files in chunks, hashing them on a second thread."""
+
+    def __init__(self, source: Path, progress: Callable[[int], None] | None = None) -> None:
+        self.fd = os.open(source, os.O_RDONLY)
+        self.progress = progress
+        self.free: queue.Queue[memoryview] = queue.Queue()
+        for _ in range(N_BUFFERS):
+            self.free.put(memoryview(bytearray(CHUNK)))
+        self.jobs: queue.Queue[tuple[list[Any], memoryview, memoryview | None] | None] = queue.Queue()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._hash_loop, name="shard-hash", daemon=True)
+        self.thread.start()
+
+    def _hash_loop(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            hashers, view, buf = job
+            try:
+                for h in hashers:
+                    h.update(view)
+            except BaseException as e:  # handed to the copying thread at the next drain()
+                self.error = e
+            if buf is not None:
+                self.free.put(buf)
+            self.jobs.task_done()
+
+    def hash_bytes(self, hashers: list[Any], data: bytes) -> None:
+        self.jobs.put((hashers, memoryview(data), None))
+
+    def copy(self, offset: int, length: int, out_fd: int | None, hashers: list[Any]) -> None:
+        """Source bytes [offset, offset+length) to `out_fd` (None: only hash them), fed to `hashers`."""
+        while length > 0:
+            buf = self.free.get()
+            n = os.preadv(self.fd, [buf[: min(CHUNK, length)]], offset)
+            if n <= 0:
+                self.free.put(buf)
+                raise GGUFError(f"source ended early at byte {offset}; the file is truncated")
+            view = buf[:n]
+            self.jobs.put((hashers, view, buf))
+            if out_fd is not None:
+                write_all(out_fd, view)
+            offset += n
+            length -= n
+            if self.progress is not None:
+                self.progress(n)
+
+    def drain(self) -> None:
+        """Wait until every queued chunk is hashed (before reading a digest)."""
+        self.jobs.join()
+        if self.error is not None:
+            raise self.error
+
+    def close(self) -> None:
+        self.jobs.put(None)
+        self.thread.join()
+        os.close(self.fd)
+
+
+def write_all(fd: int, data: memoryview | bytes) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+# ---- the cut ----
+
+
+@dataclass
+class Journal:
+    """Append-only record of finished files of an unfinished run, keyed by the source's identity."""
+
+    path: Path
+    identity: dict[str, Any]
+    dense: dict[str, Any] | None = None
+    slabs: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)
+
+    @staticmethod
+    def load(path: Path) -> tuple[dict[str, Any] | None, Journal | None]:
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except FileNotFoundError:
+            return None, None
+        except (OSError, UnicodeDecodeError):
+            return None, None
+        recs = []
+        for line in lines:
+            try:
+                recs.append(json.loads(line))
+            except json.JSONDecodeError:
+                break  # the line a killed run was writing
+        if not recs or "identity" not in recs[0]:
+            return None, None
+        j = Journal(path, recs[0]["identity"])
+        for r in recs[1:]:
+            if "dense" in r:
+                j.dense = r["dense"]
+            elif "slab" in r:
+                j.slabs[(int(r["slab"][0]), int(r["slab"][1]))] = r
+        return recs[0]["identity"], j
+
+    def start(self) -> None:
+        with open(self.path, "w", encoding="utf-8") as f:
+            f.write(json.dumps({"identity": self.identity}) + "\n")
+
+    def append(self, rec: dict[str, Any]) -> None:
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(rec) + "\n")
+
+
+@dataclass(frozen=True)
+class ShardResult:
+    manifest: Manifest
+    written: int  # files written in this run
+    skipped: int  # files that verified and were kept
+    bytes_read: int
+
+
+def _identity(src: SourceModel, header_sha: str) -> dict[str, Any]:
+    return {
+        "format_version": FORMAT_VERSION,
+        "name": src.path.name,
+        "size": src.size,
+        "mtime_ns": src.mtime_ns,
+        "header_sha256": header_sha,
+    }
+
+
+def _same_model(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Same source as far as a cheap look can tell (the hashes decide later)."""
+    return a.get("size") == b.get("size") and a.get("header_sha256") == b.get("header_sha256")
+
+
+def _disk_error(e: OSError, out: Path, needed: int) -> UserError:
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        free = shutil.disk_usage(out).free
+        return UserError(
+            f"{out}: disk full; this cut needs {_gb(needed)} more free space there ({_gb(free)} free now); "
+            "free some space or shard to another directory with -o"
+        )
+    if e.errno == errno.EFBIG:
+        return UserError(
+            f"{out}: file too large for this system's limits ({e.strerror}); raise the file size limit "
+            "(ulimit -f) or shard to another file system"
+        )
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return UserError(f"{out}: cannot write there ({e.strerror}); choose a writable directory with -o")
+    return UserError(f"{out}: cannot write {e.filename or 'a file'} ({e.strerror})")
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+def shard_model(
+    model: str | Path,
+    out_dir: str | Path,
+    layers: Iterable[int] | None = None,
+    experts: Iterable[int] | None = None,
+    progress: bool = False,
+) -> ShardResult:
+    """Cut `model` into `out_dir` (see the module docstring). Raises UserError for every bad input."""
+    src = load_source(model)
+    out = Path(out_dir)
+    want_layers = set(src.moe_layers if layers is None else layers)
+    bad = sorted(want_layers - set(src.moe_layers))
+    if bad:
+        raise UserError(
+            f"--layers {bad}: not layers with experts in {src.path.name} (it has {len(src.moe_layers)}: "
+            f"{src.moe_layers[0]}-{src.moe_layers[-1]})"
+        )
+    want_experts = set(range(src.n_expert) if experts is None else experts)
+    if want_experts and max(want_experts) >= src.n_expert:
+        raise UserError(f"--experts: {src.path.name} has experts 0-{src.n_expert - 1} per layer")
+    cut = [(lay, e) for lay in src.moe_layers for e in range(src.n_expert)]
+    wanted = {k for k in cut if k[0] in want_layers and k[1] in want_experts}
+
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise _disk_error(e, out, 0) from e
+    if not os.access(out, os.W_OK):
+        raise UserError(f"{out}: cannot write there (permission denied); choose a writable directory with -o")
+
+    header_sha = hash_file_range(src.path, 0, src.data_start)
+    identity = _identity(src, header_sha)
+
+    # What an earlier run left: a finished manifest, or a journal of an unfinished run.
+    old: Manifest | None = None
+    if (out / MANIFEST_NAME).exists():
+        old = read_manifest(out)
+        if old.source.size != src.size or old.source.header_sha256 != header_sha:
+            raise UserError(
+                f"{out}: holds the shards of another model ({old.source.name}, fingerprint "
+                f"{old.fingerprint[:12]}); shard into an empty directory or delete {out} first"
+            )
+    j_ident, journal = Journal.load(out / JOURNAL_NAME)
+    if j_ident is not None and not _same_model(j_ident, identity):
+        raise UserError(
+            f"{out}: holds an unfinished cut of another model ({j_ident.get('name')}); "
+            f"shard into an empty directory or delete {out} first"
+        )
+    if journal is None or journal.identity != identity:
+        journal = Journal(out / JOURNAL_NAME, identity)
+        journal.start()
+    # A manifest of this very file (same identity) knows the fingerprint: new slabs get their final header.
+    trusted_fp = (
+        old.fingerprint
+        if old is not None
+        and old.extra.get("source_mtime_ns") == src.mtime_ns
+        and old.source.name == src.path.name
+        else None
+    )
+    _remove_stale_temps(out)
+
+    layer_layout = {lay: slab_file_size(src, lay) for lay in src.moe_layers}
+    dense_head = dense_header(src)
+    dense_size = len(dense_head) + sum(pad(t.n_bytes, alignment_of(src.reader)) for t in src.dense)
+    needed = dense_size + sum(layer_layout[k[0]][1] for k in wanted)
+    try:
+        already = _bytes_present(out, src, wanted, layer_layout)
+        free = shutil.disk_usage(out).free
+    except OSError as e:
+        raise _disk_error(e, out, needed) from e
+    if needed - already > free:
+        raise UserError(
+            f"{out}: not enough free space: this cut needs {_gb(needed - already)} more, {_gb(free)} free; "
+            "free some space, shard to another directory with -o, or cut a part with --layers/--experts"
+        )
+
+    bar = _progress_bar(src.size - src.data_start, progress)
+    pump = Pump(src.path, bar.update if bar is not None else None)
+    written = skipped = 0
+    try:
+        # dense.gguf: whole-file hash for the manifest, hash of the source tensor bytes for the fingerprint.
+        dense_entry, dense_data_sha, did = _do_dense(src, out, pump, journal, old, dense_head, dense_size)
+        written += did
+        skipped += 1 - did
+        slab_sha: dict[tuple[int, int], str] = {}
+        old_slabs = {(s.layer, s.expert): s for s in (old.slabs if old is not None else ())}
+        for key in cut:
+            layer, expert = key
+            data_offset, size = layer_layout[layer]
+            if key not in wanted:
+                # Only hashed, for the fingerprint; a journal or the old manifest may already know it.
+                known = journal.slabs.get(key) or (
+                    {"sha256": old_slabs[key].sha256} if key in old_slabs and trusted_fp else None
+                )
+                if known is not None:
+                    slab_sha[key] = known["sha256"]
+                    if bar is not None:
+                        bar.update(_slab_source_bytes(src, layer))
+                    continue
+                hashers = [hashlib.sha256()]
+                _pump_slab(src, pump, layer, expert, None, hashers)
+                pump.drain()
+                slab_sha[key] = hashers[0].hexdigest()
+                journal.append({"slab": [layer, expert], "sha256": slab_sha[key], "written": False})
+                continue
+            reuse = _reusable_slab(out, key, size, data_offset, journal, old_slabs, trusted_fp)
+            if reuse is not None:
+                slab_sha[key] = reuse
+                skipped += 1
+                if bar is not None:
+                    bar.update(_slab_source_bytes(src, layer))
+                continue
+            slab_sha[key] = _write_slab(src, out, pump, layer, expert, trusted_fp, data_offset, size)
+            journal.append({"slab": [layer, expert], "sha256": slab_sha[key], "written": True})
+            written += 1
+        pump.drain()
+    except OSError as e:
+        raise _disk_error(e, out, needed) from e
+    finally:
+        pump.close()
+        if bar is not None:
+            bar.close()
+
+    fp = _fingerprint(header_sha, dense_data_sha, slab_sha)
+    if trusted_fp is not None and fp != trusted_fp:
+        raise UserError(f"{out}: the source changed while it was being cut; run `swarm shard` again")
+    try:
+        entries = _seal_slabs(src, out, wanted, slab_sha, fp, layer_layout)
+    except OSError as e:
+        raise _disk_error(e, out, needed) from e
+    if old is not None and old.fingerprint == fp:
+        keep = {(s.layer, s.expert): s for s in old.slabs if (s.layer, s.expert) not in entries}
+        for k, s in keep.items():
+            if (out / s.path).exists():
+                entries[k] = s
+    manifest = Manifest(
+        format_version=FORMAT_VERSION,
+        fingerprint=fp,
+        arch=src.arch,
+        n_layer=arch_int(src, Keys.LLM.BLOCK_COUNT),
+        n_expert=src.n_expert,
+        n_expert_used=arch_int(src, Keys.LLM.EXPERT_USED_COUNT),
+        n_embd=arch_int(src, Keys.LLM.EMBEDDING_LENGTH),
+        n_ff_exp=arch_int(src, Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, _ff_from_tensors(src)),
+        moe_layers=src.moe_layers,
+        source=SourceInfo(name=src.path.name, size=src.size, header_sha256=header_sha),
+        dense=dense_entry,
+        expert_tensors=tuple(
+            ExpertTensorInfo(
+                name=et.name,
+                layer=et.layer,
+                kind=slab_kind(et),
+                qtype=et.qtype.name,
+                shape=(et.n_expert, *et.slab_shape),
+                slab_bytes=et.slab_bytes,
+                source_offset=et.data_offset,
+            )
+            for et in src.experts
+        ),
+        slabs=tuple(entries[k] for k in sorted(entries)),
+        extra={"source_mtime_ns": src.mtime_ns, "dense_data_sha256": dense_data_sha},
+    )
+    try:
+        write_manifest(out, manifest)
+        (out / JOURNAL_NAME).unlink(missing_ok=True)
+    except OSError as e:
+        raise _disk_error(e, out, needed) from e
+    return ShardResult(manifest, written, skipped, src.size - src.data_start)
+
+
+def _ff_from_tensors(src: SourceModel) -> int:
+    for et in src.experts:
+        if et.kind in ("ffn_up_exps", "ffn_gate_exps") and et.name.endswith(".weight"):
+            return et.slab_shape[0]
+    return 0
+
+
+def _fingerprint(header_sha: str, dense_data_sha: str, slab_sha: dict[tuple[int, int], str]) -> str:
+    h = hashlib.sha256(FINGERPRINT_DOMAIN)
+    h.update(bytes.fromhex(header_sha))
+    h.update(bytes.fromhex(dense_data_sha))
+    for key in sorted(slab_sha):
+        h.update(bytes.fromhex(slab_sha[key]))
+    return h.hexdigest()
+
+
+def _slab_source_bytes(src: SourceModel, layer: int) -> int:
+    return sum(et.slab_bytes for et in src.layer_tensors(layer))
+
+
+def _pump_slab(
+    src: SourceModel, pump: Pump, layer: int, expert: int, out_fd: int | None, hashers: list[Any]
+) -> None:
+    """The data section of slab file (layer, expert): each tensor's source range, padded to 32 bytes."""
+    for et in src.layer_tensors(layer):
+        pump.copy(et.data_offset + expert * et.slab_bytes, et.slab_bytes, out_fd, hashers)
+        zeros = b"\0" * (pad(et.slab_bytes, 32) - et.slab_bytes)
+        if zeros:
+            if out_fd is not None:
+                write_all(out_fd, zeros)
+            pump.hash_bytes(hashers, zeros)
+
+
+def _tmp_name(path: Path) -> Path:
+    return path.with_name(path.name + f".tmp-{os.getpid()}")
+
+
+def _write_slab(
+    src: SourceModel,
+    out: Path,
+    pump: Pump,
+    layer: int,
+    expert: int,
+    trusted_fp: str | None,
+    data_offset: int,
+    size: int,
+) -> str:
+    """Write one slab file (pending, or final when the fingerprint is already known); its data hash."""
+    final = out / slab_relpath(layer, expert)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    target = final if trusted_fp is not None else final.with_name(final.name + ".pending")
+    tmp = _tmp_name(target)
+    head = slab_header(src, layer, expert, trusted_fp or PLACEHOLDER_FINGERPRINT)
+    assert len(head) == data_offset
+    hashers = [hashlib.sha256()]
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        write_all(fd, head)
+        _pump_slab(src, pump, layer, expert, fd, hashers)
+        pump.drain()
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    os.replace(tmp, target)
+    return hashers[0].hexdigest()
+
+
+def _reusable_slab(
+    out: Path,
+    key: tuple[int, int],
+    size: int,
+    data_offset: int,
+    journal: Journal,
+    old_slabs: dict[tuple[int, int], SlabEntry],
+    trusted_fp: str | None,
+) -> str | None:
+    """The data hash of an already written slab that still verifies, else None."""
+    layer, expert = key
+    final = out / slab_relpath(layer, expert)
+    if key in old_slabs and trusted_fp is not None:
+        entry = old_slabs[key]
+        if check_slab_file(out, entry) is None:
+            return entry.sha256
+    rec = journal.slabs.get(key)
+    if rec is None or not rec.get("written"):
+        return None
+    for path in (final.with_name(final.name + ".pending"), final):
+        try:
+            if path.stat().st_size != size:
+                continue
+        except FileNotFoundError:
+            continue
+        if hash_file_range(path, data_offset, size) == rec["sha256"]:
+            if path == final:
+                # Its header may hold a fingerprint of an earlier run: sealing rewrites it.
+                os.replace(final, final.with_name(final.name + ".pending"))
+            return str(rec["sha256"])
+    return None
+
+
+def _seal_slabs(
+    src: SourceModel,
+    out: Path,
+    wanted: set[tuple[int, int]],
+    slab_sha: dict[tuple[int, int], str],
+    fp: str,
+    layer_layout: dict[int, tuple[int, int]],
+) -> dict[tuple[int, int], SlabEntry]:
+    """Write the final header (with the fingerprint) into every pending slab, rename it into place."""
+    entries: dict[tuple[int, int], SlabEntry] = {}
+    dirs: set[Path] = set()
+    for key in sorted(wanted):
+        layer, expert = key
+        data_offset, size = layer_layout[layer]
+        final = out / slab_relpath(layer, expert)
+        pending = final.with_name(final.name + ".pending")
+        head = slab_header(src, layer, expert, fp)
+        if pending.exists():
+            fd = os.open(pending, os.O_WRONLY)
+            try:
+                os.pwrite(fd, head, 0)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(pending, final)
+            dirs.add(final.parent)
+        entries[key] = SlabEntry(
+            layer=layer,
+            expert=expert,
+            path=slab_relpath(layer, expert),
+            size=size,
+            data_offset=data_offset,
+            header_sha256=hashlib.sha256(head).hexdigest(),
+            sha256=slab_sha[key],
+        )
+    for d in dirs:
+        fsync_dir(d)
+    return entries
+
+
+def _do_dense(
+    src: SourceModel,
+    out: Path,
+    pump: Pump,
+    journal: Journal,
+    old: Manifest | None,
+    head: bytes,
+    size: int,
+) -> tuple[FileEntry, str, int]:
+    """dense.gguf: (manifest entry, SHA-256 of the source's dense tensor bytes, 1 if written now)."""
+    path = out / DENSE_NAME
+    known: dict[str, Any] | None = journal.dense
+    if known is None and old is not None and "dense_data_sha256" in old.extra:
+        known = {"sha256": old.dense.sha256, "data_sha256": old.extra["dense_data_sha256"]}
+    if known is not None:
+        try:
+            ok = path.stat().st_size == size and hash_file_range(path) == known["sha256"]
+        except FileNotFoundError:
+            ok = False
+        if ok:
+            if pump.progress is not None:
+                pump.progress(sum(t.n_bytes for t in src.dense))
+            return FileEntry(DENSE_NAME, size, known["sha256"]), known["data_sha256"], 0
+    align = alignment_of(src.reader)
+    file_h, data_h = hashlib.sha256(), hashlib.sha256()
+    tmp = _tmp_name(path)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        write_all(fd, head)
+        pump.hash_bytes([file_h], head)
+        for spec, off in zip(src.dense, src.dense_offsets, strict=True):
+            pump.copy(off, spec.n_bytes, fd, [file_h, data_h])
+            zeros = b"\0" * (pad(spec.n_bytes, align) - spec.n_bytes)
+            if zeros:
+                write_all(fd, zeros)
+                pump.hash_bytes([file_h], zeros)
+        pump.drain()
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    os.replace(tmp, path)
+    fsync_dir(out)
+    entry = FileEntry(DENSE_NAME, size, file_h.hexdigest())
+    journal.append({"dense": {"sha256": entry.sha256, "data_sha256": data_h.hexdigest()}})
+    return entry, data_h.hexdigest(), 1
+
+
+def _bytes_present(
+    out: Path, src: SourceModel, wanted: set[tuple[int, int]], layout: dict[int, tuple[int, int]]
+) -> int:
+    """Bytes of output files already there at their final size (a resumed run need not find room again)."""
+    n = 0
+    for layer, expert in wanted:
+        final = out / slab_relpath(layer, expert)
+        for p in (final, final.with_name(final.name + ".pending")):
+            try:
+                if p.stat().st_size == layout[layer][1]:
+                    n += layout[layer][1]
+                    break
+            except FileNotFoundError:
+                pass
+    try:
+        n += (out / DENSE_NAME).stat().st_size
+    except FileNotFoundError:
+        pass
+    return n
+
+
+def _remove_stale_temps(out: Path) -> None:
+    """Temp files of killed runs: never valid, only taking space."""
+    for p in out.glob("*.tmp-*"):
+        p.unlink(missing_ok=True)
+    experts = out / "experts"
+    if experts.is_dir():
+        for p in experts.glob("*/*.tmp-*"):
+            p.unlink(missing_ok=True)
+
+
+def _progress_bar(total: int, enabled: bool) -> Any:
+    if not enabled or not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="shard", file=sys.stderr)
+
+
+# ---- verification ----
+
+
+def verify_shard(directory: str | Path, model: str | Path | None = None) -> list[str]:
+    """Every mismatch between a shard directory and its manifest (and the source model, if given)."""
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    problems: list[str] = []
+    dense = directory / manifest.dense.path
+    try:
+        if dense.stat().st_size != manifest.dense.size:
+            problems.append(
+                f"{manifest.dense.path}: size {dense.stat().st_size}, manifest says {manifest.dense.size}"
+            )
+        elif hash_file_range(dense) != manifest.dense.sha256:
+            problems.append(f"{manifest.dense.path}: differs from the manifest (SHA-256 mismatch)")
+    except FileNotFoundError:
+        problems.append(f"{manifest.dense.path}: missing")
+    for entry in manifest.slabs:
+        bad = check_slab_file(directory, entry)
+        if bad is not None:
+            problems.append(bad)
+    if model is not None:
+        problems += _verify_against_source(manifest, Path(model))
+    return problems
+
+
+def _verify_against_source(manifest: Manifest, model: Path) -> list[str]:
+    src = load_source(model)
+    problems: list[str] = []
+    header_sha = hash_file_range(src.path, 0, src.data_start)
+    if header_sha != manifest.source.header_sha256 or src.size != manifest.source.size:
+        return [f"{model}: is not the model this directory was cut from (header or size differ)"]
+    by_key = {(s.layer, s.expert): s for s in manifest.slabs}
+    pump = Pump(src.path)
+    try:
+        data_h = hashlib.sha256()
+        for spec, off in zip(src.dense, src.dense_offsets, strict=True):
+            pump.copy(off, spec.n_bytes, None, [data_h])
+        slab_sha: dict[tuple[int, int], str] = {}
+        for layer in src.moe_layers:
+            for expert in range(src.n_expert):
+                hs = [hashlib.sha256()]
+                _pump_slab(src, pump, layer, expert, None, hs)
+                pump.drain()
+                slab_sha[(layer, expert)] = hs[0].hexdigest()
+                entry = by_key.get((layer, expert))
+                if entry is not None and entry.sha256 != slab_sha[(layer, expert)]:
+                    problems.append(f"{entry.path}: manifest hash differs from the source's bytes")
+        pump.drain()
+    finally:
+        pump.close()
+    if manifest.extra.get("dense_data_sha256") not in (None, data_h.hexdigest()):
+        problems.append(f"{manifest.dense.path}: manifest hash differs from the source's dense tensors")
+    fp = _fingerprint(header_sha, data_h.hexdigest(), slab_sha)
+    if fp != manifest.fingerprint:
+        problems.append(
+            f"fingerprint: the source gives {fp[:16]}…, the manifest says {manifest.fingerprint[:16]}…"
+        )
+    return problems
