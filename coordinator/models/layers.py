@@ -265,7 +265,8 @@ class DecoderModel(nn.Module):
 
     def __init__(self, n_vocab: int, n_embd: int, eps: float) -> None:
         super().__init__()
-        self.token_embd = nn.Embedding(n_vocab, n_embd)
+        # An explicit (uninitialised) weight skips nn.Embedding's random init: the loader overwrites it.
+        self.token_embd = nn.Embedding(n_vocab, n_embd, _weight=torch.empty(n_vocab, n_embd))
         self.token_embd.weight.requires_grad_(False)
         self.blk = nn.ModuleList()
         self.output_norm = RMSNorm(n_embd, eps)

@@ -8,7 +8,8 @@ shared expert scaled by sigmoid(x . ffn_gate_inp_shexp).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Collection
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import torch
@@ -50,6 +51,7 @@ class Config:
     n_expert_used: int
     n_ff_exp: int
     n_ff_shexp: int  # Fs
+    attn_bias: bool = True  # q/k/v biases: every Qwen2-MoE has them; llama.cpp also runs files without
 
     @classmethod
     def from_metadata(cls, meta: dict[str, Any]) -> Config:
@@ -85,6 +87,11 @@ class Config:
         )
 
 
+def refine_config(cfg: Config, tensor_names: Collection[str]) -> Config:
+    """What the metadata cannot say: whether this file's attention projections carry biases."""
+    return replace(cfg, attn_bias="blk.0.attn_q.bias" in tensor_names)
+
+
 class Model(DecoderModel):
     def __init__(self, cfg: Config, experts: ExpertBackend) -> None:
         super().__init__(cfg.n_vocab, cfg.n_embd, cfg.eps)
@@ -111,7 +118,7 @@ class Block(nn.Module):
 
 
 class Attention(nn.Module):
-    """q, k, v projections with biases; NeoX RoPE on q, k; causal GQA per sequence against its KV cache."""
+    """q, k, v projections (with biases); NeoX RoPE on q, k; causal GQA per sequence against its KV cache."""
 
     GGUF_TRANSPARENT: ClassVar[bool] = True  # tensors are blk.N.attn_*, no `attn.` segment
 
@@ -119,9 +126,9 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg = cfg
         hd = cfg.head_dim
-        self.attn_q = Linear(cfg.n_embd, cfg.n_head * hd, bias=True)
-        self.attn_k = Linear(cfg.n_embd, cfg.n_head_kv * hd, bias=True)
-        self.attn_v = Linear(cfg.n_embd, cfg.n_head_kv * hd, bias=True)
+        self.attn_q = Linear(cfg.n_embd, cfg.n_head * hd, bias=cfg.attn_bias)
+        self.attn_k = Linear(cfg.n_embd, cfg.n_head_kv * hd, bias=cfg.attn_bias)
+        self.attn_v = Linear(cfg.n_embd, cfg.n_head_kv * hd, bias=cfg.attn_bias)
         self.attn_output = Linear(cfg.n_head * hd, cfg.n_embd)
 
     def forward(self, x: torch.Tensor, batch: Batch, caches: list[KVCache]) -> torch.Tensor:
