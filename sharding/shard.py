@@ -768,17 +768,22 @@ def verify_shard(directory: str | Path, model: str | Path | None = None) -> list
 
 
 def _verify_against_source(manifest: Manifest, model: Path) -> list[str]:
+    """Re-derive every hash from the source (one read of it) and name each manifest entry that differs."""
     src = load_source(model)
-    problems: list[str] = []
     header_sha = hash_file_range(src.path, 0, src.data_start)
     if header_sha != manifest.source.header_sha256 or src.size != manifest.source.size:
-        return [f"{model}: is not the model this directory was cut from (header or size differ)"]
+        return [f"{model}: is not the model this directory was cut from (its header or size differ)"]
+    problems: list[str] = []
     by_key = {(s.layer, s.expert): s for s in manifest.slabs}
+    align = alignment_of(src.reader)
     pump = Pump(src.path)
     try:
-        data_h = hashlib.sha256()
+        head = dense_header(src)
+        file_h, data_h = hashlib.sha256(), hashlib.sha256()
+        pump.hash_bytes([file_h], head)
         for spec, off in zip(src.dense, src.dense_offsets, strict=True):
-            pump.copy(off, spec.n_bytes, None, [data_h])
+            pump.copy(off, spec.n_bytes, None, [file_h, data_h])
+            pump.hash_bytes([file_h], b"\0" * (pad(spec.n_bytes, align) - spec.n_bytes))
         slab_sha: dict[tuple[int, int], str] = {}
         for layer in src.moe_layers:
             for expert in range(src.n_expert):
@@ -787,16 +792,23 @@ def _verify_against_source(manifest: Manifest, model: Path) -> list[str]:
                 pump.drain()
                 slab_sha[(layer, expert)] = hs[0].hexdigest()
                 entry = by_key.get((layer, expert))
-                if entry is not None and entry.sha256 != slab_sha[(layer, expert)]:
-                    problems.append(f"{entry.path}: manifest hash differs from the source's bytes")
+                if entry is None:
+                    continue
+                if entry.sha256 != slab_sha[(layer, expert)]:
+                    problems.append(f"{entry.path}: the manifest's data hash differs from the source's bytes")
+                want_head = hashlib.sha256(slab_header(src, layer, expert, manifest.fingerprint)).hexdigest()
+                if entry.header_sha256 != want_head:
+                    problems.append(
+                        f"{entry.path}: the manifest's header hash differs from what the source gives"
+                    )
         pump.drain()
     finally:
         pump.close()
-    if manifest.extra.get("dense_data_sha256") not in (None, data_h.hexdigest()):
-        problems.append(f"{manifest.dense.path}: manifest hash differs from the source's dense tensors")
+    if file_h.hexdigest() != manifest.dense.sha256:
+        problems.append(f"{manifest.dense.path}: the manifest's hash differs from what the source gives")
     fp = _fingerprint(header_sha, data_h.hexdigest(), slab_sha)
     if fp != manifest.fingerprint:
         problems.append(
-            f"fingerprint: the source gives {fp[:16]}…, the manifest says {manifest.fingerprint[:16]}…"
+            f"fingerprint: the source gives {fp[:16]}..., the manifest says {manifest.fingerprint[:16]}..."
         )
     return problems
