@@ -1,9 +1,215 @@
-"""Subcommands of this part (see swarm.coordinator.cli)."""
+"""`swarm node`: hold expert slabs and compute them for the swarm (see swarm.coordinator.cli)."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import re
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from swarm.sharding.errors import UserError
+from swarm.sharding.ranges import format_ranges, parse_ranges
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """ "4GiB", "4G", "4GB", "512MiB", "123456" -> bytes. K/M/G/T are powers of 1024 with or without the "i":
+    this is a memory budget, and people write "4G" meaning 4 GiB."""
+    m = _SIZE_RE.match(text)
+    if m is None:
+        raise UserError(f"bad size {text!r}; write it like 4GiB, 512MiB or a number of bytes")
+    value, unit = float(m.group(1)), m.group(2).lower()
+    return int(value * 1024 ** " kmgt".index(unit or " "))
+
+
+def parse_slab_specs(specs: list[str]) -> set[tuple[int, int]]:
+    """ "3:17", "0-3:0-7", several comma-free specs or ';'-separated -> {(layer, expert)}."""
+    keys: set[tuple[int, int]] = set()
+    for spec in specs:
+        for part in re.split(r"[;\s]+", spec.strip()):
+            if not part:
+                continue
+            layers, sep, experts = part.partition(":")
+            if not sep:
+                raise UserError(f"bad slab {part!r}; write LAYER:EXPERT like 3:17 or ranges like 0-3:0-7")
+            keys |= {
+                (layer, e)
+                for layer in parse_ranges(layers, "slab layer")
+                for e in parse_ranges(experts, "slab expert")
+            }
+    return keys
+
+
+def describe_held(keys: set[tuple[int, int]] | list[tuple[int, int]]) -> str:
+    """ "0-3:0-7;5:1-2": layer ranges : expert ranges, one group per distinct expert set."""
+    from swarm.proto.codec import from_ranges, group_slabs
+
+    return ";".join(
+        f"{format_ranges(from_ranges(ls))}:{format_ranges(from_ranges(es))}" for ls, es in group_slabs(keys)
+    )
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    """Add this part's subcommands to the `swarm` parser."""
+    """Add `swarm node` to the `swarm` parser."""
+    p = sub.add_parser(
+        "node",
+        help="hold expert slabs and compute them for the swarm over gRPC",
+        description=(
+            "Serve expert slabs of one model to swarm coordinators: from a shard directory written by "
+            "`swarm shard` (slabs verified against its manifest) or straight from a whole GGUF. With no "
+            "--experts/--layers/--slab it serves every slab of the model."
+        ),
+    )
+    p.add_argument(
+        "source", metavar="DIR_OR_GGUF", help="shard directory (swarm shard output) or a .gguf model"
+    )
+    p.add_argument(
+        "--experts", help="expert ids to hold in every chosen layer, e.g. 0-63 or 0-7,16 (default: all)"
+    )
+    p.add_argument("--layers", help="layers to hold, e.g. 0-19 (default: every MoE layer)")
+    p.add_argument(
+        "--slab",
+        action="append",
+        default=[],
+        metavar="LAYER:EXPERT",
+        help="hold one slab (repeatable; ranges allowed: 0-3:0-7); adds to --experts/--layers",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=0, help="port to listen on (0: any free port)")
+    p.add_argument(
+        "--memory",
+        default=None,
+        help="budget for dequantized working copies, e.g. 4GiB (default: unlimited); "
+        "quantized slabs stay memory-mapped either way",
+    )
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "mps"), help="where to compute")
+    p.add_argument("--workers", type=int, default=8, help="calls served concurrently")
+    p.add_argument("--name", default=None, help="name to advertise (default: swarm-node-HOST-PORT-xxxxxx)")
+    p.add_argument(
+        "--key",
+        default=None,
+        help="swarm key: refuse calls that do not carry it (default: $SWARM_KEY, else no key)",
+    )
+    p.add_argument("--no-mdns", action="store_true", help="do not advertise by mDNS (static --peer use only)")
+    p.add_argument(
+        "--mdns-interface",
+        action="append",
+        default=None,
+        metavar="ADDR",
+        help="interface address to advertise on (repeatable; default: 127.0.0.1 when --host is loopback, "
+        "the --host address when it is one, every interface for 0.0.0.0)",
+    )
+    p.add_argument("--no-verify", action="store_true", help="skip the SHA-256 check of shard slab files")
+    p.add_argument(
+        "--ready-file", type=Path, default=None, help="write JSON (address, port, ...) here once serving"
+    )
+    p.set_defaults(func=run_node)
+
+
+def _device(name: str) -> str:
+    import torch
+
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda: this torch has no CUDA device; use --device cpu")
+    if name == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise UserError("--device mps: Metal is not available here; use --device cpu")
+    return name
+
+
+def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data) + "\n")
+    os.replace(tmp, path)
+
+
+def run_node(args: argparse.Namespace) -> int:
+    from swarm.node.discovery import Advertiser, default_mdns_interfaces, node_properties
+    from swarm.node.server import NodeServer
+    from swarm.node.source import load_slabs
+    from swarm.node.store import ExpertStore
+
+    if args.workers < 1:
+        raise UserError("--workers must be at least 1")
+    layers = parse_ranges(args.layers, "layer") if args.layers else None
+    experts = parse_ranges(args.experts, "expert") if args.experts else None
+    slab_keys = parse_slab_specs(args.slab)
+    memory = parse_size(args.memory) if args.memory else 0
+    device = _device(args.device)
+    key = args.key if args.key is not None else os.environ.get("SWARM_KEY") or None
+
+    loaded = load_slabs(args.source, layers, experts, slab_keys, verify=not args.no_verify)
+    for problem in loaded.problems:
+        print(f"swarm node: refused {problem}", file=sys.stderr)
+    if not loaded.slabs:
+        raise UserError(f"{args.source}: none of the requested slabs can be served; see the lines above")
+    try:
+        store = ExpertStore(loaded.slabs, device=device, memory_budget=memory)
+    except ValueError as e:
+        raise UserError(f"{args.source}: {e}") from e
+
+    server = NodeServer(
+        store,
+        loaded.fingerprint,
+        host=args.host,
+        port=args.port,
+        workers=args.workers,
+        key=key,
+        name=args.name or "",
+    ).start()
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    held = describe_held(store.held())
+    print(
+        f"swarm node: serving address={server.address} slabs={len(store.slabs)} held={held} "
+        f"fingerprint={loaded.fingerprint} device={store.device} pid={os.getpid()}",
+        flush=True,
+    )
+    if args.ready_file:
+        _write_json_atomic(
+            args.ready_file,
+            {
+                "address": server.address,
+                "host": args.host,
+                "port": server.port,
+                "pid": os.getpid(),
+                "fingerprint": loaded.fingerprint,
+                "slabs": len(store.slabs),
+                "held": held,
+                "device": str(store.device),
+                "problems": loaded.problems,
+            },
+        )
+    advertiser = None
+    if not args.no_mdns:
+        interfaces = args.mdns_interface if args.mdns_interface else default_mdns_interfaces(args.host)
+        props = node_properties(
+            loaded.fingerprint, store.held(), store.hidden_size or 0, memory, args.workers, str(store.device)
+        )
+        try:
+            advertiser = Advertiser(server.port, args.host, props, interfaces, args.name).start()
+        except OSError as e:
+            print(
+                f"swarm node: warning: mDNS advertising failed ({e}); reach this node by --peer",
+                file=sys.stderr,
+            )
+    try:
+        while not stop.wait(0.5):
+            pass
+    finally:
+        if advertiser is not None:
+            advertiser.close()  # goodbye first, so coordinators stop routing here before the port closes
+        server.stop(grace=2.0)
+    print("swarm node: stopped", flush=True)
+    return 0

@@ -1,0 +1,122 @@
+"""Where a node's slabs come from: a shard directory (`swarm shard` output) or a whole GGUF.
+
+From a shard directory each slab file is checked against the manifest's SHA-256 before it is served; a
+bad one is refused by name and the rest serve. A whole GGUF is served straight from its memory map (a
+convenience for trying a node without sharding first).
+
+Model fingerprint: a shard directory's is the manifest's. A whole GGUF would need every byte hashed to
+get that same value, so a node started on one reports the SHA-256 of the GGUF's header bytes (all
+metadata and tensor infos) instead, the value a manifest records as `source.header_sha256`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from swarm.sharding.errors import UserError
+from swarm.sharding.gguf_io import expert_tensors, open_gguf
+from swarm.sharding.slabs import SlabKey, SlabTensor, hash_file_range, slabs_from_gguf
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedSlabs:
+    slabs: dict[SlabKey, dict[str, SlabTensor]]
+    fingerprint: str
+    problems: list[str] = field(default_factory=list)
+    source: str = ""
+
+
+def gguf_header_fingerprint(path: str | Path) -> str:
+    """SHA-256 of a GGUF's bytes before its tensor data: identifies the model without reading the weights."""
+    reader = open_gguf(path)
+    return hash_file_range(path, 0, int(reader.data_offset))
+
+
+def _wanted(
+    layers: Iterable[int] | None,
+    experts: Iterable[int] | None,
+    slabs: Iterable[SlabKey],
+    all_layers: list[int],
+    n_expert: int,
+) -> set[SlabKey]:
+    want: set[SlabKey] = set(slabs)
+    if layers is not None or experts is not None or not want:
+        ls = list(layers) if layers is not None else all_layers
+        es = list(experts) if experts is not None else list(range(n_expert))
+        want |= {(layer, e) for layer in ls for e in es}
+    return want
+
+
+def load_from_gguf(
+    path: Path, layers: Iterable[int] | None, experts: Iterable[int] | None, slab_keys: Iterable[SlabKey]
+) -> LoadedSlabs:
+    reader = open_gguf(path)
+    ets = expert_tensors(reader, path)
+    if not ets:
+        raise UserError(
+            f"{path}: has no stacked expert tensors (*_exps); it is not a mixture-of-experts model"
+        )
+    all_layers = sorted({et.layer for et in ets})
+    n_expert = max(et.n_expert for et in ets)
+    want = _wanted(layers, experts, slab_keys, all_layers, n_expert)
+    got = slabs_from_gguf(path, {k[0] for k in want}, {k[1] for k in want})
+    slabs = {k: v for k, v in got.items() if k in want}
+    problems = []
+    for layer, e in sorted(want - set(slabs)):
+        if layer not in all_layers:
+            problems.append(f"layer {layer} expert {e}: the model has no experts in layer {layer}")
+        else:
+            problems.append(f"layer {layer} expert {e}: the model has only {n_expert} experts per layer")
+    return LoadedSlabs(slabs, gguf_header_fingerprint(path), problems, str(path))
+
+
+def load_from_shard(
+    directory: Path,
+    layers: Iterable[int] | None,
+    experts: Iterable[int] | None,
+    slab_keys: Iterable[SlabKey],
+    verify: bool = True,
+) -> LoadedSlabs:
+    from swarm.sharding.slabs import read_manifest, slabs_from_shard
+
+    manifest = read_manifest(directory)
+    slab_keys = set(slab_keys)
+    slabs: dict[SlabKey, dict[str, SlabTensor]] = {}
+    problems: list[str] = []
+    if layers is not None or experts is not None or not slab_keys:
+        got, bad = slabs_from_shard(directory, layers, experts, verify=verify)
+        slabs.update(got)
+        problems += bad
+    by_layer: dict[int, list[int]] = {}
+    for layer, e in sorted(slab_keys - set(slabs)):
+        by_layer.setdefault(layer, []).append(e)
+    for layer, es in by_layer.items():
+        got, bad = slabs_from_shard(directory, [layer], es, verify=verify)
+        slabs.update(got)
+        problems += bad
+    return LoadedSlabs(slabs, manifest.fingerprint, problems, str(directory))
+
+
+def load_slabs(
+    source: str | Path,
+    layers: Iterable[int] | None = None,
+    experts: Iterable[int] | None = None,
+    slab_keys: Iterable[SlabKey] = (),
+    verify: bool = True,
+) -> LoadedSlabs:
+    """The requested slabs: layers x experts (either None = all) plus individual (layer, expert) keys.
+
+    With no selection at all, every slab of the model. Requested slabs that cannot be served are listed in
+    `problems` (one line each) and left out.
+    """
+    path = Path(source)
+    if path.is_dir():
+        return load_from_shard(path, layers, experts, slab_keys, verify)
+    if not path.exists():
+        raise UserError(f"{path}: no such file or directory; give a shard directory or a .gguf model")
+    return load_from_gguf(path, layers, experts, slab_keys)
