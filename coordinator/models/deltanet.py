@@ -10,7 +10,8 @@ The two archs differ only in how a file lays out the linear attention (see `Hybr
   (qwen3next: value heads stay grouped by key head);
 - beta and alpha come from two matrices (`ssm_beta`, `ssm_alpha`; qwen35moe) or one `ssm_ba` laid
   out per key head as [b (Hv/Hk), a (Hv/Hk)] (qwen3next); old qwen3next files carry the raw fused
-  `ssm_in` (per key head [q, k, v, z]) instead of `attn_qkv` + `attn_gate`, split at load time.
+  `ssm_in` (per key head [q, k, v, z]) instead of `attn_qkv` + `attn_gate`; metadata does not say
+  which, so the loader refines the config from the tensor names (`HybridConfig.for_tensors`).
 Module names follow the GGUF tensors (blk.N.ssm_a, blk.N.ssm_dt.bias, ...), so a file loads by name.
 """
 
@@ -18,9 +19,9 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar, Self
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +29,21 @@ from gguf import Keys
 from torch import nn
 
 from swarm.coordinator.experts import ExpertBackend
-from swarm.coordinator.models.layers import Linear, MoE, MoEConfig, RMSNorm
+from swarm.coordinator.models.layers import (
+    Batch,
+    DecoderModel,
+    KVCache,
+    Linear,
+    MoE,
+    MoEConfig,
+    RMSNorm,
+    attend,
+    meta_float,
+    meta_int,
+    n_vocab_of,
+    rope,
+)
+from swarm.sharding.gguf_io import GGUFError
 
 logger = logging.getLogger(__name__)
 
@@ -38,10 +53,6 @@ RECURRENT_LAYERS_KEY = "{arch}.attention.recurrent_layers"
 L2_EPS = 1e-6
 # Chunk length of the prefill form; llama.cpp and transformers use 64 too.
 CHUNK = 64
-
-
-class ConfigError(ValueError):
-    """The GGUF's metadata describes a model this code cannot run; the message says why."""
 
 
 @dataclass(frozen=True)
@@ -67,91 +78,86 @@ class HybridConfig:
     v_heads_tiled: bool  # value head h uses key head h % Hk (else h // (Hv/Hk))
     fused_ba: bool  # beta/alpha from one ssm_ba matrix (else ssm_beta + ssm_alpha)
     moe: MoEConfig = field(repr=False)
+    fused_qkvz: bool = False  # old qwen3next files: ssm_in instead of attn_qkv + attn_gate
 
     @property
     def conv_dim(self) -> int:
         return 2 * self.n_k_heads * self.d_state + self.n_v_heads * self.d_state
 
+    def for_tensors(self, names: Collection[str]) -> HybridConfig:
+        """The config for a file holding tensors `names`: picks the legacy fused ssm_in layout
+        (which metadata does not announce) when the file has it."""
+        fused = any(n.endswith(".ssm_in.weight") for n in names)
+        return self if fused == self.fused_qkvz else replace(self, fused_qkvz=fused)
+
     @classmethod
-    def parse(cls, meta: dict[str, Any], arch: str, v_heads_tiled: bool, fused_ba: bool) -> HybridConfig:
+    def parse(cls, meta: dict[str, Any], arch: str, v_heads_tiled: bool, fused_ba: bool) -> Self:
         """Build the config from GGUF metadata (the one place that reads it)."""
 
-        def get(key: str, default: Any = None) -> Any:
-            name = key.format(arch=arch)
-            value = meta.get(name, default)
-            if value is None:
-                raise ConfigError(f"GGUF metadata lacks {name}, which a {arch} model needs")
-            return value
+        def key(k: str) -> str:
+            return k.format(arch=arch)
 
-        n_block = int(get(Keys.LLM.BLOCK_COUNT))
-        n_nextn = int(get(Keys.LLM.NEXTN_PREDICT_LAYERS, 0))
+        n_block = meta_int(meta, key(Keys.LLM.BLOCK_COUNT))
+        n_nextn = meta_int(meta, key(Keys.LLM.NEXTN_PREDICT_LAYERS), 0)
         n_layer = n_block - n_nextn
-        recurrent_flags = meta.get(RECURRENT_LAYERS_KEY.format(arch=arch))
-        if recurrent_flags is not None:
-            if len(recurrent_flags) != n_block:
-                raise ConfigError(
-                    f"{RECURRENT_LAYERS_KEY.format(arch=arch)} has {len(recurrent_flags)} entries "
-                    f"for {n_block} blocks"
-                )
-            recurrent = tuple(bool(b) for b in recurrent_flags[:n_layer])
+        if n_layer <= 0:
+            raise GGUFError(f"has {n_block} blocks of which {n_nextn} are MTP blocks: no main pass to run")
+        flags = meta.get(key(RECURRENT_LAYERS_KEY))
+        if flags is not None:
+            if not isinstance(flags, list) or len(flags) != n_block:
+                raise GGUFError(f"metadata {key(RECURRENT_LAYERS_KEY)} = {flags!r} is not one bool per block")
+            recurrent = tuple(bool(f) for f in flags[:n_layer])
         else:
-            interval = int(get(Keys.LLM.FULL_ATTENTION_INTERVAL, 4))
+            interval = meta_int(meta, key(Keys.LLM.FULL_ATTENTION_INTERVAL), 4)
             recurrent = tuple((i + 1) % interval != 0 for i in range(n_layer))
 
-        n_embd = int(get(Keys.LLM.EMBEDDING_LENGTH))
-        n_head = int(get(Keys.Attention.HEAD_COUNT))
-        head_dim = int(get(Keys.Attention.KEY_LENGTH, n_embd // n_head))
-        if int(get(Keys.Attention.VALUE_LENGTH, head_dim)) != head_dim:
-            raise ConfigError(f"{arch}: attention key_length and value_length differ; not supported")
-        n_rot = int(get(Keys.Rope.DIMENSION_COUNT, head_dim))
-        if n_rot % 2 or n_rot > head_dim:
-            raise ConfigError(f"{arch}: rope.dimension_count {n_rot} is not an even number <= {head_dim}")
-        sections = meta.get(Keys.Rope.DIMENSION_SECTIONS.format(arch=arch))
+        n_embd = meta_int(meta, key(Keys.LLM.EMBEDDING_LENGTH))
+        n_head = meta_int(meta, key(Keys.Attention.HEAD_COUNT))
+        head_dim = meta_int(meta, key(Keys.Attention.KEY_LENGTH), n_embd // n_head)
+        if meta_int(meta, key(Keys.Attention.VALUE_LENGTH), head_dim) != head_dim:
+            raise GGUFError(f"{arch}: attention key_length and value_length differ; not supported")
+        n_rot = meta_int(meta, key(Keys.Rope.DIMENSION_COUNT), head_dim)
+        if n_rot % 2 or not 0 < n_rot <= head_dim:
+            raise GGUFError(f"{arch}: rope.dimension_count {n_rot} is not an even number <= {head_dim}")
+        sections = meta.get(key(Keys.Rope.DIMENSION_SECTIONS))
         if sections is not None:
             check_text_rope_sections([int(s) for s in sections], n_rot)
 
-        n_k = int(get(Keys.SSM.GROUP_COUNT))
-        n_v = int(get(Keys.SSM.TIME_STEP_RANK))
-        d_state = int(get(Keys.SSM.STATE_SIZE))
-        d_inner = int(get(Keys.SSM.INNER_SIZE))
-        if n_v % n_k:
-            raise ConfigError(
+        n_k = meta_int(meta, key(Keys.SSM.GROUP_COUNT))
+        n_v = meta_int(meta, key(Keys.SSM.TIME_STEP_RANK))
+        d_state = meta_int(meta, key(Keys.SSM.STATE_SIZE))
+        d_inner = meta_int(meta, key(Keys.SSM.INNER_SIZE))
+        if n_k <= 0 or n_v % n_k:
+            raise GGUFError(
                 f"{arch}: {n_v} linear-attention value heads are not a multiple of {n_k} key heads"
             )
         if d_inner != n_v * d_state:
-            raise ConfigError(
+            raise GGUFError(
                 f"{arch}: ssm.inner_size {d_inner} != {n_v} value heads x state size {d_state}; "
                 "value and key head widths must be equal"
             )
-
-        if Keys.LLM.VOCAB_SIZE.format(arch=arch) in meta:
-            n_vocab = int(meta[Keys.LLM.VOCAB_SIZE.format(arch=arch)])
-        else:
-            n_vocab = len(get(Keys.Tokenizer.LIST))
-
-        n_expert = int(get(Keys.LLM.EXPERT_COUNT))
         moe = MoEConfig(
             n_embd=n_embd,
-            n_expert=n_expert,
-            n_expert_used=int(get(Keys.LLM.EXPERT_USED_COUNT)),
-            n_ff_shared=int(get(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, 0)),
+            n_expert=meta_int(meta, key(Keys.LLM.EXPERT_COUNT)),
+            n_expert_used=meta_int(meta, key(Keys.LLM.EXPERT_USED_COUNT)),
+            n_ff_shared=meta_int(meta, key(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH), 0),
             renormalize=True,
             shared_gate=True,
         )
         return cls(
             arch=arch,
-            n_vocab=n_vocab,
+            n_vocab=n_vocab_of(meta, arch),
             n_embd=n_embd,
             n_layer=n_layer,
             n_nextn=n_nextn,
-            eps=float(get(Keys.Attention.LAYERNORM_RMS_EPS)),
+            eps=meta_float(meta, key(Keys.Attention.LAYERNORM_RMS_EPS)),
             recurrent=recurrent,
             n_head=n_head,
-            n_head_kv=int(get(Keys.Attention.HEAD_COUNT_KV, n_head)),
+            n_head_kv=meta_int(meta, key(Keys.Attention.HEAD_COUNT_KV), n_head),
             head_dim=head_dim,
             n_rot=n_rot,
-            rope_base=float(get(Keys.Rope.FREQ_BASE, 10000.0)),
-            conv_kernel=int(get(Keys.SSM.CONV_KERNEL)),
+            rope_base=meta_float(meta, key(Keys.Rope.FREQ_BASE), 10000.0),
+            conv_kernel=meta_int(meta, key(Keys.SSM.CONV_KERNEL)),
             n_k_heads=n_k,
             n_v_heads=n_v,
             d_state=d_state,
@@ -170,110 +176,61 @@ def check_text_rope_sections(sections: Sequence[int], n_rot: int) -> None:
     rotation is NeoX on n_rot dims exactly when no pair lands in the 4th component.
     """
     if len(sections) < 3:
-        raise ConfigError(f"rope.dimension_sections {list(sections)} has fewer than 3 sections")
+        raise GGUFError(f"rope.dimension_sections {list(sections)} has fewer than 3 sections")
     total = sum(sections)
     if total <= 0:
-        raise ConfigError(f"rope.dimension_sections {list(sections)} are empty")
+        raise GGUFError(f"rope.dimension_sections {list(sections)} are empty")
     for pair in range(n_rot // 2):
         sector = pair % total
         if not any(sector % 3 == s and sector < 3 * sections[s] for s in range(3)):
-            raise ConfigError(
+            raise GGUFError(
                 f"rope.dimension_sections {list(sections)}: rotary pair {pair} of {n_rot // 2} falls outside "
                 "the t/h/w sections, so text positions would not be plain NeoX RoPE; this model is not supported"
             )
 
 
 # ---------------------------------------------------------------------------------------------------
-# Per-sequence state
-
-
-@dataclass
-class HybridState:
-    """One sequence's memory: position, per linear-attention layer the conv inputs and the recurrent
-    state, per full-attention layer the keys and values. Entries are None until the first token."""
-
-    pos: int = 0
-    conv: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [C, Kc-1]
-    ssm: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [Hv, Dk, Dv]
-    keys: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [Hkv, P, Dh]
-    values: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [Hkv, P, Dh]
-
-
-# ---------------------------------------------------------------------------------------------------
 # Model
 
 
-class Embedding(nn.Module):
-    def __init__(self, n_vocab: int, n_embd: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(n_vocab, n_embd), requires_grad=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return F.embedding(tokens, self.weight)
-
-
-class HybridModel(nn.Module):
-    """Embedding -> blocks (Gated DeltaNet or gated full attention, each followed by the MoE) -> head."""
+class HybridModel(DecoderModel):
+    """token_embd -> blocks (Gated DeltaNet or gated full attention, each then the MoE) -> output."""
 
     def __init__(self, cfg: HybridConfig, experts: ExpertBackend) -> None:
-        super().__init__()
+        super().__init__(cfg.n_vocab, cfg.n_embd, cfg.eps)
         self.cfg = cfg
-        self.token_embd = Embedding(cfg.n_vocab, cfg.n_embd)
-        self.blk = nn.ModuleList(
-            [
-                DeltaNetBlock(cfg, i, experts) if cfg.recurrent[i] else AttentionBlock(cfg, i, experts)
-                for i in range(cfg.n_layer)
-            ]
-        )
-        self.output_norm = RMSNorm(cfg.n_embd, cfg.eps)
-        self.output = Linear(cfg.n_embd, cfg.n_vocab)
-
-    def new_state(self) -> HybridState:
-        return HybridState()
-
-    @torch.inference_mode()
-    def forward(
-        self, tokens: torch.Tensor, states: Sequence[HybridState], lengths: Sequence[int]
-    ) -> torch.Tensor:
-        """tokens [N] (sequences concatenated, lengths[i] tokens of states[i]) -> logits [N, V].
-
-        Attention and recurrence run per sequence; every MoE layer sees all N tokens at once.
-        """
-        if len(states) != len(lengths) or sum(lengths) != tokens.numel():
-            raise ValueError(f"{tokens.numel()} tokens do not split into lengths {list(lengths)}")
-        x = self.token_embd(tokens)  # [N, D]
-        for block in self.blk:
-            x = block(x, states, lengths)
-        for state, n in zip(states, lengths, strict=True):
-            state.pos += n
-        return self.output(self.output_norm(x))
+        self.blk.extend(Block(cfg, i, experts) for i in range(cfg.n_layer))
 
 
-class _Block(nn.Module):
-    """x + mixer(attn_norm(x)), then h + moe(post_attention_norm(h))."""
+class Block(nn.Module):
+    """x + mixer(attn_norm(x)), then h + moe(post_attention_norm(h)); the mixer is linear or full attention."""
 
     def __init__(self, cfg: HybridConfig, layer: int, experts: ExpertBackend) -> None:
         super().__init__()
-        self.cfg = cfg
-        self.layer = layer
         self.attn_norm = RMSNorm(cfg.n_embd, cfg.eps)
+        self.mixer: GatedDeltaNet | GatedAttention = (
+            GatedDeltaNet(cfg) if cfg.recurrent[layer] else GatedAttention(cfg)
+        )
         self.post_attention_norm = RMSNorm(cfg.n_embd, cfg.eps)
         self.moe = MoE(cfg.moe, layer, experts)
 
-    def mix(self, x: torch.Tensor, states: Sequence[HybridState], lengths: Sequence[int]) -> torch.Tensor:
-        raise NotImplementedError
+    def new_state(self) -> DeltaNetState | KVCache:
+        return self.mixer.new_state()
 
-    def forward(self, x: torch.Tensor, states: Sequence[HybridState], lengths: Sequence[int]) -> torch.Tensor:
-        h = x + self.mix(self.attn_norm(x), states, lengths)
-        return h + self.moe(self.post_attention_norm(h))
+    def forward(self, x: torch.Tensor, batch: Batch, states: list[Any]) -> torch.Tensor:
+        h = x + self.mixer(self.attn_norm(x), batch, states)  # [N, D]
+        return h + self.moe(self.post_attention_norm(h))  # all N tokens of every sequence in one fan-out
 
 
-class AttentionBlock(_Block):
-    """Gated full attention: attn_q rows per head [q_h, gate_h]; per-head q/k RMSNorm; partial NeoX
-    RoPE; out = attn_output(softmax attention * sigmoid(gate))."""
+class GatedAttention(nn.Module):
+    """Full attention with an output gate: attn_q rows per head [q_h, gate_h]; per-head q/k RMSNorm;
+    NeoX RoPE on the first n_rot dims; out = attn_output(softmax attention * sigmoid(gate))."""
 
-    def __init__(self, cfg: HybridConfig, layer: int, experts: ExpertBackend) -> None:
-        super().__init__(cfg, layer, experts)
+    GGUF_TRANSPARENT: ClassVar[bool] = True  # tensors are blk.N.attn_*
+
+    def __init__(self, cfg: HybridConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
         d, h, hkv, dh = cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim
         self.attn_q = Linear(d, 2 * h * dh)
         self.attn_k = Linear(d, hkv * dh)
@@ -282,43 +239,49 @@ class AttentionBlock(_Block):
         self.attn_k_norm = RMSNorm(dh, cfg.eps)
         self.attn_output = Linear(h * dh, d)
 
-    def mix(self, x: torch.Tensor, states: Sequence[HybridState], lengths: Sequence[int]) -> torch.Tensor:
-        cfg = self.cfg
-        n = x.shape[0]
-        qg = self.attn_q(x).view(n, cfg.n_head, 2, cfg.head_dim)
+    def new_state(self) -> KVCache:
+        return KVCache()
+
+    def forward(self, x: torch.Tensor, batch: Batch, caches: list[KVCache]) -> torch.Tensor:
+        c, n = self.cfg, x.shape[0]
+        qg = self.attn_q(x).view(n, c.n_head, 2, c.head_dim)
         q = self.attn_q_norm(qg[:, :, 0])  # [N, H, Dh]
-        gate = qg[:, :, 1].reshape(n, cfg.n_head * cfg.head_dim)  # [N, H*Dh]
-        k = self.attn_k_norm(self.attn_k(x).view(n, cfg.n_head_kv, cfg.head_dim))  # [N, Hkv, Dh]
-        v = self.attn_v(x).view(n, cfg.n_head_kv, cfg.head_dim)  # [N, Hkv, Dh]
-
-        outs = []
-        start = 0
-        for state, t in zip(states, lengths, strict=True):
-            sl = slice(start, start + t)
-            start += t
-            pos = torch.arange(state.pos, state.pos + t, device=x.device)
-            cos, sin = rope_cos_sin(pos, cfg.n_rot, cfg.rope_base, x.dtype)
-            qs = apply_rope(q[sl], cos, sin).transpose(0, 1)  # [H, T, Dh]
-            ks = apply_rope(k[sl], cos, sin).transpose(0, 1)  # [Hkv, T, Dh]
-            vs = v[sl].transpose(0, 1)
-            if self.layer in state.keys:
-                ks = torch.cat([state.keys[self.layer], ks], dim=1)
-                vs = torch.cat([state.values[self.layer], vs], dim=1)
-            state.keys[self.layer], state.values[self.layer] = ks, vs
-            outs.append(causal_attention(qs, ks, vs, state.pos).transpose(0, 1).reshape(t, -1))
-        attn = torch.cat(outs, dim=0)  # [N, H*Dh]
-        return self.attn_output(attn * torch.sigmoid(gate))
+        gate = qg[:, :, 1].reshape(n, c.n_head * c.head_dim)  # [N, H*Dh]
+        k = self.attn_k_norm(self.attn_k(x).view(n, c.n_head_kv, c.head_dim))  # [N, Hkv, Dh]
+        v = self.attn_v(x).view(n, c.n_head_kv, c.head_dim)  # [N, Hkv, Dh]
+        q = rope(q, batch.positions, c.n_rot, c.rope_base)
+        k = rope(k, batch.positions, c.n_rot, c.rope_base)
+        o = attend(q, k, v, batch, caches).reshape(n, c.n_head * c.head_dim)  # [N, H*Dh]
+        return self.attn_output(o * torch.sigmoid(gate))
 
 
-class DeltaNetBlock(_Block):
+@dataclass
+class DeltaNetState:
+    """One sequence's memory in one linear-attention layer; None before its first token."""
+
+    conv: torch.Tensor | None = None  # [C, Kc-1] the last Kc-1 inputs of the conv
+    ssm: torch.Tensor | None = None  # [Hv, Dk, Dv] the recurrent state S per value head
+
+
+class GatedDeltaNet(nn.Module):
     """Gated DeltaNet: causal depthwise conv over [q; k; v] -> SiLU -> L2-normed q, k -> delta rule
-    with per-head decay exp(g) and rate beta -> RMSNorm(o; ssm_norm) * silu(z) -> ssm_out."""
+    with per-head decay exp(g) and rate beta -> RMSNorm(o; ssm_norm) * silu(z) -> ssm_out.
 
-    def __init__(self, cfg: HybridConfig, layer: int, experts: ExpertBackend) -> None:
-        super().__init__(cfg, layer, experts)
-        d, hv, ds = cfg.n_embd, cfg.n_v_heads, cfg.d_state
-        self.attn_qkv = Linear(d, cfg.conv_dim)
-        self.attn_gate = Linear(d, hv * ds)  # z
+    A sequence's prefill runs the chunked form, a one-token step the recurrent form; when every
+    sequence of a call brings one token (decode), their steps run as one batch.
+    """
+
+    GGUF_TRANSPARENT: ClassVar[bool] = True  # tensors are blk.N.attn_qkv, blk.N.ssm_*
+
+    def __init__(self, cfg: HybridConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        d, hk, hv, ds = cfg.n_embd, cfg.n_k_heads, cfg.n_v_heads, cfg.d_state
+        if cfg.fused_qkvz:
+            self.ssm_in = Linear(d, 2 * hk * ds + 2 * hv * ds)
+        else:
+            self.attn_qkv = Linear(d, cfg.conv_dim)
+            self.attn_gate = Linear(d, hv * ds)  # z
         if cfg.fused_ba:
             self.ssm_ba = Linear(d, 2 * hv)
         else:
@@ -330,84 +293,98 @@ class DeltaNetBlock(_Block):
         self.ssm_norm = RMSNorm(ds, cfg.eps)  # not "+1"-shifted
         self.ssm_out = Linear(hv * ds, d)
 
-    def beta_alpha(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Raw b and a [N, Hv] in value-head order."""
-        cfg = self.cfg
-        if not cfg.fused_ba:
-            return self.ssm_beta(x), self.ssm_alpha(x)
-        r = cfg.n_v_heads // cfg.n_k_heads
-        ba = self.ssm_ba(x).view(x.shape[0], cfg.n_k_heads, 2, r)  # per key head [b (r), a (r)]
-        return ba[:, :, 0].reshape(x.shape[0], -1), ba[:, :, 1].reshape(x.shape[0], -1)
+    def new_state(self) -> DeltaNetState:
+        return DeltaNetState()
 
-    def mix(self, x: torch.Tensor, states: Sequence[HybridState], lengths: Sequence[int]) -> torch.Tensor:
-        cfg = self.cfg
-        n = x.shape[0]
-        hk, hv, ds = cfg.n_k_heads, cfg.n_v_heads, cfg.d_state
-        mixed = self.attn_qkv(x)  # [N, C]
-        z = self.attn_gate(x).view(n, hv, ds)
-        b, a = self.beta_alpha(x)
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [N, D] -> conv input [N, C] = [all q; all k; all v], z, raw b and a [N, Hv] (value-head order)."""
+        c, n = self.cfg, x.shape[0]
+        hk, hv, ds = c.n_k_heads, c.n_v_heads, c.d_state
+        r = hv // hk
+        if c.fused_qkvz:
+            # HF's in_proj_qkvz, interleaved per key head as [q (Dk), k (Dk), v (r*Dv), z (r*Dv)].
+            per = self.ssm_in(x).view(n, hk, 2 * ds + 2 * r * ds)
+            q, k, v, z = per.split([ds, ds, r * ds, r * ds], dim=-1)
+            mixed = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
+            z = z.reshape(n, hv * ds)
+        else:
+            mixed, z = self.attn_qkv(x), self.attn_gate(x)
+        if c.fused_ba:
+            ba = self.ssm_ba(x).view(n, hk, 2, r)  # per key head [b (r), a (r)]
+            b, a = ba[:, :, 0].reshape(n, hv), ba[:, :, 1].reshape(n, hv)
+        else:
+            b, a = self.ssm_beta(x), self.ssm_alpha(x)
+        return mixed, z, b, a
+
+    def forward(self, x: torch.Tensor, batch: Batch, states: list[DeltaNetState]) -> torch.Tensor:
+        c, n = self.cfg, x.shape[0]
+        hv, ds = c.n_v_heads, c.d_state
+        mixed, z, b, a = self.project(x)
         beta = torch.sigmoid(b)  # [N, Hv]
-        g = F.softplus(a + self.ssm_dt.bias) * self.ssm_a  # [N, Hv], log of the per-step decay
+        g = F.softplus(a + self.ssm_dt.bias) * self.ssm_a  # [N, Hv] log of the per-step decay
 
-        outs = []
-        start = 0
-        for state, t in zip(states, lengths, strict=True):
-            sl = slice(start, start + t)
-            start += t
-            conv_prev = state.conv.get(self.layer)
-            if conv_prev is None:
-                conv_prev = x.new_zeros(cfg.conv_dim, cfg.conv_kernel - 1)
-            conv_out, state.conv[self.layer] = causal_conv(mixed[sl], conv_prev, self.ssm_conv1d.weight)
-            conv_out = F.silu(conv_out)  # [T, C]
-            q = conv_out[:, : hk * ds].view(t, hk, ds)
-            k = conv_out[:, hk * ds : 2 * hk * ds].view(t, hk, ds)
-            v = conv_out[:, 2 * hk * ds :].view(t, hv, ds)
-            q = l2_norm(q) * (1.0 / math.sqrt(ds))
-            k = l2_norm(k)
-            q, k = self.expand_k_heads(q), self.expand_k_heads(k)  # [T, Hv, Dk]
-            s = state.ssm.get(self.layer)
-            if s is None:
-                s = x.new_zeros(hv, ds, ds)
-            rule = gated_delta_recurrent if t == 1 else gated_delta_chunked
-            o, state.ssm[self.layer] = rule(
-                q.transpose(0, 1),
-                k.transpose(0, 1),
-                v.transpose(0, 1),
-                g[sl].transpose(0, 1),
-                beta[sl].transpose(0, 1),
-                s,
+        for st in states:
+            if st.conv is None or st.ssm is None:
+                st.conv = x.new_zeros(c.conv_dim, c.conv_kernel - 1)
+                st.ssm = x.new_zeros(hv, ds, ds)
+        if all(t == 1 for t in batch.lengths):
+            o = self._decode(mixed, g, beta, states)
+        else:
+            o = torch.cat(
+                [
+                    self._sequence(*parts, st)
+                    for *parts, st in zip(
+                        batch.split(mixed), batch.split(g), batch.split(beta), states, strict=True
+                    )
+                ]
             )
-            outs.append(o.transpose(0, 1))  # [T, Hv, Dv]
-        o = torch.cat(outs, dim=0)  # [N, Hv, Dv]
-        o = self.ssm_norm(o) * F.silu(z)
+        o = self.ssm_norm(o) * F.silu(z.view(n, hv, ds))  # [N, Hv, Dv]
         return self.ssm_out(o.reshape(n, hv * ds))
 
-    def expand_k_heads(self, t: torch.Tensor) -> torch.Tensor:
-        """[T, Hk, Dk] -> [T, Hv, Dk]: the key head each value head reads."""
+    def _sequence(
+        self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, st: DeltaNetState
+    ) -> torch.Tensor:
+        """One sequence's T new tokens: mixed [T, C], g, beta [T, Hv] -> o [T, Hv, Dv]; st advanced."""
+        assert st.conv is not None and st.ssm is not None
+        conv, st.conv = causal_conv(mixed, st.conv, self.ssm_conv1d.weight)
+        q, k, v = self._qkv(F.silu(conv))  # [Hv, T, Dk]
+        rule = gated_delta_recurrent if mixed.shape[0] == 1 else gated_delta_chunked
+        o, st.ssm = rule(q, k, v, g.transpose(0, 1), beta.transpose(0, 1), st.ssm)
+        return o.transpose(0, 1)
+
+    def _decode(
+        self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, states: list[DeltaNetState]
+    ) -> torch.Tensor:
+        """One token of each of B sequences: mixed [B, C] -> o [B, Hv, Dv], all steps as one batch."""
+        prev = torch.stack([st.conv for st in states if st.conv is not None])  # [B, C, Kc-1]
+        inp = torch.cat([prev, mixed.unsqueeze(-1)], dim=-1)  # [B, C, Kc]
+        conv = (inp * self.ssm_conv1d.weight).sum(-1)  # [B, C]
+        q, k, v = self._qkv(F.silu(conv).unsqueeze(1))  # [B, Hv, 1, Dk]
+        s = torch.stack([st.ssm for st in states if st.ssm is not None])  # [B, Hv, Dk, Dv]
+        o, s = gated_delta_recurrent(q, k, v, g.unsqueeze(-1), beta.unsqueeze(-1), s)
+        for i, st in enumerate(states):
+            st.conv, st.ssm = inp[i, :, 1:].clone(), s[i]
+        return o.squeeze(-2)  # [B, Hv, Dv]
+
+    def _qkv(self, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Activated conv output [..., T, C] -> q (L2-normed, scaled), k (L2-normed), v, each [..., Hv, T, D]."""
+        c = self.cfg
+        hk, hv, ds = c.n_k_heads, c.n_v_heads, c.d_state
+        lead = conv.shape[:-1]
+        q = l2_norm(conv[..., : hk * ds].reshape(*lead, hk, ds)) * (1.0 / math.sqrt(ds))
+        k = l2_norm(conv[..., hk * ds : 2 * hk * ds].reshape(*lead, hk, ds))
+        v = conv[..., 2 * hk * ds :].reshape(*lead, hv, ds)
+        q, k = self._expand_k_heads(q), self._expand_k_heads(k)
+        return q.transpose(-2, -3), k.transpose(-2, -3), v.transpose(-2, -3)
+
+    def _expand_k_heads(self, t: torch.Tensor) -> torch.Tensor:
+        """[..., Hk, Dk] -> [..., Hv, Dk]: the key head each value head reads."""
         r = self.cfg.n_v_heads // self.cfg.n_k_heads
         if r == 1:
             return t
         if self.cfg.v_heads_tiled:
-            return t.repeat(1, r, 1)  # value head h <- key head h % Hk
-        return t.repeat_interleave(r, dim=1)  # value head h <- key head h // r
-
-    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: object, **kwargs: object) -> None:
-        # Old qwen3next files carry HF's fused in_proj_qkvz as ssm_in, interleaved per key head as
-        # [q (Dk), k (Dk), v (r*Dv), z (r*Dv)]; split it into attn_qkv = [all q; all k; all v] and
-        # attn_gate = all z, which is the layout newer files store.
-        key = prefix + "ssm_in.weight"
-        if key in state_dict:
-            w = state_dict.pop(key)
-            cfg = self.cfg
-            hk, ds, r = cfg.n_k_heads, cfg.d_state, cfg.n_v_heads // cfg.n_k_heads
-            per = w.view(hk, 2 * ds + 2 * r * ds, -1)
-            q, k, v, z = per.split([ds, ds, r * ds, r * ds], dim=1)
-            d = w.shape[-1]
-            state_dict[prefix + "attn_qkv.weight"] = torch.cat(
-                [q.reshape(-1, d), k.reshape(-1, d), v.reshape(-1, d)], dim=0
-            )
-            state_dict[prefix + "attn_gate.weight"] = z.reshape(-1, d).clone()
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+            return t.repeat(*([1] * (t.dim() - 2)), r, 1)  # value head h <- key head h % Hk
+        return t.repeat_interleave(r, dim=-2)  # value head h <- key head h // r
 
 
 class _Weight(nn.Module):
@@ -424,36 +401,6 @@ class _Bias(nn.Module):
 
 # ---------------------------------------------------------------------------------------------------
 # Pure functions
-
-
-def rope_cos_sin(
-    pos: torch.Tensor, n_rot: int, base: float, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [T, n_rot/2] for positions pos [T]; angles in float64 so long contexts stay exact."""
-    inv_freq = base ** (-torch.arange(0, n_rot, 2, dtype=torch.float64, device=pos.device) / n_rot)
-    angles = pos.to(torch.float64)[:, None] * inv_freq[None, :]
-    return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """NeoX RoPE on the first 2*cos.shape[-1] dims of x [T, heads, Dh]; the rest pass through."""
-    half = cos.shape[-1]
-    c, s = cos[:, None, :], sin[:, None, :]
-    x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s, rest], dim=-1)
-
-
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int) -> torch.Tensor:
-    """q [H, T, Dh] at positions q_start.., k/v [Hkv, P, Dh] at 0..P-1 -> [H, T, Dh] (GQA, causal)."""
-    h, t, dh = q.shape
-    group = h // k.shape[0]
-    k = k.repeat_interleave(group, dim=0)  # query head h reads kv head h // group
-    v = v.repeat_interleave(group, dim=0)
-    scores = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(dh))  # [H, T, P]
-    qpos = torch.arange(q_start, q_start + t, device=q.device)[:, None]
-    kpos = torch.arange(k.shape[1], device=q.device)[None, :]
-    scores = scores.masked_fill(kpos > qpos, float("-inf"))
-    return torch.softmax(scores, dim=-1) @ v
 
 
 def l2_norm(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:

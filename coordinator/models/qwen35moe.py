@@ -14,13 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from swarm.coordinator.models.deltanet import HybridConfig, HybridModel, HybridState
+from swarm.coordinator.experts import ExpertBackend
+from swarm.coordinator.models.deltanet import HybridConfig, HybridModel
 
 ARCH = "qwen35moe"
-
-__all__ = ["ARCH", "Config", "Model", "State"]
-
-State = HybridState
 
 
 @dataclass(frozen=True)
@@ -31,5 +28,5 @@ class Config(HybridConfig):
 
 
 class Model(HybridModel):
-    def __init__(self, cfg: HybridConfig, experts: Any) -> None:
+    def __init__(self, cfg: HybridConfig, experts: ExpertBackend) -> None:
         super().__init__(cfg, experts)

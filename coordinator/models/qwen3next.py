@@ -4,22 +4,20 @@ The same hybrid stack as qwen35moe (deltanet.py), with this arch's file layout:
 - linear-attention value heads stay grouped by key head: value head h reads key head h // (Hv/Hk);
 - beta and alpha come from one matrix `ssm_ba`, laid out per key head as [b (Hv/Hk), a (Hv/Hk)];
 - older files carry HF's fused `ssm_in` (per key head [q, k, v, z]) instead of `attn_qkv` + `attn_gate`;
-  the block splits it when the weights load;
+  the loader picks that layout from the tensor names (`refine_config`);
 - plain NeoX RoPE on `rope.dimension_count` dims.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
-from swarm.coordinator.models.deltanet import HybridConfig, HybridModel, HybridState
+from swarm.coordinator.experts import ExpertBackend
+from swarm.coordinator.models.deltanet import HybridConfig, HybridModel
 
 ARCH = "qwen3next"
-
-__all__ = ["ARCH", "Config", "Model", "State"]
-
-State = HybridState
 
 
 @dataclass(frozen=True)
@@ -29,6 +27,11 @@ class Config(HybridConfig):
         return cls.parse(meta, ARCH, v_heads_tiled=False, fused_ba=True)
 
 
+def refine_config(cfg: Config, tensor_names: Collection[str]) -> HybridConfig:
+    """What the metadata cannot say: the tensor layout of this particular file."""
+    return cfg.for_tensors(tensor_names)
+
+
 class Model(HybridModel):
-    def __init__(self, cfg: HybridConfig, experts: Any) -> None:
+    def __init__(self, cfg: HybridConfig, experts: ExpertBackend) -> None:
         super().__init__(cfg, experts)

@@ -1,0 +1,225 @@
+"""qwen35moe and qwen3next (Gated DeltaNet + gated attention + MoE with shared expert) on the coordinator.
+
+References are the fixtures' independent engines (tests/fixtures/README.md): transformers on the HF
+checkpoint (or on the weights read back from a BF16/quantized GGUF: `hfdq_<q>`) and llama.cpp on the
+GGUF (or on its exact dequantization: `llama_<q>_deq`). Tolerances are tests/reference.py's. The
+expert backend is the in-process one over the file's own expert slabs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from conftest import FIXTURES
+from gguf import GGUFReader, GGUFWriter, Keys
+from reference import assert_logits_close
+
+from swarm.coordinator.experts import LocalExperts
+from swarm.coordinator.loader import load_model
+from swarm.coordinator.models.deltanet import (
+    check_text_rope_sections,
+    gated_delta_chunked,
+    gated_delta_recurrent,
+)
+from swarm.coordinator.models.layers import DecoderModel
+from swarm.node.store import ExpertStore
+from swarm.sharding.gguf_io import GGUFError, open_gguf, read_metadata, tensor_to_numpy
+from swarm.sharding.slabs import slabs_from_gguf
+
+N_PROMPTS = 4
+N_GREEDY = 16
+# Our own two ways of computing the same thing (chunked vs recurrent, batched vs alone) differ only by
+# float32 rounding (~1e-5 on these logits); a real mistake moves logits by 1e-2 or more.
+ATOL_SELF = 1e-4
+
+# (fixture dir, GGUF file, reference prefixes to match). For BF16 / quantized files the references
+# are the engines run on the exactly dequantized weights, as the fixtures' README prescribes.
+VARIANTS = {
+    "qwen35moe-f32": ("qwen35moe-tiny", "model-f32.gguf", ("hf", "llama_f32")),
+    "qwen3next-f32": ("qwen3next-tiny", "model-f32.gguf", ("hf", "llama_f32")),
+    "qwen35moe-bf16": ("qwen35moe-tiny", "model-bf16.gguf", ("hfdq_bf16", "llama_bf16_deq")),
+    "qwen35moe-q8_0": ("qwen35moe-quant", "model-q8_0.gguf", ("hfdq_q8_0", "llama_q8_0_deq")),
+    "qwen35moe-q4_k_m": ("qwen35moe-quant", "model-q4_k_m.gguf", ("hfdq_q4_k_m", "llama_q4_k_m_deq")),
+}
+
+
+def load(path: Path) -> DecoderModel:
+    model, _ = load_model(path, LocalExperts(ExpertStore(slabs_from_gguf(path))), device="cpu")
+    return model
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def variant(request: pytest.FixtureRequest) -> tuple[DecoderModel, Any, tuple[str, ...]]:
+    d, f, refs = VARIANTS[request.param]
+    return load(FIXTURES / d / f), np.load(FIXTURES / d / "reference.npz"), refs
+
+
+def tokens(ref: Any, i: int) -> torch.Tensor:
+    return torch.from_numpy(ref[f"tokens_{i}"].astype(np.int64))
+
+
+def greedy(model: DecoderModel, prompt: torch.Tensor, n: int) -> tuple[list[int], torch.Tensor]:
+    """Prefill, then n greedy tokens fed back one call each: (tokens, the n decode calls' logits)."""
+    state = model.new_state()
+    last = model.run(prompt, state)[-1]
+    out, rows = [], []
+    for _ in range(n):
+        out.append(int(last.argmax()))
+        last = model.run([out[-1]], state)[0]
+        rows.append(last)
+    return out, torch.stack(rows)
+
+
+# --- against the references ------------------------------------------------------------------------
+
+
+def test_prefill_logits_match_both_engines(variant: tuple[DecoderModel, Any, tuple[str, ...]]) -> None:
+    model, ref, refs = variant
+    for i in range(N_PROMPTS):
+        logits = model.run(tokens(ref, i), model.new_state())
+        for r in refs:
+            assert_logits_close(logits, ref[f"{r}_logits_{i}"], f"prompt {i} vs {r}")
+
+
+def test_greedy_decode_matches_both_engines(variant: tuple[DecoderModel, Any, tuple[str, ...]]) -> None:
+    model, ref, refs = variant
+    for i in range(N_PROMPTS):
+        got, rows = greedy(model, tokens(ref, i), N_GREEDY)
+        for r in refs:
+            assert got == ref[f"{r}_greedy_{i}"].tolist(), f"prompt {i}: greedy tokens differ from {r}"
+            assert_logits_close(rows, ref[f"{r}_greedy_logits_{i}"], f"prompt {i} decode vs {r}")
+
+
+# --- our own forms agree with each other ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=["qwen35moe-tiny", "qwen3next-tiny"])
+def f32_model(request: pytest.FixtureRequest) -> tuple[DecoderModel, Any]:
+    return load(FIXTURES / request.param / "model-f32.gguf"), np.load(
+        FIXTURES / request.param / "reference.npz"
+    )
+
+
+def test_prefill_then_decode_equals_one_token_at_a_time(f32_model: tuple[DecoderModel, Any]) -> None:
+    model, ref = f32_model
+    toks = tokens(ref, 1)  # 40 tokens
+    split = 25
+    state = model.new_state()
+    chunked = torch.cat([model.run(toks[:split], state), model.run(toks[split:], state)])
+    state = model.new_state()
+    stepped = torch.cat([model.run(toks[j : j + 1], state) for j in range(len(toks))])
+    torch.testing.assert_close(chunked, stepped, rtol=0, atol=ATOL_SELF)
+    # Both still agree with an independent engine's one-shot prefill.
+    assert_logits_close(stepped, ref["llama_f32_logits_1"], "token-at-a-time vs llama.cpp")
+
+
+def test_batched_sequences_equal_each_alone(f32_model: tuple[DecoderModel, Any]) -> None:
+    model, ref = f32_model
+    a, b = tokens(ref, 0), tokens(ref, 2)
+    alone_a = model.run(a, sa := model.new_state())
+    alone_b = model.run(b, sb := model.new_state())
+    step_a = model.run([7], sa)
+    step_b = model.run([11], sb)
+
+    s1, s2 = model.new_state(), model.new_state()
+    both = model(torch.cat([a, b]), [s1, s2], [len(a), len(b)])
+    torch.testing.assert_close(both[: len(a)], alone_a, rtol=0, atol=ATOL_SELF)
+    torch.testing.assert_close(both[len(a) :], alone_b, rtol=0, atol=ATOL_SELF)
+    # A decode step of both sequences in one call (the batched recurrent path).
+    steps = model(torch.tensor([7, 11]), [s1, s2], [1, 1])
+    torch.testing.assert_close(steps[0], step_a[0], rtol=0, atol=ATOL_SELF)
+    torch.testing.assert_close(steps[1], step_b[0], rtol=0, atol=ATOL_SELF)
+    # A prefill and a decode step mixed in one call.
+    s3, s4 = model.new_state(), model.new_state()
+    model.run(a, s3)
+    mixed = model(torch.cat([torch.tensor([7]), b]), [s3, s4], [1, len(b)])
+    torch.testing.assert_close(mixed[0], step_a[0], rtol=0, atol=ATOL_SELF)
+    torch.testing.assert_close(mixed[1:], alone_b, rtol=0, atol=ATOL_SELF)
+
+
+def test_chunked_delta_rule_equals_recurrent() -> None:
+    gen = torch.Generator().manual_seed(0)
+    h, t, dk, dv = 3, 150, 16, 8  # several chunks and a partial one
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    q = torch.nn.functional.normalize(rnd(h, t, dk), dim=-1) / 4
+    k = torch.nn.functional.normalize(rnd(h, t, dk), dim=-1)
+    v, s0 = rnd(h, t, dv), rnd(h, dk, dv)
+    g = -torch.rand(h, t, generator=gen, dtype=torch.float64) * 3
+    beta = torch.rand(h, t, generator=gen, dtype=torch.float64)
+    o_ref, s_ref = gated_delta_recurrent(q, k, v, g, beta, s0)
+    for chunk in (64, 7, 1):
+        o, s = gated_delta_chunked(q, k, v, g, beta, s0, chunk=chunk)
+        torch.testing.assert_close(o, o_ref, rtol=0, atol=1e-12)
+        torch.testing.assert_close(s, s_ref, rtol=0, atol=1e-12)
+
+
+# --- file layouts ------------------------------------------------------------------------------------
+
+
+def test_mtp_block_left_out_of_the_main_pass() -> None:
+    path = FIXTURES / "qwen35moe-tiny" / "model-f32.gguf"
+    meta = read_metadata(open_gguf(path))
+    assert meta[Keys.LLM.NEXTN_PREDICT_LAYERS.format(arch="qwen35moe")] == 1
+    model = load(path)
+    assert len(model.blk) == meta[Keys.LLM.BLOCK_COUNT.format(arch="qwen35moe")] - 1
+
+
+def test_legacy_fused_ssm_in_layout(tmp_path: Path) -> None:
+    """Older qwen3next files hold HF's in_proj_qkvz as ssm_in, per key head [q, k, v (r heads), z (r
+    heads)], instead of attn_qkv + attn_gate: rebuild the fixture that way, expect the same logits."""
+    src = FIXTURES / "qwen3next-tiny" / "model-f32.gguf"
+    meta = read_metadata(open_gguf(src))
+    hk, hv, ds = (meta[f"qwen3next.ssm.{k}"] for k in ("group_count", "time_step_rank", "state_size"))
+    r = hv // hk
+    reader = GGUFReader(src)
+    dst = tmp_path / "legacy.gguf"
+    writer = GGUFWriter(dst, "qwen3next")
+    copy_metadata(reader, writer)
+    arrays = {t.name: tensor_to_numpy(t) for t in reader.tensors}
+    for name, arr in arrays.items():
+        if name.endswith(".attn_gate.weight"):
+            continue
+        if name.endswith(".attn_qkv.weight"):
+            z = arrays[name.replace("attn_qkv", "attn_gate")]  # [Hv*Dv, D]
+            q, k, v = np.split(arr, [hk * ds, 2 * hk * ds])
+            per_head = [
+                np.concatenate([q[i * ds : (i + 1) * ds], k[i * ds : (i + 1) * ds], v_i, z_i])
+                for i, v_i, z_i in zip(range(hk), np.split(v, hk), np.split(z, hk), strict=True)
+            ]
+            assert per_head[0].shape[0] == 2 * ds + 2 * r * ds
+            writer.add_tensor(name.replace("attn_qkv", "ssm_in"), np.concatenate(per_head))
+        else:
+            writer.add_tensor(name, arr)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    ref = np.load(FIXTURES / "qwen3next-tiny" / "reference.npz")
+    model = load(dst)
+    assert_logits_close(model.run(tokens(ref, 0), model.new_state()), ref["hf_logits_0"], "legacy ssm_in")
+
+
+def copy_metadata(reader: GGUFReader, writer: GGUFWriter) -> None:
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == Keys.General.ARCHITECTURE:
+            continue
+        value_type = field.types[0]
+        sub_type = field.types[-1] if len(field.types) > 1 else None
+        writer.add_key_value(key, field.contents(), value_type, sub_type=sub_type)
+
+
+def test_rope_sections_must_cover_every_rotary_pair() -> None:
+    check_text_rope_sections([11, 11, 10, 0], 64)  # Qwen3.5/3.6: head_dim 256, 64 rotated dims
+    check_text_rope_sections([3, 3, 2, 0], 16)  # the fixture
+    with pytest.raises(GGUFError, match="falls outside"):
+        check_text_rope_sections([2, 2, 2, 2], 16)  # pairs in the 4th (non-text) section
+    with pytest.raises(GGUFError, match="falls outside"):
+        check_text_rope_sections([3, 3, 1, 0], 16)
