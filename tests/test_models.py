@@ -125,6 +125,31 @@ def test_batched_sequences_equal_each_alone(loaded: tuple[str, DecoderModel, Any
     torch.testing.assert_close(last, torch.stack([alone_a[-1], alone_b[-1]]), rtol=0, atol=1e-4)
 
 
+class RecordingExperts:
+    """Wraps a backend and records every call: (layer, rows)."""
+
+    def __init__(self, inner: LocalExperts) -> None:
+        self.inner = inner
+        self.calls: list[tuple[int, int]] = []
+
+    def start(self, layer: int, x: torch.Tensor, ids: torch.Tensor) -> Any:
+        self.calls.append((layer, x.shape[0]))
+        return self.inner.start(layer, x, ids)
+
+
+def test_one_expert_fan_out_per_layer_for_the_whole_batch(loaded: tuple[str, DecoderModel, Any]) -> None:
+    arch, model, ref = loaded
+    original = model.blk[0].moe.experts
+    recorder = RecordingExperts(original)
+    model.set_experts(recorder)
+    try:
+        a, b = tokens(ref, 0), tokens(ref, 3)
+        model(torch.cat([a, b]), [model.new_state(), model.new_state()], [len(a), len(b)])
+    finally:
+        model.set_experts(original)
+    assert recorder.calls == [(layer, len(a) + len(b)) for layer in range(len(model.blk))]
+
+
 # --- layers against direct formulas ---------------------------------------------------------------
 
 
@@ -219,6 +244,17 @@ def test_mtp_block_is_left_out_of_the_main_pass(tmp_path: Path) -> None:
     assert len(model.blk) == 4
     ref = np.load(FIXTURES / "qwen3moe-tiny" / "reference.npz")
     assert_logits_close(model.run(tokens(ref, 3), model.new_state()), ref["hf_logits_3"], "with MTP block")
+
+
+def test_without_output_matrix_the_head_reuses_token_embd(tmp_path: Path) -> None:
+    src = gguf_of("qwen3moe")
+    tied = tmp_path / "tied.gguf"
+    rewrite_gguf(src, tied, keep=lambda n: n != "output.weight")
+    model, _ = load_model(tied, local_experts(src), device="cpu")
+    embd = next(t for t in GGUFReader(src).tensors if t.name == "token_embd.weight")
+    expected = torch.from_numpy(np.array(embd.data, dtype=np.float32))
+    assert torch.equal(model.output.weight, expected)
+    assert torch.equal(model.token_embd.weight, expected)
 
 
 def test_missing_tensor_is_named(tmp_path: Path) -> None:

@@ -275,6 +275,12 @@ class DecoderModel(nn.Module):
     def new_state(self) -> SequenceState:
         return SequenceState(layers=[blk.new_state() for blk in self.blk])
 
+    def set_experts(self, experts: ExpertBackend) -> None:
+        """Swap the expert backend of every MoE layer (in-process <-> swarm) without reloading."""
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.experts = experts
+
     def forward(
         self,
         tokens: torch.Tensor,
