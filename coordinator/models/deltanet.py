@@ -356,11 +356,14 @@ class GatedDeltaNet(nn.Module):
         self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, states: list[DeltaNetState]
     ) -> torch.Tensor:
         """One token of each of B sequences: mixed [B, C] -> o [B, Hv, Dv], all steps as one batch."""
-        prev = torch.stack([st.conv for st in states if st.conv is not None])  # [B, C, Kc-1]
+        convs = [st.conv for st in states if st.conv is not None]
+        ssms = [st.ssm for st in states if st.ssm is not None]
+        # One sequence (the common decode) needs no stacking copy of its states.
+        prev = convs[0].unsqueeze(0) if len(convs) == 1 else torch.stack(convs)  # [B, C, Kc-1]
         inp = torch.cat([prev, mixed.unsqueeze(-1)], dim=-1)  # [B, C, Kc]
         conv = (inp * self.ssm_conv1d.weight).sum(-1)  # [B, C]
         q, k, v = self._qkv(F.silu(conv).unsqueeze(1))  # [B, Hv, 1, Dk]
-        s = torch.stack([st.ssm for st in states if st.ssm is not None])  # [B, Hv, Dk, Dv]
+        s = ssms[0].unsqueeze(0) if len(ssms) == 1 else torch.stack(ssms)  # [B, Hv, Dk, Dv]
         o, s = gated_delta_recurrent(q, k, v, g.unsqueeze(-1), beta.unsqueeze(-1), s)
         for i, st in enumerate(states):
             st.conv, st.ssm = inp[i, :, 1:].clone(), s[i]
@@ -433,13 +436,15 @@ def gated_delta_recurrent(
     Per step: S <- S * exp(g_t); delta = (v_t - S^T k_t) * beta_t; S <- S + k_t delta^T; o_t = S^T q_t.
     Returns (o [..., T, Dv], final S).
     """
-    s = state
+    decay = torch.exp(g)[..., None, None]  # [..., T, 1, 1]
+    s = state * decay[..., 0, :, :]  # a private copy: later steps update it in place
     outs = []
     for t in range(q.shape[-2]):
-        s = s * torch.exp(g[..., t])[..., None, None]
+        if t:
+            s.mul_(decay[..., t, :, :])
         kt = k[..., t, :]
         delta = (v[..., t, :] - (kt.unsqueeze(-2) @ s).squeeze(-2)) * beta[..., t, None]
-        s = s + kt.unsqueeze(-1) * delta.unsqueeze(-2)
+        s.addcmul_(kt.unsqueeze(-1), delta.unsqueeze(-2))
         outs.append((q[..., t, :].unsqueeze(-2) @ s).squeeze(-2))
     return torch.stack(outs, dim=-2), s
 
