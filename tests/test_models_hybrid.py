@@ -28,7 +28,8 @@ from swarm.coordinator.models.deltanet import (
 from swarm.coordinator.models.layers import DecoderModel
 from swarm.node.store import ExpertStore
 from swarm.sharding.gguf_io import GGUFError, open_gguf, read_metadata, tensor_to_numpy
-from swarm.sharding.slabs import slabs_from_gguf
+from swarm.sharding.shard import shard_model
+from swarm.sharding.slabs import slabs_from_gguf, slabs_from_shard
 
 N_PROMPTS = 4
 N_GREEDY = 16
@@ -169,6 +170,20 @@ def test_mtp_block_left_out_of_the_main_pass() -> None:
     assert meta[Keys.LLM.NEXTN_PREDICT_LAYERS.format(arch="qwen35moe")] == 1
     model = load(path)
     assert len(model.blk) == meta[Keys.LLM.BLOCK_COUNT.format(arch="qwen35moe")] - 1
+
+
+def test_shard_directory_gives_the_same_logits(tmp_path: Path) -> None:
+    """dense.gguf + slab files of `swarm shard` (MTP block included) run exactly like the whole file."""
+    src = FIXTURES / "qwen35moe-tiny" / "model-f32.gguf"
+    out = tmp_path / "shard"
+    shard_model(src, out)
+    slabs, problems = slabs_from_shard(out)
+    assert problems == []
+    sharded, _ = load_model(out, LocalExperts(ExpertStore(slabs)), device="cpu")
+    whole = load(src)
+    ref = np.load(FIXTURES / "qwen35moe-tiny" / "reference.npz")
+    prompt = tokens(ref, 2)
+    assert torch.equal(sharded.run(prompt, sharded.new_state()), whole.run(prompt, whole.new_state()))
 
 
 def test_legacy_fused_ssm_in_layout(tmp_path: Path) -> None:
