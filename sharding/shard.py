@@ -4,17 +4,18 @@ One sequential pass over the source: every byte is read once into a small reused
 output file and hashed on a second thread (hashlib releases the GIL), so memory stays flat whatever the
 model size and the hashing overlaps the I/O.
 
-Atomicity and resume. Every file is written under a `.tmp-PID` name, fsync'ed and renamed. A slab file's
+Atomicity and resume. Every file is written under a `.tmp-PID` name and renamed. A slab file's
 header carries the model fingerprint, which is known only once the whole model has been read; so slab
 files are first completed as `<expert>.gguf.pending` with a placeholder fingerprint of the same length,
 and recorded in a journal (`.shard-journal.jsonl`: the source's identity, then one line per finished
 file with its data hash). Once every byte is hashed, the real header is written into each pending file,
-which is renamed to `<expert>.gguf`; the manifest comes last. No file verifies before the manifest names
+which is renamed to `<expert>.gguf`; the file system is flushed (syncfs) and the manifest comes last. No file verifies before the manifest names
 it, and a rerun skips every journaled or manifest-listed file whose bytes still hash right.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import hashlib
 import json
@@ -55,7 +56,6 @@ from swarm.sharding.manifest import (
     Manifest,
     SlabEntry,
     SourceInfo,
-    fsync_dir,
     read_manifest,
     slab_relpath,
     write_manifest,
@@ -188,8 +188,9 @@ class Pump:
         self.fd = os.open(source, os.O_RDONLY)
         self.progress = progress
         self.free: queue.Queue[memoryview] = queue.Queue()
+        self.chunk = min(CHUNK, max(os.fstat(self.fd).st_size, 1))
         for _ in range(N_BUFFERS):
-            self.free.put(memoryview(bytearray(CHUNK)))
+            self.free.put(memoryview(bytearray(self.chunk)))
         self.jobs: queue.Queue[tuple[list[Any], memoryview, memoryview | None] | None] = queue.Queue()
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._hash_loop, name="shard-hash", daemon=True)
@@ -217,7 +218,7 @@ class Pump:
         """Source bytes [offset, offset+length) to `out_fd` (None: only hash them), fed to `hashers`."""
         while length > 0:
             buf = self.free.get()
-            n = os.preadv(self.fd, [buf[: min(CHUNK, length)]], offset)
+            n = os.preadv(self.fd, [buf[: min(self.chunk, length)]], offset)
             if n <= 0:
                 self.free.put(buf)
                 raise GGUFError(f"source ended early at byte {offset}; the file is truncated")
@@ -501,6 +502,9 @@ def shard_model(
         extra={"source_mtime_ns": src.mtime_ns, "dense_data_sha256": dense_data_sha},
     )
     try:
+        # One flush of the whole file system instead of an fsync per file (thousands of slabs): until the
+        # manifest exists nothing verifies, and the manifest is written only once every file is durable.
+        _syncfs(out)
         write_manifest(out, manifest)
         (out / JOURNAL_NAME).unlink(missing_ok=True)
     except OSError as e:
@@ -568,7 +572,6 @@ def _write_slab(
         write_all(fd, head)
         _pump_slab(src, pump, layer, expert, fd, hashers)
         pump.drain()
-        os.fsync(fd)
     except BaseException:
         os.close(fd)
         tmp.unlink(missing_ok=True)
@@ -632,7 +635,6 @@ def _seal_slabs(
             fd = os.open(pending, os.O_WRONLY)
             try:
                 os.pwrite(fd, head, 0)
-                os.fsync(fd)
             finally:
                 os.close(fd)
             os.replace(pending, final)
@@ -646,8 +648,6 @@ def _seal_slabs(
             header_sha256=hashlib.sha256(head).hexdigest(),
             sha256=slab_sha[key],
         )
-    for d in dirs:
-        fsync_dir(d)
     return entries
 
 
@@ -688,14 +688,12 @@ def _do_dense(
                 write_all(fd, zeros)
                 pump.hash_bytes([file_h], zeros)
         pump.drain()
-        os.fsync(fd)
     except BaseException:
         os.close(fd)
         tmp.unlink(missing_ok=True)
         raise
     os.close(fd)
     os.replace(tmp, path)
-    fsync_dir(out)
     entry = FileEntry(DENSE_NAME, size, file_h.hexdigest())
     journal.append({"dense": {"sha256": entry.sha256, "data_sha256": data_h.hexdigest()}})
     return entry, data_h.hexdigest(), 1
@@ -720,6 +718,19 @@ def _bytes_present(
     except FileNotFoundError:
         pass
     return n
+
+
+def _syncfs(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.syncfs(fd) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err), str(directory))
+    except AttributeError:  # no syncfs (not Linux): flush everything
+        os.sync()
+    finally:
+        os.close(fd)
 
 
 def _remove_stale_temps(out: Path) -> None:
