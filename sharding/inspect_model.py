@@ -119,10 +119,15 @@ def format_survey(s: ModelSurvey) -> str:
     ]
     if s.dense_qtypes:
         rows.append(("dense quant types", qt(s.dense_qtypes)))
+    other = s.file_bytes - s.expert_bytes - s.dense_bytes
     rows += [
         ("file size", human(s.file_bytes)),
         ("experts", f"{human(s.expert_bytes)} ({100 * s.expert_bytes / s.file_bytes:.1f} % of the file)"),
-        ("dense path", f"{human(s.dense_bytes)} ({100 * s.dense_bytes / s.file_bytes:.1f} % of the file)"),
+        (
+            "dense path" if s.dense_qtypes else "dense path + metadata",
+            f"{human(s.dense_bytes)} ({100 * s.dense_bytes / s.file_bytes:.1f} % of the file)",
+        ),
+        *([("metadata (tokenizer, ...)", f"{human(other)}")] if s.dense_qtypes else []),
         ("bytes per (layer, expert) slab", slab),
         ("slabs", f"{s.n_slabs:,} ({s.moe_layers} layers x {s.n_expert} experts)"),
     ]

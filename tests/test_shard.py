@@ -558,3 +558,24 @@ def test_manifest_facts(tmp_path):
         assert len(b) == s.size
         assert hashlib.sha256(b[: s.data_offset]).hexdigest() == s.header_sha256
         assert hashlib.sha256(b[s.data_offset :]).hexdigest() == s.sha256
+
+
+SYNTH_PRESETS = ("qwen35moe-tiny", "qwen3next-tiny", "qwen2moe-tiny", "qwen3moe-tiny")
+
+
+def _synth_cases() -> list[tuple[str, str]]:
+    from swarm.sharding.synth import EXPERT_TYPES
+
+    return [(t, SYNTH_PRESETS[i % len(SYNTH_PRESETS)]) for i, t in enumerate(EXPERT_TYPES)]
+
+
+@pytest.mark.parametrize("qtype,like", _synth_cases())
+def test_synth_models_in_every_quant_type(tmp_path, qtype, like):
+    from swarm.sharding.synth import preset, synthesize
+
+    src = synthesize(tmp_path / "m.gguf", preset(like, experts_type=qtype))
+    out = tmp_path / "out"
+    shard_model(src, out)
+    check_shard_against_source(src, out)
+    assert {t.qtype for t in read_manifest(out).expert_tensors} == {qtype}
+    assert verify_shard(out, src) == []
