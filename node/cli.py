@@ -129,7 +129,6 @@ def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
 
 
 def run_node(args: argparse.Namespace) -> int:
-    from swarm.node.discovery import Advertiser, default_mdns_interfaces, node_properties
     from swarm.node.server import NodeServer
     from swarm.node.source import load_slabs
     from swarm.node.store import ExpertStore
@@ -193,6 +192,8 @@ def run_node(args: argparse.Namespace) -> int:
         )
     advertiser = None
     if not args.no_mdns:
+        from swarm.node.discovery import Advertiser, default_mdns_interfaces, node_properties
+
         interfaces = args.mdns_interface if args.mdns_interface else default_mdns_interfaces(args.host)
         props = node_properties(
             loaded.fingerprint, store.held(), store.hidden_size or 0, memory, args.workers, str(store.device)

@@ -1,0 +1,135 @@
+"""Start `swarm node` processes on this machine and stop them again (tests, benchmarks, `swarm demo`).
+
+    nodes = start_nodes([("model.gguf", ["--experts", "0-3"]), ("model.gguf", ["--experts", "4-7"])], workdir)
+    ... NodeClient(nodes[0].address) ...
+    for n in nodes: n.stop()
+
+Each node runs `python -m swarm.coordinator.cli node SOURCE --port 0 --ready-file ...` with its output in
+a log file under `workdir` (no pipes to fill up); start_nodes spawns them all first and then waits, so
+their start-up overlaps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class LocalNode:
+    process: subprocess.Popen
+    ready_file: Path
+    log_file: Path
+    ready: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def address(self) -> str:
+        return str(self.ready["address"])
+
+    @property
+    def port(self) -> int:
+        return int(self.ready["port"])
+
+    @property
+    def fingerprint(self) -> str:
+        return str(self.ready["fingerprint"])
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def log_tail(self, n: int = 20) -> str:
+        try:
+            return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def wait_ready(self, timeout: float) -> LocalNode:
+        deadline = time.monotonic() + timeout
+        while not self.ready_file.exists():
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"swarm node exited with code {self.process.returncode} before serving:\n{self.log_tail()}"
+                )
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"swarm node not serving after {timeout} s:\n{self.log_tail()}")
+            time.sleep(0.02)
+        self.ready = json.loads(self.ready_file.read_text())
+        return self
+
+    def stop(self, timeout: float = 10.0) -> int:
+        """SIGTERM (clean goodbye), then SIGKILL if it has not exited after `timeout` s; the exit code."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+
+def spawn_node(
+    source: str | Path, args: Sequence[str], workdir: Path, name: str, env: dict[str, str] | None = None
+) -> LocalNode:
+    """Start one node process (not waiting for it); its ready file and log live in workdir."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    ready = workdir / f"{name}.ready.json"
+    log = workdir / f"{name}.log"
+    ready.unlink(missing_ok=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "swarm.coordinator.cli",
+        "node",
+        str(source),
+        "--port",
+        "0",
+        "--ready-file",
+        str(ready),
+        *args,
+    ]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
+        )
+    return LocalNode(proc, ready, log)
+
+
+def start_nodes(
+    specs: Sequence[tuple[str | Path, Sequence[str]]],
+    workdir: Path,
+    timeout: float = 60.0,
+    prefix: str = "node",
+) -> list[LocalNode]:
+    """Spawn every (source, extra args) node, then wait until all serve; stops them all if one fails."""
+    nodes = [spawn_node(src, args, workdir, f"{prefix}{i}") for i, (src, args) in enumerate(specs)]
+    try:
+        for n in nodes:
+            n.wait_ready(timeout)
+    except BaseException:
+        for n in nodes:
+            n.stop()
+        raise
+    return nodes
+
+
+def stop_nodes(nodes: Sequence[LocalNode], timeout: float = 10.0) -> list[int]:
+    """SIGTERM every node at once (their shutdowns overlap), then wait for each; the exit codes."""
+    for n in nodes:
+        if n.process.poll() is None:
+            n.process.send_signal(signal.SIGTERM)
+    return [n.stop(timeout) for n in nodes]

@@ -1,0 +1,339 @@
+"""`swarm node` as real processes on 127.0.0.1: every expert quant type against gguf's own dequantizer.
+
+Five node processes start once for the module (in parallel):
+- `mixed`: a GGUF built here whose layer i holds the experts of a `swarm synth` model of quant type
+  EXPERT_TYPES[i] (all 11 types in one node), under a 1 MiB --memory budget (one expert resident).
+- the reference fixtures: qwen35moe-tiny F32 (with a swarm key) and BF16, qwen35moe-quant Q4_K_M (real
+  llama.cpp Q4_K/Q6_K blocks, held slab by slab), and Q8_0 served from a `swarm shard` directory with
+  one slab corrupted on purpose.
+The reference for every output is the expert computed in float64 from gguf.quants.dequantize of the
+original model's stacked tensor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from functools import cache
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from conftest import FIXTURES
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+from gguf.quants import dequantize as gguf_dequantize
+
+from swarm.coordinator.cli import main
+from swarm.node.client import NodeCallError, NodeClient
+from swarm.node.launch import start_nodes, stop_nodes
+from swarm.proto import expert_pb2 as pb
+from swarm.proto import expert_pb2_grpc as pb_grpc
+from swarm.proto.channel import MAX_MESSAGE_BYTES
+from swarm.proto.codec import compute_request
+from swarm.sharding.manifest import read_manifest
+from swarm.sharding.shard import shard_model
+from swarm.sharding.synth import EXPERT_TYPES, preset, synthesize
+
+pytestmark = pytest.mark.slow  # one module-wide start of five node processes (~10 s on 2 cores)
+
+KEY = "test-swarm-key"
+F32_GGUF = FIXTURES / "qwen35moe-tiny" / "model-f32.gguf"
+BF16_GGUF = FIXTURES / "qwen35moe-tiny" / "model-bf16.gguf"
+Q4KM_GGUF = FIXTURES / "qwen35moe-quant" / "model-q4_k_m.gguf"
+Q80_GGUF = FIXTURES / "qwen35moe-quant" / "model-q8_0.gguf"
+MIXED_BUDGET = 1 << 20
+CORRUPT_SLAB = (1, 2)
+Q = GGMLQuantizationType
+
+
+def build_mixed_gguf(tmp: Path) -> Path:
+    """One GGUF whose layer i has the stacked experts (bytes as synth wrote them) of quant type EXPERT_TYPES[i]."""
+    out = tmp / "mixed.gguf"
+    w = GGUFWriter(out, "qwen3moe")
+    for layer, qtype in enumerate(EXPERT_TYPES):
+        src = tmp / f"synth-{qtype}.gguf"
+        synthesize(
+            src, preset("qwen3moe-tiny", n_layers=1, n_expert=4, experts_type=qtype, n_vocab=300, seed=layer)
+        )
+        for t in GGUFReader(src).tensors:
+            if "_exps" not in t.name:
+                continue
+            name = t.name.replace("blk.0.", f"blk.{layer}.")
+            typed = t.tensor_type in (Q.F32, Q.F16)  # the reader gives these as typed arrays, others as bytes
+            w.add_tensor(name, np.array(t.data), raw_dtype=None if typed else t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    tmp = tmp_path_factory.mktemp("models")
+    shard = tmp / "q8_0.swarm"
+    shard_model(Q80_GGUF, shard)
+    entry = read_manifest(shard).slab(*CORRUPT_SLAB)
+    with open(shard / entry.path, "r+b") as f:  # flip one byte of the tensor data
+        f.seek(entry.data_offset + 10)
+        b = f.read(1)
+        f.seek(entry.data_offset + 10)
+        f.write(bytes([b[0] ^ 0xFF]))
+    return {"mixed": build_mixed_gguf(tmp), "q8_0_shard": shard}
+
+
+@pytest.fixture(scope="module")
+def nodes(models, tmp_path_factory):
+    specs = {
+        "mixed": (models["mixed"], ["--no-mdns", "--memory", str(MIXED_BUDGET)]),
+        "f32": (F32_GGUF, ["--no-mdns", "--key", KEY]),
+        "bf16": (BF16_GGUF, ["--no-mdns", "--experts", "0-7", "--layers", "0-3"]),
+        "q4km": (Q4KM_GGUF, ["--no-mdns", "--slab", "0:0-3", "--slab", "3:5", "--workers", "4"]),
+        "q8_0": (models["q8_0_shard"], ["--no-mdns", "--experts", "0-3", "--layers", "0-1"]),
+    }
+    started = start_nodes(list(specs.values()), tmp_path_factory.mktemp("nodes"))
+    procs = dict(zip(specs, started, strict=True))
+    yield procs
+    codes = stop_nodes(list(procs.values()))
+    assert codes == [0] * len(codes), [p.log_tail() for p in procs.values()]
+
+
+@pytest.fixture(scope="module")
+def clients(nodes):
+    out = {
+        name: NodeClient(n.address, fingerprint=n.fingerprint, key=KEY if name == "f32" else None)
+        for name, n in nodes.items()
+    }
+    yield out
+    for c in out.values():
+        c.close()
+
+
+@cache
+def _stacked(path: Path, layer: int) -> dict[str, np.ndarray]:
+    reader = GGUFReader(path)
+    out = {}
+    for kind in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
+        t = next(t for t in reader.tensors if t.name == f"blk.{layer}.{kind}.weight")
+        out[kind] = np.asarray(gguf_dequantize(t.data, t.tensor_type), dtype=np.float64)  # [E, rows, cols]
+    return out
+
+
+def reference(path: Path, layer: int, expert: int, x: np.ndarray) -> np.ndarray:
+    """down(silu(gate x) * up x) in float64 from gguf's dequantization of the whole stacked tensors."""
+    w = _stacked(path, layer)
+    x = np.asarray(x, dtype=np.float64)
+    a = x @ w["ffn_gate_exps"][expert].T
+    b = x @ w["ffn_up_exps"][expert].T
+    return ((a / (1.0 + np.exp(-a))) * b) @ w["ffn_down_exps"][expert].T
+
+
+def rel_err(out: torch.Tensor, ref: np.ndarray) -> float:
+    return float(np.abs(out.double().numpy() - ref).max() / np.abs(ref).max())
+
+
+def check_call(client, path, layer, experts, counts, d, seed=0, dtype=torch.float32, tol=1e-5):
+    rng = np.random.default_rng(seed)
+    x = torch.from_numpy(rng.standard_normal((sum(counts), d)).astype(np.float32)).to(dtype)
+    out = client.compute(layer, experts, counts, x, timeout=30)
+    assert out.dtype == dtype and out.shape == x.shape
+    start = 0
+    for e, n in zip(experts, counts, strict=True):
+        ref = reference(path, layer, e, x[start : start + n].double().numpy())
+        err = rel_err(out[start : start + n], ref)
+        assert err <= tol, f"layer {layer} expert {e}: relative error {err:.3g} > {tol}"
+        start += n
+    return x, out
+
+
+# (node, reference GGUF, layer, experts, D): every quant type of the issue, each against its original GGUF.
+CASES = [
+    *[
+        pytest.param("mixed", None, layer, [0, 1, 2, 3], 256, id=f"synth-{q}")
+        for layer, q in enumerate(EXPERT_TYPES)
+    ],
+    pytest.param("f32", F32_GGUF, 2, [0, 5, 31], 64, id="fixture-F32"),
+    pytest.param("bf16", BF16_GGUF, 1, [7, 3, 4], 64, id="fixture-BF16"),
+    pytest.param("q4km", Q4KM_GGUF, 0, [0, 1, 2, 3], 256, id="fixture-Q4_K_M"),
+    pytest.param("q8_0", Q80_GGUF, 1, [0, 1, 3], 256, id="fixture-Q8_0-from-shard"),
+]
+
+
+@pytest.mark.parametrize(("node", "path", "layer", "experts", "d"), CASES)
+def test_outputs_match_gguf_dequantization_in_float64(clients, models, node, path, layer, experts, d):
+    path = path or models["mixed"]
+    counts = [3, 1, 2, 5][: len(experts)]
+    check_call(clients[node], path, layer, experts, counts, d, seed=layer)
+
+
+def test_mixed_gguf_has_every_quant_type(models):
+    types = {t.name: t.tensor_type.name for t in GGUFReader(models["mixed"]).tensors}
+    for layer, q in enumerate(EXPERT_TYPES):
+        assert types[f"blk.{layer}.ffn_gate_exps.weight"] == q
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float16, 1e-3), (torch.bfloat16, 8e-3)])
+def test_half_precision_wire(clients, models, dtype, tol):
+    # Rows and outputs rounded to the wire dtype: error of one output rounding against the exact result.
+    check_call(
+        clients["mixed"],
+        models["mixed"],
+        EXPERT_TYPES.index("Q4_K"),
+        [1, 2],
+        [4, 3],
+        256,
+        dtype=dtype,
+        tol=tol,
+    )
+
+
+def test_batching_several_experts_equals_one_by_one(clients):
+    c = clients["q4km"]
+    counts = [2, 3, 1, 4]
+    x = torch.randn(sum(counts), 256)
+    together = c.compute(0, [0, 1, 2, 3], counts, x)
+    start = 0
+    for e, n in zip([0, 1, 2, 3], counts, strict=True):
+        alone = c.compute(0, [e], [n], x[start : start + n])
+        assert torch.equal(alone, together[start : start + n]), f"expert {e}"
+        start += n
+
+
+def test_memory_budget_smaller_than_held_set_evicts_and_stays_correct(clients, models):
+    c = clients["mixed"]
+    layer = EXPERT_TYPES.index("IQ2_XS")
+    before = c.stats()
+    _, first = check_call(c, models["mixed"], layer, [0, 1, 2, 3], [1, 2, 1, 2], 256, seed=7)
+    _, second = check_call(c, models["mixed"], layer, [0, 1, 2, 3], [1, 2, 1, 2], 256, seed=7)
+    assert torch.equal(first, second)
+    after = c.stats()
+    # The budget holds one expert: each of the 8 expert computations above needed a fresh dequantization.
+    assert after.cache_misses - before.cache_misses >= 8
+    assert after.cache_evictions - before.cache_evictions >= 7
+    assert after.cache_bytes <= MIXED_BUDGET
+    assert c.info().memory_budget_bytes == MIXED_BUDGET
+
+
+def test_concurrent_calls_are_all_correct(clients, models):
+    c = clients["mixed"]
+    rng = np.random.default_rng(3)
+    calls = []
+    for i in range(12):
+        layer = i % len(EXPERT_TYPES)
+        x = torch.from_numpy(rng.standard_normal((5, 256)).astype(np.float32))
+        calls.append((layer, x, c.compute_async(layer, [i % 4, (i + 1) % 4], [2, 3], x, timeout=60)))
+    for i, (layer, x, call) in enumerate(calls):
+        out = call.result()
+        for e, rows in ((i % 4, slice(0, 2)), ((i + 1) % 4, slice(2, 5))):
+            assert rel_err(out[rows], reference(models["mixed"], layer, e, x[rows].double().numpy())) <= 1e-5
+
+
+def test_shard_dir_refuses_the_corrupted_slab_by_name_and_serves_the_rest(nodes, clients):
+    log = nodes["q8_0"].log_tail(50)
+    layer, expert = CORRUPT_SLAB
+    assert re.search(rf"refused layer {layer} expert {expert}: .*SHA-256 mismatch", log), log
+    info = clients["q8_0"].info()
+    assert info.held == {(la, e) for la in (0, 1) for e in range(4)} - {CORRUPT_SLAB}
+    with pytest.raises(NodeCallError) as e:
+        clients["q8_0"].compute(layer, [expert], [1], torch.randn(1, 256))
+    assert e.value.code == grpc.StatusCode.NOT_FOUND and str(expert) in e.value.details
+
+
+def test_info_describes_the_node(nodes, clients, models):
+    info = clients["q4km"].info()
+    assert info.held == {(0, e) for e in range(4)} | {(3, 5)}
+    reader = GGUFReader(Q4KM_GGUF)
+    header = Q4KM_GGUF.read_bytes()[: reader.data_offset]
+    assert info.fingerprint == nodes["q4km"].fingerprint == hashlib.sha256(header).hexdigest()
+    assert (info.hidden_size, info.protocol_version, info.device, info.workers) == (256, 1, "cpu", 4)
+    assert clients["q8_0"].info().fingerprint == read_manifest(models["q8_0_shard"]).fingerprint
+    assert clients["q4km"].health()
+
+
+def test_stats_count_calls_rows_and_experts(clients):
+    c = clients["q4km"]
+    before = c.stats()
+    for _ in range(2):
+        c.compute(3, [5], [4], torch.randn(4, 256))
+    after = c.stats()
+    assert after.calls - before.calls == 2 and after.rows - before.rows == 8
+    assert after.experts[(3, 5)][0] - before.experts.get((3, 5), (0, 0))[0] == 2
+    assert after.experts[(3, 5)][1] - before.experts.get((3, 5), (0, 0))[1] == 8
+    assert after.busy_seconds > before.busy_seconds and after.uptime_seconds > 0
+
+
+def _code(fn) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(NodeCallError) as e:
+        fn()
+    return e.value.code, e.value.details
+
+
+def test_bad_calls_get_status_codes_and_the_node_keeps_serving(nodes, clients):
+    c = clients["q4km"]
+    x1 = torch.randn(1, 256)
+    errors_before = c.stats().errors
+    code, msg = _code(lambda: c.compute(9, [0], [1], x1))
+    assert code == grpc.StatusCode.NOT_FOUND and "layer 9" in msg
+    code, msg = _code(lambda: c.compute(0, [2, 6, 7], [1, 0, 0], x1))
+    assert code == grpc.StatusCode.NOT_FOUND and "6-7" in msg and "layer 0" in msg
+    code, msg = _code(lambda: c.compute(0, [0], [2], x1))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "sum to 2" in msg
+    code, _ = _code(lambda: c.compute(0, [0, 1], [1], x1))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    code, msg = _code(lambda: c.compute(0, [0], [1], torch.randn(1, 255)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "255" in msg
+    other = NodeClient(nodes["q4km"].address, fingerprint="0" * 64)
+    code, msg = _code(lambda: other.compute(0, [0], [1], x1))
+    other.close()
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "0" * 64 in msg
+
+    with grpc.insecure_channel(
+        nodes["q4km"].address, options=[("grpc.max_send_message_length", 2 * MAX_MESSAGE_BYTES)]
+    ) as ch:
+        stub = pb_grpc.ExpertNodeStub(ch)
+        bad = compute_request(0, [0], [1], x1)
+        bad.rows.data = bad.rows.data[:-4]
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Compute(bad, timeout=10)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "bytes" in e.value.details()
+        bad = compute_request(0, [0], [1], x1)
+        bad.rows.dtype = pb.DTYPE_UNSPECIFIED
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Compute(bad, timeout=10)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        n = MAX_MESSAGE_BYTES // (256 * 2) + 1  # f16 rows just over the limit
+        huge = compute_request(0, [0], [n], torch.zeros(n, 256, dtype=torch.float16))
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Compute(huge, timeout=30)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    assert c.stats().errors - errors_before == 8  # every refusal above except the oversized message
+    assert nodes["q4km"].process.poll() is None
+    check_call(c, Q4KM_GGUF, 0, [1], [2], 256)
+
+
+def test_swarm_key_is_required_except_for_health(nodes, clients):
+    addr = nodes["f32"].address
+    for key in (None, "wrong"):
+        c = NodeClient(addr, key=key)
+        code, msg = _code(lambda c=c: c.compute(0, [0], [1], torch.randn(1, 64)))
+        assert code == grpc.StatusCode.UNAUTHENTICATED and "key" in msg
+        code, _ = _code(c.info)
+        assert code == grpc.StatusCode.UNAUTHENTICATED
+        assert c.health()
+        c.close()
+    assert clients["f32"].info().hidden_size == 64
+
+
+def test_cli_user_errors_are_one_line(tmp_path, capsys):
+    assert main(["node", str(tmp_path / "missing.gguf")]) == 2
+    assert main(["node", str(Q4KM_GGUF), "--slab", "3"]) == 2
+    assert main(["node", str(Q4KM_GGUF), "--memory", "lots"]) == 2
+    assert main(["node", str(Q4KM_GGUF), "--experts", "40-50", "--no-mdns"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert [line.split(":")[0] for line in err if not line.startswith("swarm node: refused")] == [
+        "swarm node"
+    ] * 4
+    assert "no such file" in err[0] and "LAYER:EXPERT" in err[1] and "4GiB" in err[2]
