@@ -22,6 +22,7 @@ import functools
 import json
 import logging
 import os
+import shutil
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -643,6 +644,12 @@ def synthesize(path: str | Path, spec: SynthSpec, progress: bool = False) -> Pat
         raise UserError(f"{path.parent}: no such directory; create it first")
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     total = sum(t.n_bytes for t in plan)
+    free = shutil.disk_usage(path.parent).free
+    if total > free:
+        raise UserError(
+            f"{path}: needs {total / 2**30:.1f} GiB but only {free / 2**30:.1f} GiB are free there; "
+            "use fewer --layers or --experts, a smaller --experts-type, or another disk"
+        )
     logger.info("writing %s: %s, %d tensors, %.1f MiB", path, spec.arch, len(plan), total / 2**20)
     try:
         w = GGUFWriter(tmp, spec.arch)

@@ -43,15 +43,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("output", metavar="OUT.gguf", help="file to write (written to a temp name, then renamed)")
     p.add_argument(
         "--like",
-        default="qwen3.6-35b-a3b",
+        required=True,
         choices=sorted(PRESETS),
-        help="preset layout to copy (default %(default)s); the *-tiny ones are small enough for tests",
+        help="preset layout to copy; the real ones have all their layers (qwen3.6-35b-a3b: 40 layers, "
+        "about 20 GB at Q4_K) unless --layers says fewer; the *-tiny ones are small enough for tests",
     )
     p.add_argument(
         "--layers", type=int, help="number of layers (default: the preset's; real models have 24-48)"
     )
     p.add_argument(
-        "--experts-type", choices=EXPERT_TYPES, help="ggml type of the expert tensors (default Q4_K)"
+        "--experts-type",
+        choices=EXPERT_TYPES,
+        help="ggml type of the expert tensors (default Q4_K; Q8_0 for qwen1.5-moe-a2.7b, whose expert width 1408 is not a multiple of 256)",
     )
     p.add_argument(
         "--dense-type",
