@@ -1,9 +1,289 @@
-"""Subcommands of this part (see swarm.coordinator.cli)."""
+"""Coordinator subcommands: `swarm run`, `swarm logits`, `swarm perplexity`, `swarm demo`."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+from typing import Any
+
+from swarm.sharding.errors import UserError
+
+
+def add_swarm_args(p: argparse.ArgumentParser) -> None:
+    """Where the experts are computed: here (--local) or on nodes found by mDNS / given as peers."""
+    g = p.add_argument_group("swarm")
+    g.add_argument("--local", action="store_true", help="compute the experts in this process (no nodes)")
+    g.add_argument(
+        "--peer", action="append", default=[], metavar="HOST:PORT", help="a node to use (repeatable)"
+    )
+    g.add_argument("--no-mdns", action="store_true", help="do not look for nodes by mDNS; use --peer only")
+    g.add_argument(
+        "--mdns-interface",
+        action="append",
+        default=None,
+        metavar="ADDR",
+        help="interface address to browse mDNS on (repeatable; default all)",
+    )
+    g.add_argument("--wait", type=float, default=3.0, help="seconds to wait for nodes to cover every expert")
+    g.add_argument(
+        "--wire", choices=["f32", "f16", "bf16"], default="f32", help="precision of rows on the wire"
+    )
+    g.add_argument("--timeout", type=float, default=30.0, help="seconds before a node call fails over")
+    g.add_argument("--key", default=os.environ.get("SWARM_KEY"), help="swarm key (default: $SWARM_KEY)")
+    g.add_argument(
+        "--device", default=None, help="torch device for the dense path (default: cuda if present)"
+    )
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="0 = no limit")
+    g.add_argument("--seed", type=int, default=None)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    """Add this part's subcommands to the `swarm` parser."""
+    p = sub.add_parser(
+        "run", help="answer a prompt in the terminal", description="Answer a prompt, streaming."
+    )
+    p.add_argument("model", metavar="DIR_OR_GGUF", help="shard directory or .gguf model")
+    p.add_argument("--prompt", required=True, help="the prompt text")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--system", default=None, help="system message (with --chat)")
+    add_sampling_args(p)
+    add_swarm_args(p)
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("logits", help="write logits at every position to a .npy file")
+    p.add_argument("model", metavar="DIR_OR_GGUF")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--tokens", help="comma-separated token ids")
+    src.add_argument("--prompt", help="text to tokenize")
+    p.add_argument("-o", "--output", required=True, help="output .npy ([T, V] float32)")
+    add_swarm_args(p)
+    p.set_defaults(func=cmd_logits)
+
+    p = sub.add_parser("perplexity", help="perplexity of a text file")
+    p.add_argument("model", metavar="DIR_OR_GGUF")
+    p.add_argument("text", metavar="FILE.txt")
+    p.add_argument("--ctx", type=int, default=512, help="tokens per evaluation window")
+    p.add_argument("--max-chunks", type=int, default=0, help="stop after this many windows (0 = all)")
+    add_swarm_args(p)
+    p.set_defaults(func=cmd_perplexity)
+
+    p = sub.add_parser(
+        "demo",
+        help="a whole swarm on this machine: synthesize, shard, start nodes, answer, compare",
+        description=(
+            "Synthesizes a small random-weight model with a real layout, shards it, starts node processes on "
+            "loopback, finds them by mDNS, answers a prompt through the swarm and in process, and checks that "
+            "the two agree bit for bit. No downloads, no other machines."
+        ),
+    )
+    p.add_argument(
+        "--like", default="qwen35moe-tiny", help="synth preset of the model (default qwen35moe-tiny)"
+    )
+    p.add_argument("--experts-type", default="Q4_K", help="quant type of the experts")
+    p.add_argument("--nodes", type=int, default=3, help="node processes to start")
+    p.add_argument("--prompt", default="Explain what a mixture of experts is.")
+    p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument(
+        "--workdir", default=None, help="keep the model and logs here (default: a temp dir, removed)"
+    )
+    p.set_defaults(func=cmd_demo)
+
+
+def _open(args: argparse.Namespace) -> Any:
+    from swarm.coordinator.engine import open_engine
+
+    return open_engine(
+        args.model,
+        local=args.local,
+        peers=tuple(args.peer),
+        mdns=not args.no_mdns,
+        mdns_interfaces=args.mdns_interface,
+        wait=args.wait,
+        wire=args.wire,
+        device=args.device,
+        key=args.key,
+        timeout=args.timeout,
+    )
+
+
+def _sampling(args: argparse.Namespace, stop_ids: frozenset[int]) -> Any:
+    from swarm.coordinator.generate import SamplingParams
+
+    if args.max_tokens < 1:
+        raise UserError("--max-tokens must be at least 1")
+    if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
+        raise UserError("need --temperature >= 0, 0 < --top-p <= 1, --top-k >= 0")
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop_ids=stop_ids,
+    )
+
+
+def prompt_ids(engine: Any, prompt: str, chat: bool, system: str | None = None) -> list[int]:
+    from swarm.coordinator.chat import ChatTemplate
+
+    if not chat:
+        return engine.tokenizer.encode(prompt, parse_special=False)
+    messages = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": prompt}
+    ]
+    text = ChatTemplate.from_tokenizer(engine.tokenizer).render(messages, add_generation_prompt=True)
+    return engine.tokenizer.encode(text, parse_special=True)
+
+
+def stream_answer(engine: Any, ids: list[int], params: Any, out: Any = sys.stdout) -> tuple[list[int], Any]:
+    """Generate, printing text as it comes; (generated ids, GenerationStats)."""
+    from swarm.coordinator.generate import GenerationStats, generate
+
+    stats = GenerationStats()
+    detok = engine.tokenizer.stream(skip_control=True)
+    generated = []
+    for token in generate(engine.model, ids, params, engine.device, stats):
+        generated.append(token)
+        if token not in params.stop_ids:
+            out.write(detok.push(token))
+            out.flush()
+    out.write(detok.flush() + "\n")
+    out.flush()
+    return generated, stats
+
+
+def report(engine: Any, stats: Any, err: Any = sys.stderr) -> None:
+    from swarm.coordinator.swarm import SwarmExperts
+
+    print(
+        f"prefill: {stats.prompt_tokens} tokens, {stats.prefill_tps:.1f} tok/s | "
+        f"decode: {stats.generated_tokens} tokens, {stats.decode_tps:.1f} tok/s | finish: {stats.finish_reason}",
+        file=err,
+    )
+    if isinstance(engine.experts, SwarmExperts):
+        for address in sorted(engine.experts.calls_per_node):
+            print(
+                f"  node {address}: {engine.experts.calls_per_node[address]} calls, "
+                f"{engine.experts.rows_per_node[address]} rows",
+                file=err,
+            )
+        if engine.experts.failovers:
+            print(f"  failovers: {engine.experts.failovers}", file=err)
+    else:
+        print("  experts computed in process (--local)", file=err)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    engine = _open(args)
+    try:
+        params = _sampling(args, engine.tokenizer.eos_ids)
+        ids = prompt_ids(engine, args.prompt, args.chat, args.system)
+        if not ids:
+            raise UserError("the prompt is empty after tokenization; give some text")
+        _, stats = stream_answer(engine, ids, params)
+        report(engine, stats)
+    finally:
+        engine.close()
+    return 0
+
+
+def _parse_tokens(text: str, vocab: int) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise UserError(f"bad --tokens {text!r}; give comma-separated ids like 1,2,3") from None
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if not ids or bad:
+        raise UserError(f"--tokens needs ids in 0..{vocab - 1}" + (f"; got {bad[:5]}" if bad else ""))
+    return ids
+
+
+def cmd_logits(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from swarm.coordinator.generate import forward_one
+
+    engine = _open(args)
+    try:
+        vocab = engine.model.token_embd.num_embeddings
+        ids = (
+            _parse_tokens(args.tokens, vocab)
+            if args.tokens is not None
+            else engine.tokenizer.encode(args.prompt, parse_special=False)
+        )
+        logits = forward_one(engine.model, ids, engine.model.new_state(), engine.device)
+        out = logits.float().cpu().numpy()
+        try:
+            with open(args.output, "wb") as f:
+                np.save(f, out)
+        except OSError as e:
+            raise UserError(f"cannot write {args.output}: {e.strerror}") from None
+        print(f"wrote {args.output}: logits [{out.shape[0]}, {out.shape[1]}] float32 for {len(ids)} tokens")
+    finally:
+        engine.close()
+    return 0
+
+
+def cmd_perplexity(args: argparse.Namespace) -> int:
+    import math
+    import time
+
+    import torch
+
+    from swarm.coordinator.generate import forward_one
+
+    try:
+        with open(args.text, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read {args.text} as UTF-8 text: {e}") from None
+    if args.ctx < 2:
+        raise UserError("--ctx must be at least 2")
+    engine = _open(args)
+    try:
+        ids = engine.tokenizer.encode(text, parse_special=False)
+        if len(ids) < 2:
+            raise UserError(f"{args.text}: too short to score (needs at least 2 tokens)")
+        nll, count, chunks = 0.0, 0, 0
+        t0 = time.perf_counter()
+        for start in range(0, len(ids) - 1, args.ctx):
+            window = ids[start : start + args.ctx]
+            if len(window) < 2:
+                break
+            logits = forward_one(engine.model, window, engine.model.new_state(), engine.device).double()
+            logp = torch.log_softmax(logits[:-1], dim=-1)
+            target = torch.tensor(window[1:], device=logp.device)
+            nll -= float(logp.gather(1, target[:, None]).sum())
+            count += len(window) - 1
+            chunks += 1
+            print(f"[{chunks}] running perplexity {math.exp(nll / count):.4f}", file=sys.stderr)
+            if args.max_chunks and chunks >= args.max_chunks:
+                break
+        seconds = time.perf_counter() - t0
+        print(
+            f"perplexity: {math.exp(nll / count):.4f} over {count} tokens ({chunks} windows of <= {args.ctx})"
+        )
+        print(f"{count / seconds:.1f} tokens/s", file=sys.stderr)
+    finally:
+        engine.close()
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from swarm.coordinator.demo import run_demo
+
+    return run_demo(
+        like=args.like,
+        experts_type=args.experts_type,
+        n_nodes=args.nodes,
+        prompt=args.prompt,
+        max_tokens=args.max_tokens,
+        workdir=args.workdir,
+    )

@@ -37,6 +37,14 @@ class ExpertMajor:
     counts: list[int]  # rows per expert, same order
     order: torch.Tensor  # [N] flat pair index (t*K + k) of each packed row
 
+    def offsets(self) -> list[int]:
+        """Row offset of each expert's block in the packed rows."""
+        out, start = [], 0
+        for n in self.counts:
+            out.append(start)
+            start += n
+        return out
+
     def pack(self, x: torch.Tensor, k: int) -> torch.Tensor:
         """Rows [N, D]: row i is the token of pair order[i]."""
         return x.index_select(0, torch.div(self.order, k, rounding_mode="floor").to(x.device))

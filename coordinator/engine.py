@@ -1,0 +1,105 @@
+"""Open a model for inference: dense path from the GGUF (or shard dir), experts in process or on the swarm.
+
+engine = open_engine("model.swarm", local=False)          # nodes found by mDNS
+for token in generate(engine.model, engine.tokenizer.encode("Hi"), SamplingParams(), engine.device): ...
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from swarm.coordinator.experts import LocalExperts
+from swarm.coordinator.loader import default_device, load_model
+from swarm.coordinator.models.layers import DecoderModel
+from swarm.coordinator.swarm import SwarmExperts, connect
+from swarm.coordinator.tokenizer import GGUFTokenizer
+from swarm.node.source import gguf_header_fingerprint, load_slabs
+from swarm.node.store import ExpertStore
+from swarm.sharding.errors import UserError
+from swarm.sharding.gguf_io import expert_tensors, open_gguf
+from swarm.sharding.slabs import SlabKey, read_manifest
+
+log = logging.getLogger(__name__)
+
+WIRE_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass
+class Engine:
+    model: DecoderModel
+    meta: dict[str, Any]
+    tokenizer: GGUFTokenizer
+    experts: LocalExperts | SwarmExperts
+    device: torch.device
+    source: str
+    fingerprint: str
+
+    def close(self) -> None:
+        if isinstance(self.experts, SwarmExperts):
+            self.experts.close()
+
+
+def model_identity(path: str | Path) -> tuple[str, list[SlabKey]]:
+    """(fingerprint the nodes report for this model, every (layer, expert) slab it needs)."""
+    path = Path(path)
+    if path.is_dir():
+        manifest = read_manifest(path)
+        needed = [(layer, e) for layer in manifest.moe_layers for e in range(manifest.n_expert)]
+        return manifest.fingerprint, needed
+    if not path.exists():
+        raise UserError(f"{path}: no such file or directory; give a .gguf model or a `swarm shard` directory")
+    reader = open_gguf(path)
+    needed = sorted({(et.layer, e) for et in expert_tensors(reader, path) for e in range(et.n_expert)})
+    return gguf_header_fingerprint(path), needed
+
+
+def open_engine(
+    path: str | Path,
+    local: bool = False,
+    peers: tuple[str, ...] = (),
+    mdns: bool = True,
+    mdns_interfaces: list[str] | None = None,
+    wait: float = 3.0,
+    wire: str = "f32",
+    device: str | None = None,
+    key: str | None = None,
+    timeout: float = 30.0,
+    memory_budget: int | None = None,
+) -> Engine:
+    """The model at `path` with its experts computed here (`local`) or by the swarm's nodes."""
+    dev = torch.device(device) if device else default_device()
+    wire_dtype = WIRE_DTYPES[wire]
+    experts: LocalExperts | SwarmExperts
+    if local:
+        loaded = load_slabs(path)
+        if loaded.problems:
+            raise UserError(f"{path}: some expert slabs cannot be used: " + "; ".join(loaded.problems[:5]))
+        experts = LocalExperts(ExpertStore(loaded.slabs, dev, memory_budget), wire_dtype)
+        fingerprint = loaded.fingerprint
+    else:
+        fingerprint, needed = model_identity(path)
+        experts = connect(
+            needed,
+            fingerprint,
+            str(path),
+            peers=peers,
+            mdns=mdns,
+            interfaces=mdns_interfaces,
+            wait=wait,
+            key=key,
+            wire_dtype=wire_dtype,
+            timeout=timeout,
+        )
+    try:
+        model, meta = load_model(path, experts, dev)
+        tokenizer = GGUFTokenizer(meta)
+    except BaseException:
+        if isinstance(experts, SwarmExperts):
+            experts.close()
+        raise
+    return Engine(model, meta, tokenizer, experts, dev, str(path), fingerprint)

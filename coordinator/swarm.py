@@ -1,0 +1,297 @@
+"""The swarm expert backend: a MoE layer's pairs fanned out to the nodes that hold their experts.
+
+Dimension letters: T tokens, K selected experts per token, D model width, N = T*K pairs.
+Per layer and step: group the pairs expert-major (counts -> offsets -> pack), split the experts by the
+holder `Placement.pick` chooses, send one Compute call per node, all at once; the model computes its
+shared expert meanwhile; `wait` writes each node's rows back at their packed offsets and unpacks to
+[T, K, D]. A node that fails (gone, deadline, refused) is marked down and its experts are sent again to
+another holder. The weighted sum over K happens in the model, in slot order, so the result never depends
+on which node answered first.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from swarm.coordinator.experts import ExpertMajor, PendingExperts, group_expert_major
+from swarm.node.client import ComputeCall, NodeCallError, NodeClient
+from swarm.sharding.errors import UserError
+from swarm.sharding.ranges import format_ranges
+from swarm.sharding.slabs import SlabKey
+
+log = logging.getLogger(__name__)
+
+# Failures that mean "this holder is gone or stuck": try another one. Anything else (a bad request) is a bug
+# or a mismatch that another holder would answer the same way.
+FAILOVER_CODES = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.INTERNAL,
+    }
+)
+
+
+class Placement:
+    """Which live node holds each (layer, expert); the one place that picks a holder."""
+
+    def __init__(self) -> None:
+        self._holders: dict[SlabKey, list[str]] = {}
+        self._down: set[str] = set()
+        self._lock = threading.Lock()
+
+    def add(self, address: str, held: Iterable[SlabKey]) -> None:
+        with self._lock:
+            self._down.discard(address)
+            for key in held:
+                holders = self._holders.setdefault(key, [])
+                if address not in holders:
+                    holders.append(address)
+                    holders.sort()
+
+    def mark_down(self, address: str) -> None:
+        with self._lock:
+            self._down.add(address)
+
+    def addresses(self) -> list[str]:
+        with self._lock:
+            return sorted({a for hs in self._holders.values() for a in hs} - self._down)
+
+    def pick(self, layer: int, expert: int, avoid: Iterable[str] = ()) -> str | None:
+        """A live holder of (layer, expert), or None. Replicas share the load by a fixed rule, so the same
+        swarm always sends the same expert to the same node (reproducible, cache-friendly)."""
+        avoid = set(avoid)
+        with self._lock:
+            live = [
+                a for a in self._holders.get((layer, expert), ()) if a not in self._down and a not in avoid
+            ]
+        if not live:
+            return None
+        return live[(layer * 31 + expert) % len(live)]
+
+    def missing(self, needed: Iterable[SlabKey]) -> dict[int, list[int]]:
+        """layer -> experts with no live holder."""
+        out: dict[int, list[int]] = {}
+        for layer, expert in sorted(needed):
+            if self.pick(layer, expert) is None:
+                out.setdefault(layer, []).append(expert)
+        return out
+
+
+def describe_missing(missing: dict[int, list[int]], source: str) -> str:
+    lines = [f"layer {layer}: experts {format_ranges(es)}" for layer, es in sorted(missing.items())]
+    shown = "; ".join(lines[:6]) + (f"; and {len(lines) - 6} more layers" if len(lines) > 6 else "")
+    layer, es = next(iter(sorted(missing.items())))
+    return (
+        f"no node holds {shown}. Start nodes that cover them, e.g. "
+        f"`swarm node {source} --layers {layer} --experts {format_ranges(es)}`, or run with --local"
+    )
+
+
+@dataclass
+class _Call:
+    address: str
+    indices: list[int]  # positions in ExpertMajor.expert_ids
+    call: ComputeCall
+
+
+class _SwarmPending:
+    def __init__(
+        self,
+        backend: SwarmExperts,
+        layer: int,
+        groups: ExpertMajor,
+        rows: torch.Tensor,
+        calls: list[_Call],
+        t: int,
+        k: int,
+        device: torch.device,
+    ) -> None:
+        self.backend, self.layer, self.groups, self.rows = backend, layer, groups, rows
+        self.calls, self.t, self.k, self.device = calls, t, k, device
+
+    def wait(self) -> torch.Tensor:
+        g = self.groups
+        offsets = g.offsets()
+        out = torch.empty(self.rows.shape, dtype=torch.float32)
+        pending = list(self.calls)
+        failed: dict[int, set[str]] = {}  # expert index -> holders that failed it
+        while pending:
+            c = pending.pop(0)
+            try:
+                result = c.call.result()
+            except NodeCallError as e:
+                if e.code not in FAILOVER_CODES:
+                    raise
+                log.warning("node %s failed layer %d (%s); trying other holders", c.address, self.layer, e)
+                self.backend.placement.mark_down(c.address)
+                self.backend.failovers += 1
+                for i in c.indices:
+                    failed.setdefault(i, set()).add(c.address)
+                pending.extend(self.backend._send(self.layer, g, self.rows, c.indices, failed))
+                continue
+            start = 0
+            for i in c.indices:
+                n = g.counts[i]
+                out[offsets[i] : offsets[i] + n] = result[start : start + n].float()
+                start += n
+        return g.unpack(out.to(self.device), self.t, self.k)
+
+
+class SwarmExperts:
+    """Expert backend over remote nodes. `clients` maps address -> NodeClient; `placement` who holds what."""
+
+    def __init__(
+        self,
+        clients: dict[str, NodeClient],
+        placement: Placement,
+        source: str,
+        wire_dtype: torch.dtype = torch.float32,
+        timeout: float = 30.0,
+    ) -> None:
+        self.clients = clients
+        self.placement = placement
+        self.source = source
+        self.wire_dtype = wire_dtype
+        self.timeout = timeout
+        self.calls_per_node: Counter[str] = Counter()
+        self.rows_per_node: Counter[str] = Counter()
+        self.failovers = 0
+        self.wait_seconds = 0.0
+
+    def start(self, layer: int, x: torch.Tensor, ids: torch.Tensor) -> PendingExperts:
+        t, k = ids.shape
+        groups = group_expert_major(ids)
+        rows = groups.pack(x, k).to(device="cpu", dtype=self.wire_dtype)  # [N, D], what the wire carries
+        calls = self._send(layer, groups, rows, range(len(groups.expert_ids)), {})
+        return _TimedPending(self, _SwarmPending(self, layer, groups, rows, calls, t, k, x.device))
+
+    def _send(
+        self,
+        layer: int,
+        groups: ExpertMajor,
+        rows: torch.Tensor,
+        indices: Iterable[int],
+        failed: dict[int, set[str]],
+    ) -> list[_Call]:
+        """One Compute call per chosen holder for the experts at `indices` (positions in groups)."""
+        by_node: dict[str, list[int]] = {}
+        for i in indices:
+            expert = groups.expert_ids[i]
+            address = self.placement.pick(layer, expert, avoid=failed.get(i, ()))
+            if address is None:
+                raise UserError(describe_missing({layer: [expert]}, self.source))
+            by_node.setdefault(address, []).append(i)
+        offsets = groups.offsets()
+        calls = []
+        for address, idx in by_node.items():
+            part = torch.cat([rows[offsets[i] : offsets[i] + groups.counts[i]] for i in idx])
+            call = self.clients[address].compute_async(
+                layer,
+                [groups.expert_ids[i] for i in idx],
+                [groups.counts[i] for i in idx],
+                part,
+                self.timeout,
+            )
+            self.calls_per_node[address] += 1
+            self.rows_per_node[address] += int(part.shape[0])
+            calls.append(_Call(address, idx, call))
+        return calls
+
+    def close(self) -> None:
+        for c in self.clients.values():
+            c.close()
+
+
+class _TimedPending:
+    """Counts the time the model spends blocked on the swarm (what overlapping did not hide)."""
+
+    def __init__(self, backend: SwarmExperts, inner: _SwarmPending) -> None:
+        self.backend, self.inner = backend, inner
+
+    def wait(self) -> torch.Tensor:
+        t0 = time.perf_counter()
+        try:
+            return self.inner.wait()
+        finally:
+            self.backend.wait_seconds += time.perf_counter() - t0
+
+
+def connect(
+    needed: Sequence[SlabKey],
+    fingerprint: str,
+    source: str,
+    peers: Sequence[str] = (),
+    mdns: bool = True,
+    interfaces: Sequence[str] | None = None,
+    wait: float = 3.0,
+    key: str | None = None,
+    wire_dtype: torch.dtype = torch.float32,
+    timeout: float = 30.0,
+) -> SwarmExperts:
+    """Find nodes (static peers, then mDNS until every needed slab has a holder or `wait` s pass)."""
+    placement = Placement()
+    clients: dict[str, NodeClient] = {}
+
+    def add(address: str, held: Iterable[SlabKey]) -> None:
+        if address not in clients:
+            clients[address] = NodeClient(address, fingerprint=fingerprint, key=key)
+        placement.add(address, held)
+
+    for peer in peers:
+        client = NodeClient(peer, fingerprint=fingerprint, key=key)
+        try:
+            info = client.info(timeout=min(wait, 10.0) if wait > 0 else 10.0)
+        except NodeCallError as e:
+            client.close()
+            raise UserError(
+                f"peer {peer} does not answer ({e.code.name}); is `swarm node` running there?"
+            ) from None
+        if info.fingerprint != fingerprint:
+            client.close()
+            raise UserError(
+                f"peer {peer} serves another model (fingerprint {info.fingerprint[:12]}, "
+                f"this one is {fingerprint[:12]}); start it on the same shard directory"
+            )
+        clients[peer] = client
+        placement.add(peer, info.held)
+
+    if mdns and placement.missing(needed):
+        from swarm.node.discovery import browse
+
+        with browse(fingerprint, interfaces) as browser:
+
+            def covered(nodes: list) -> bool:
+                for n in nodes:
+                    add(n.address, n.held)
+                return not placement.missing(needed)
+
+            browser.wait_for(covered, wait)
+            for n in browser.nodes():
+                add(n.address, n.held)
+
+    missing = placement.missing(needed)
+    if missing:
+        for c in clients.values():
+            c.close()
+        if not clients:
+            hint = "" if mdns else " (mDNS is off: give --peer host:port)"
+            raise UserError(
+                f"no swarm nodes found for this model{hint}. Start one with `swarm node {source} --experts 0-7` "
+                "on this or another machine, or run with --local to compute the experts here"
+            )
+        raise UserError(describe_missing(missing, source))
+    log.info("swarm: %d nodes cover %d slabs", len(clients), len(needed))
+    return SwarmExperts(clients, placement, source, wire_dtype, timeout)
