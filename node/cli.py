@@ -80,7 +80,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="LAYER:EXPERT",
         help="hold one slab (repeatable; ranges allowed: 0-3:0-7); adds to --experts/--layers",
     )
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 or a LAN address to serve "
+        "other devices)",
+    )
     p.add_argument("--port", type=int, default=0, help="port to listen on (0: any free port)")
     p.add_argument(
         "--memory",

@@ -87,7 +87,7 @@ class CallStats:
             self.busy_seconds += seconds
             self.rows += sum(counts)
             for e, n in zip(expert_ids, counts, strict=True):
-                c = self.per_expert.setdefault((layer or 0, e), [0, 0])
+                c = self.per_expert.setdefault((layer, e), [0, 0])
                 c[0] += 1
                 c[1] += n
 

@@ -1,0 +1,222 @@
+"""Benchmark a node on the Qwen3.6-35B-A3B expert shape (D 2048, F 512, Q4_K experts).
+
+1. Compute throughput: rows/s of ExpertStore.compute (warm working copies) at 1, 8 and 64 rows per expert,
+   8 experts per call as a node serves a layer, against torch's own float32 matmuls of the same math on the
+   same (already float32) weights, interleaved in one run; plus the cost of dequantizing one Q4_K expert (what
+   a call pays for an expert evicted under --memory).
+2. Loopback round trip to a real `swarm node` process: p50/p99 of a decode-sized Compute (8 rows of 2048 f16,
+   one row for each of 8 experts) against a gRPC health check (an empty call) on the same channel.
+
+    .venv/bin/python bench/node.py [--reps 30] [--rtt-calls 300] [--no-write]
+
+Figures go to the `bench:node` section of docs/BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import platform
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from swarm.node.client import NodeClient
+from swarm.node.launch import start_nodes, stop_nodes
+from swarm.node.store import ExpertStore, dequantize_expert
+from swarm.sharding.slabs import slabs_from_gguf
+from swarm.sharding.synth import preset, synthesize
+
+log = logging.getLogger("bench.node")
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "BENCHMARKS.md"
+SECTION = "node"
+EXPERTS_PER_CALL = 8
+
+
+def synth_model(tmp: Path) -> Path:
+    path = tmp / "qwen36-experts.gguf"
+    spec = preset(
+        "qwen3.6-35b-a3b", n_layers=1, n_expert=EXPERTS_PER_CALL, n_vocab=300, experts_type="Q4_K", mtp=0
+    )
+    return synthesize(path, spec)
+
+
+def median_us(samples: list[float]) -> float:
+    return statistics.median(samples) * 1e6
+
+
+def pct(samples: list[float], q: float) -> float:
+    s = sorted(samples)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))] * 1e6
+
+
+def bench_compute(store: ExpertStore, reps: int) -> list[dict[str, float]]:
+    layer = store.layers()[0]
+    experts = [e for (la, e) in store.held() if la == layer][:EXPERTS_PER_CALL]
+    # torch's own float32 math on the same dequantized weights: separate gate and up matmuls, no store.
+    plain = [dequantize_expert(store.slabs[(layer, e)]) for e in experts]
+    ws = [(w.gate.contiguous(), w.up.contiguous(), w.down) for w in plain]
+
+    def torch_ref(x: torch.Tensor, n: int) -> torch.Tensor:
+        out = torch.empty_like(x)
+        for i, (g, u, d) in enumerate(ws):
+            xs = x[i * n : (i + 1) * n]
+            out[i * n : (i + 1) * n] = F.linear(F.silu(F.linear(xs, g)) * F.linear(xs, u), d)
+        return out
+
+    rows_out = []
+    for n in (1, 8, 64):
+        x = torch.randn(n * len(experts), store.hidden_size or 0)
+        counts = [n] * len(experts)
+        store.compute(layer, experts, counts, x)  # warm the working copies
+        assert torch.allclose(store.compute(layer, experts, counts, x), torch_ref(x, n), rtol=1e-4, atol=1e-4)
+        ts, tt = [], []
+        for _ in range(reps):  # interleaved: both see the same machine load
+            t0 = time.perf_counter()
+            store.compute(layer, experts, counts, x)
+            t1 = time.perf_counter()
+            torch_ref(x, n)
+            t2 = time.perf_counter()
+            ts.append(t1 - t0)
+            tt.append(t2 - t1)
+        total = n * len(experts)
+        rows_out.append(
+            {
+                "n": n,
+                "store_rows_s": total / statistics.median(ts),
+                "torch_rows_s": total / statistics.median(tt),
+                "store_us": median_us(ts),
+                "torch_us": median_us(tt),
+            }
+        )
+    return rows_out
+
+
+def bench_dequant(store: ExpertStore, reps: int) -> float:
+    key = store.held()[0]
+    ts = []
+    for _ in range(max(3, reps // 5)):
+        t0 = time.perf_counter()
+        dequantize_expert(store.slabs[key])
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) * 1e3
+
+
+def bench_rtt(model: Path, calls: int, tmp: Path) -> dict[str, float]:
+    (node,) = start_nodes([(model, ["--no-mdns", "--workers", "4"])], tmp / "nodes")
+    try:
+        client = NodeClient(node.address, fingerprint=node.fingerprint)
+        x = torch.randn(EXPERTS_PER_CALL, 2048).to(torch.float16)
+        experts, counts = list(range(EXPERTS_PER_CALL)), [1] * EXPERTS_PER_CALL
+        for _ in range(20):  # warm: connection, working copies
+            client.compute(0, experts, counts, x)
+            client.health()
+        compute, empty = [], []
+        before = client.stats()
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            client.compute(0, experts, counts, x)
+            t1 = time.perf_counter()
+            client.health()
+            t2 = time.perf_counter()
+            compute.append(t1 - t0)
+            empty.append(t2 - t1)
+        after = client.stats()
+        busy_us = (after.busy_seconds - before.busy_seconds) / max(1, after.calls - before.calls) * 1e6
+        client.close()
+    finally:
+        stop_nodes([node])
+    return {
+        "compute_p50": pct(compute, 0.5),
+        "compute_p99": pct(compute, 0.99),
+        "empty_p50": pct(empty, 0.5),
+        "empty_p99": pct(empty, 0.99),
+        "node_busy_us": busy_us,
+    }
+
+
+def render(cmd: str, comp: list[dict[str, float]], dq_ms: float, rtt: dict[str, float]) -> str:
+    lines = [
+        f"<!-- bench:{SECTION} -->",
+        "## Node: expert compute and loopback round trip (`bench/node.py`)",
+        "",
+        f"Command: `{cmd}`  ",
+        f"Machine: {platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}, "
+        f"Python {platform.python_version()}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.  ",
+        f"Shape: Qwen3.6-35B-A3B experts, D 2048, F 512, Q4_K (synthesized), {EXPERTS_PER_CALL} experts per call. "
+        "Medians of interleaved runs; the machine is shared, so read the ratios.",
+        "",
+        "| rows per expert | ExpertStore.compute rows/s | torch f32 matmuls rows/s | ratio | store µs/call | torch µs/call |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in comp:
+        lines.append(
+            f"| {r['n']} | {r['store_rows_s']:,.0f} | {r['torch_rows_s']:,.0f} | "
+            f"{r['store_rows_s'] / r['torch_rows_s']:.2f} | {r['store_us']:,.0f} | {r['torch_us']:,.0f} |"
+        )
+    lines += [
+        "",
+        f"Dequantizing one Q4_K expert (gate+up+down, gguf-py numpy) to float32: {dq_ms:.1f} ms: the extra cost of "
+        "a call whose expert was evicted under `--memory`.",
+        "",
+        "Loopback round trip to a `swarm node` process (same channel, alternating calls):",
+        "",
+        "| call | p50 µs | p99 µs |",
+        "| --- | ---: | ---: |",
+        f"| Compute, 8 rows of 2048 f16 (1 row x 8 experts) | {rtt['compute_p50']:,.0f} | {rtt['compute_p99']:,.0f} |",
+        f"| gRPC health check (empty call) | {rtt['empty_p50']:,.0f} | {rtt['empty_p99']:,.0f} |",
+        "",
+        f"Node-side compute time of that Compute call (mean Stats busy time per call): {rtt['node_busy_us']:,.0f} µs, so "
+        f"the wire and codec add about {rtt['compute_p50'] - rtt['node_busy_us']:,.0f} µs at p50 "
+        f"({rtt['compute_p50'] - rtt['node_busy_us'] - rtt['empty_p50']:,.0f} µs over an empty call).",
+        f"<!-- /bench:{SECTION} -->",
+    ]
+    return "\n".join(lines)
+
+
+def write_section(text: str) -> None:
+    DOC.parent.mkdir(parents=True, exist_ok=True)
+    old = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
+    pattern = re.compile(rf"<!-- bench:{SECTION} -->.*?<!-- /bench:{SECTION} -->", re.S)
+    new = (
+        pattern.sub(lambda _m: text, old) if pattern.search(old) else old.rstrip("\n") + "\n\n" + text + "\n"
+    )
+    DOC.write_text(new)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--rtt-calls", type=int, default=300)
+    p.add_argument(
+        "--no-write", action="store_true", help="print the section instead of writing docs/BENCHMARKS.md"
+    )
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    cmd = "python bench/node.py" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        model = synth_model(tmp)
+        store = ExpertStore(slabs_from_gguf(model))
+        log.info("compute throughput ...")
+        comp = bench_compute(store, args.reps)
+        dq = bench_dequant(store, args.reps)
+        log.info("loopback round trip ...")
+        rtt = bench_rtt(model, args.rtt_calls, tmp)
+    text = render(cmd, comp, dq, rtt)
+    print(text)
+    if not args.no_write:
+        write_section(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
