@@ -24,7 +24,7 @@ import logging
 import os
 import shutil
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -295,15 +295,6 @@ class PlannedTensor(NamedTuple):
 
 
 NORM = Init("norm")
-F32 = Q.F32
-
-
-def _matrix(init_sigma: float | None = None) -> Callable[[tuple[int, ...]], Init]:
-    def make(shape: tuple[int, ...]) -> Init:
-        # N(0, 1/fan_in): each output of x·W keeps x's scale, so the residual stream stays O(1) per layer.
-        return Init("normal", init_sigma if init_sigma is not None else float(shape[0]) ** -0.5)
-
-    return make
 
 
 def tensor_plan(spec: SynthSpec) -> list[PlannedTensor]:
@@ -321,10 +312,12 @@ def tensor_plan(spec: SynthSpec) -> list[PlannedTensor]:
             # llama-quantize does the same: a row that is not whole blocks keeps a float type.
             logger.debug("%s: rows of %d are not whole %s blocks; writing F16", name, shape[0], qtype.name)
             qtype = Q.F16
-        plan.append(PlannedTensor(name, shape, qtype, _matrix(sigma)(shape)))
+        # N(0, 1/fan_in): each output of x·W keeps x's scale, so the residual stream stays O(1) per layer.
+        init = Init("normal", sigma if sigma is not None else shape[0] ** -0.5)
+        plan.append(PlannedTensor(name, shape, qtype, init))
 
     def vec(name: str, shape: tuple[int, ...], init: Init = NORM) -> None:
-        plan.append(PlannedTensor(name, shape, F32, init))
+        plan.append(PlannedTensor(name, shape, Q.F32, init))
 
     mat("output.weight", (D, V), sigma=2.0 / D**0.5)
     mat("token_embd.weight", (D, V), sigma=1.0)

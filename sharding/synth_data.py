@@ -185,4 +185,20 @@ Music fills the house on Sunday. Someone plays the piano, someone sings, and the
 Please answer the question in one sentence. What is the capital of France? The capital of France is Paris, a city on the river Seine.
 Write a short poem about the sea. The sea is wide, the sea is deep, it sings the sailors all to sleep.
 Thank you for your help today. I could not have finished the work without you, and I hope that we can work together again soon.
+The meeting started late because the projector would not turn on. Someone found the right cable, and the team finally began to talk about the plan for next year.
+Every plan has a goal, a budget, and a list of risks. The most common risk is that the work takes longer than anyone expected, which happens almost every time.
+She opened the window and listened to the rain. It was falling softly on the roofs, on the gardens, and on the empty streets of the old part of the city.
+He returned the book to the shelf, turned off the light, and went upstairs. Tomorrow would be another long day, but tonight he wanted to rest and think about nothing.
+A good teacher asks questions that make students think for themselves. A good student asks questions too, even when the answer seems obvious to everyone else.
+The doctor said that sleep, exercise, and a simple diet are more important than any medicine. Most people know this, but few of them follow the advice.
+When the server starts, it reads its configuration, opens a port, and waits for requests. Each request is parsed, checked, and passed to the right handler.
+If the input is invalid, the program should print a clear error message that says what is wrong and what the user can do to fix it, and then stop.
+The farmer woke before the sun. He fed the animals, checked the fence along the north field, and drove the old truck to the market in the next village.
+Markets are noisy places, full of colour and smell: fresh fruit, warm bread, fish on ice, flowers in buckets, and people arguing happily about prices.
+In the story, a young girl finds a map in her grandmother's house. The map shows an island that does not appear in any atlas, and she decides to find it.
+Mathematics is the study of patterns. It begins with counting and measuring, and it grows into a language that describes the motion of planets and the shape of space.
+The company reported higher profits this quarter, mostly because of strong sales in the new markets, although costs also increased during the same period.
+Language changes slowly but constantly. Words are borrowed, meanings shift, and every generation invents new ways to say the things that matter to it.
+Could you please send me the report before Friday? I would like to read it carefully and prepare my comments for the meeting on Monday morning.
+The results show that the new method is faster and uses less memory than the old one, while the quality of the output stays almost exactly the same.
 """
