@@ -337,3 +337,39 @@ def test_cli_user_errors_are_one_line(tmp_path, capsys):
         "swarm node"
     ] * 4
     assert "no such file" in err[0] and "LAYER:EXPERT" in err[1] and "4GiB" in err[2]
+
+
+# ---- the store in-process (no node process needed) --------------------------------------------------------
+
+
+def test_store_lru_keeps_recent_experts_under_the_budget():
+    from swarm.node.store import ExpertStore
+    from swarm.sharding.slabs import slabs_from_gguf
+
+    slabs = slabs_from_gguf(Q80_GGUF, layers=[0], experts=range(4))
+    one = 3 * 256 * 256 * 4  # bytes of one expert's float32 working copy
+    store = ExpertStore(slabs, memory_budget=2 * one)
+    x = torch.randn(1, 256)
+    for e in (0, 1, 0, 2, 0, 1):  # 0 stays recent, so 1 is evicted by 2 and must come back
+        store.compute(0, [e], [1], x)
+    s = store.cache_stats()
+    assert (s.hits, s.misses, s.evictions) == (2, 4, 2)
+    assert s.resident_bytes == 2 * one and s.resident_experts == 2
+    unlimited = ExpertStore(slabs)
+    for e in (0, 1, 2, 3, 0):
+        unlimited.compute(0, [e], [1], x)
+    assert unlimited.cache_stats().evictions == 0 and unlimited.cache_stats().hits == 1
+
+
+def test_store_dequantizes_a_cold_expert_once_under_concurrency():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from swarm.node.store import ExpertStore
+    from swarm.sharding.slabs import slabs_from_gguf
+
+    store = ExpertStore(slabs_from_gguf(Q4KM_GGUF, layers=[0], experts=[1]))
+    x = torch.randn(8, 256)
+    with ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(lambda i: store.compute(0, [1], [1], x[i : i + 1]), range(8)))
+    assert store.cache_stats().misses == 1 and store.cache_stats().hits == 7
+    assert rel_err(torch.cat(outs), reference(Q4KM_GGUF, 0, 1, x.double().numpy())) <= 1e-5
