@@ -149,20 +149,39 @@ def rope(x: torch.Tensor, positions: torch.Tensor, n_rot: int, base: float) -> t
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
 
 
+# Queries per chunk are capped so that one chunk's scores [H, chunk, S] stay near 2^25 floats (128 MiB).
+ATTN_SCORES_PER_CHUNK = 1 << 25
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal GQA attention of one sequence, scale 1/sqrt(hd).
+    """Causal GQA attention of one sequence, scale 1/sqrt(hd), in q's dtype.
 
     q [H, T, hd] are the last T positions of the S held in k, v [Hkv, S, hd] (S >= T: the cache plus
     the new tokens); query t sits at position S - T + t and sees keys 0..S-T+t. Query head h reads
-    key/value head h // (H / Hkv), as llama.cpp and transformers group them. -> [H, T, hd].
+    key/value head h // (H / Hkv), as llama.cpp and transformers group them. -> [H, T, hdv].
+
+    Written as grouped matmuls rather than SDPA: each key/value head multiplies its group of query
+    heads at once, so K/V are never repeated (SDPA's GQA path on CPU is 10-20x slower for decode).
+    Long prefills run in query chunks to bound the score matrix.
     """
-    t, s = q.shape[1], k.shape[1]
-    # One query (decode) sees every key: no mask needed, which keeps SDPA on its fastest path.
-    mask = None if t == 1 else torch.ones(t, s, dtype=torch.bool, device=q.device).tril(diagonal=s - t)
-    enable_gqa = q.shape[0] != k.shape[0]
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, scale=q.shape[-1] ** -0.5, enable_gqa=enable_gqa
-    )
+    h, t, hd = q.shape
+    hkv, s, hdv = k.shape[0], k.shape[1], v.shape[2]
+    rep = h // hkv
+    chunk = max(1, ATTN_SCORES_PER_CHUNK // (h * s))
+    out = []
+    for t0 in range(0, t, chunk):
+        t1 = min(t, t0 + chunk)
+        n_keys = s - t + t1  # the chunk's last query sees keys 0..n_keys-1
+        qc = q[:, t0:t1].reshape(hkv, rep * (t1 - t0), hd)  # [Hkv, rep*Tc, hd]
+        scores = torch.bmm(qc, k[:, :n_keys].transpose(1, 2)).mul_(hd**-0.5)  # [Hkv, rep*Tc, S']
+        if t1 - t0 > 1:  # a single query sees every key up to its own: nothing to hide
+            pos = torch.arange(s - t + t0, s - t + t1, device=q.device)  # [Tc] positions of the queries
+            hidden = torch.arange(n_keys, device=q.device)[None, :] > pos[:, None]  # [Tc, S'] future keys
+            scores = scores.view(hkv, rep, t1 - t0, n_keys).masked_fill_(hidden, float("-inf"))
+            scores = scores.view(hkv, rep * (t1 - t0), n_keys)
+        o = torch.bmm(torch.softmax(scores, dim=-1), v[:, :n_keys])  # [Hkv, rep*Tc, hdv]
+        out.append(o.view(h, t1 - t0, hdv))
+    return out[0] if len(out) == 1 else torch.cat(out, dim=1)
 
 
 def attend(
