@@ -296,3 +296,21 @@ def test_forward_pass_is_finite_and_not_degenerate(tmp_path, name):
     assert torch.isfinite(logits).all()
     assert 0.5 < float(logits.std()) < 20.0
     assert len(set(logits.argmax(-1).tolist())) > 4  # different contexts, different predictions
+
+
+def test_q4_k_m_fixture_names_shapes_and_slab_bytes(tmp_path):
+    # llama-quantize's Q4_K_M mixes types per tensor (we write one type per kind), so compare names,
+    # shapes, and the Q4_K expert slabs' byte size.
+    ref = open_gguf(FIXTURES / "qwen35moe-quant/model-q4_k_m.gguf")
+    spec = spec_like(read_metadata(ref), "Q4_K", "F16")
+    got = open_gguf(synthesize(tmp_path / "s.gguf", spec))
+
+    def shapes(reader: GGUFReader) -> dict[str, list[int]]:
+        return {
+            t.name: t.shape.tolist() for t in reader.tensors if not t.name.endswith("gate_inp_shexp.weight")
+        }
+
+    assert shapes(got) == shapes(ref)
+    ref_slabs = {x.name: x.slab_bytes for x in expert_tensors(ref) if x.qtype == GGMLQuantizationType.Q4_K}
+    got_slabs = {x.name: x.slab_bytes for x in expert_tensors(got)}
+    assert ref_slabs and all(got_slabs[name] == n for name, n in ref_slabs.items())
