@@ -84,6 +84,14 @@ class ComputeCall:
             reply = self.grpc_future.result(timeout=timeout)
         except grpc.RpcError as e:
             raise _wrap(self.address, "Compute", e) from None
+        except grpc.FutureCancelledError:
+            raise NodeCallError(
+                self.address, "Compute", grpc.StatusCode.CANCELLED, "the call was cancelled"
+            ) from None
+        except grpc.FutureTimeoutError:
+            raise NodeCallError(
+                self.address, "Compute", grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {timeout} s"
+            ) from None
         return decode_tensor(reply.rows, "reply rows")
 
     def done(self) -> bool:

@@ -373,3 +373,13 @@ def test_store_dequantizes_a_cold_expert_once_under_concurrency():
         outs = list(pool.map(lambda i: store.compute(0, [1], [1], x[i : i + 1]), range(8)))
     assert store.cache_stats().misses == 1 and store.cache_stats().hits == 7
     assert rel_err(torch.cat(outs), reference(Q4KM_GGUF, 0, 1, x.double().numpy())) <= 1e-5
+
+
+def test_unreachable_node_is_unavailable_and_deadlines_surface(nodes):
+    with NodeClient("127.0.0.1:1") as c:
+        code, _ = _code(lambda: c.compute(0, [0], [1], torch.randn(1, 256), timeout=5))
+        assert code == grpc.StatusCode.UNAVAILABLE
+    with NodeClient(nodes["q4km"].address) as c:
+        call = c.compute_async(0, [0], [1], torch.randn(1, 256), timeout=1e-6)
+        code, _ = _code(call.result)
+        assert code == grpc.StatusCode.DEADLINE_EXCEEDED
