@@ -100,6 +100,30 @@ def bench_compute(store: ExpertStore, reps: int) -> list[dict[str, float]]:
     return rows_out
 
 
+def bench_layout(store: ExpertStore, reps: int) -> list[dict[str, float]]:
+    """The working-copy layout choice: F.linear on gate_up [2F, D] as stored vs a pre-transposed [D, 2F] copy."""
+    w = store.weights(*store.held()[0])
+    gu_t, down_t = w.gate_up.t().contiguous(), w.down.t().contiguous()
+    out = []
+    for n in (1, 8, 64):
+        x = torch.randn(n, store.hidden_size or 0)
+        a_s, b_s = [], []
+        for _ in range(reps * 4):
+            t0 = time.perf_counter()
+            h = F.linear(x, w.gate_up)
+            g, u = h.chunk(2, dim=-1)
+            F.linear(F.silu(g) * u, w.down)
+            t1 = time.perf_counter()
+            h = x @ gu_t
+            g, u = h.chunk(2, dim=-1)
+            (F.silu(g) * u) @ down_t
+            t2 = time.perf_counter()
+            a_s.append(t1 - t0)
+            b_s.append(t2 - t1)
+        out.append({"n": n, "stored_us": median_us(a_s), "transposed_us": median_us(b_s)})
+    return out
+
+
 def bench_dequant(store: ExpertStore, reps: int) -> float:
     key = store.held()[0]
     ts = []
@@ -143,7 +167,13 @@ def bench_rtt(model: Path, calls: int, tmp: Path) -> dict[str, float]:
     }
 
 
-def render(cmd: str, comp: list[dict[str, float]], dq_ms: float, rtt: dict[str, float]) -> str:
+def render(
+    cmd: str,
+    comp: list[dict[str, float]],
+    layout: list[dict[str, float]],
+    dq_ms: float,
+    rtt: dict[str, float],
+) -> str:
     lines = [
         f"<!-- bench:{SECTION} -->",
         "## Node: expert compute and loopback round trip (`bench/node.py`)",
@@ -162,6 +192,15 @@ def render(cmd: str, comp: list[dict[str, float]], dq_ms: float, rtt: dict[str, 
             f"| {r['n']} | {r['store_rows_s']:,.0f} | {r['torch_rows_s']:,.0f} | "
             f"{r['store_rows_s'] / r['torch_rows_s']:.2f} | {r['store_us']:,.0f} | {r['torch_us']:,.0f} |"
         )
+    lines += [
+        "",
+        "Working-copy layout (one expert, µs per SwiGLU): F.linear on the stored [2F, D] gate_up and [D, F] down "
+        "(what the store keeps) vs matmuls on pre-transposed contiguous copies:",
+        "",
+        "| rows | stored [out, in] µs | pre-transposed µs |",
+        "| ---: | ---: | ---: |",
+        *[f"| {r['n']} | {r['stored_us']:,.0f} | {r['transposed_us']:,.0f} |" for r in layout],
+    ]
     lines += [
         "",
         f"Dequantizing one Q4_K expert (gate+up+down, gguf-py numpy) to float32: {dq_ms:.1f} ms: the extra cost of "
@@ -208,10 +247,11 @@ def main(argv: list[str] | None = None) -> int:
         store = ExpertStore(slabs_from_gguf(model))
         log.info("compute throughput ...")
         comp = bench_compute(store, args.reps)
+        layout = bench_layout(store, args.reps)
         dq = bench_dequant(store, args.reps)
         log.info("loopback round trip ...")
         rtt = bench_rtt(model, args.rtt_calls, tmp)
-    text = render(cmd, comp, dq, rtt)
+    text = render(cmd, comp, layout, dq, rtt)
     print(text)
     if not args.no_write:
         write_section(text)

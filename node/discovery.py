@@ -200,6 +200,9 @@ class Advertiser:
             )
         else:
             addresses = [socket.gethostbyname(host.strip("[]")) if not _is_loopback(host) else "127.0.0.1"]
+        # A generated name carries a random suffix, so the ~1 s uniqueness probe can be skipped; a name the user
+        # chose is probed and renamed ("name-2") if another node already has it.
+        self._generated_name = name is None
         instance = name or f"swarm-node-{socket.gethostname().split('.')[0]}-{port}-{uuid.uuid4().hex[:6]}"
         instance = instance.replace(".", "-")[:63]
         self.info = ServiceInfo(
@@ -214,7 +217,10 @@ class Advertiser:
 
     def start(self) -> Advertiser:
         self._zc = _zeroconf(self.interfaces)
-        self._zc.register_service(self.info)
+        if self._generated_name:
+            self._zc.register_service(self.info, cooperating_responders=True)
+        else:
+            self._zc.register_service(self.info, allow_name_change=True)
         log.info("advertised %s on %s", self.info.name, self.interfaces or "all interfaces")
         return self
 

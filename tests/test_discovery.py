@@ -69,7 +69,9 @@ def test_advertised_record_roundtrips_through_a_browser():
 def test_node_process_appears_within_2s_and_leaves_on_sigterm(tmp_path):
     with browse(interfaces=LOOPBACK) as browser, browse(fingerprint="0" * 64, interfaces=LOOPBACK) as other:
         (node,) = start_nodes(
-            [(GGUF, ["--experts", "0-3", "--layers", "0-1", "--mdns-interface", "127.0.0.1"])], tmp_path
+            [(GGUF, ["--experts", "0-3", "--layers", "0-1", "--mdns-interface", "127.0.0.1"])],
+            tmp_path,
+            timeout=180,
         )
         try:
             ready = time.monotonic()
