@@ -142,10 +142,11 @@ def prompt_ids(engine: Any, prompt: str, chat: bool, system: str | None = None) 
     return engine.tokenizer.encode(text, parse_special=True)
 
 
-def stream_answer(engine: Any, ids: list[int], params: Any, out: Any = sys.stdout) -> tuple[list[int], Any]:
-    """Generate, printing text as it comes; (generated ids, GenerationStats)."""
+def stream_answer(engine: Any, ids: list[int], params: Any, out: Any = None) -> tuple[list[int], Any]:
+    """Generate, printing text as it comes (to stdout by default); (generated ids, GenerationStats)."""
     from swarm.coordinator.generate import GenerationStats, generate
 
+    out = out or sys.stdout
     stats = GenerationStats()
     detok = engine.tokenizer.stream(skip_control=True)
     generated = []
@@ -159,9 +160,11 @@ def stream_answer(engine: Any, ids: list[int], params: Any, out: Any = sys.stdou
     return generated, stats
 
 
-def report(engine: Any, stats: Any, err: Any = sys.stderr) -> None:
+def report(engine: Any, stats: Any, err: Any = None) -> None:
+    """Speed and where the experts went, to stderr by default."""
     from swarm.coordinator.swarm import SwarmExperts
 
+    err = err or sys.stderr
     print(
         f"prefill: {stats.prompt_tokens} tokens, {stats.prefill_tps:.1f} tok/s | "
         f"decode: {stats.generated_tokens} tokens, {stats.decode_tps:.1f} tok/s | finish: {stats.finish_reason}",

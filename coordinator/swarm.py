@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -44,38 +44,53 @@ FAILOVER_CODES = frozenset(
 )
 
 
+# A node that failed a call is passed over for this long, then tried again (it may have been busy, not gone).
+DOWN_SECONDS = 10.0
+# Tries per expert and step across holders (the same holder again when it is the only one).
+MAX_ATTEMPTS = 3
+
+
 class Placement:
     """Which live node holds each (layer, expert); the one place that picks a holder."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._holders: dict[SlabKey, list[str]] = {}
-        self._down: set[str] = set()
+        self._down: dict[str, float] = {}  # address -> until when it is passed over
         self._lock = threading.Lock()
+        self._clock = clock
 
     def add(self, address: str, held: Iterable[SlabKey]) -> None:
         with self._lock:
-            self._down.discard(address)
+            self._down.pop(address, None)
             for key in held:
                 holders = self._holders.setdefault(key, [])
                 if address not in holders:
                     holders.append(address)
                     holders.sort()
 
-    def mark_down(self, address: str) -> None:
+    def mark_down(self, address: str, seconds: float = DOWN_SECONDS) -> None:
         with self._lock:
-            self._down.add(address)
+            self._down[address] = self._clock() + seconds
+
+    def _is_down(self, address: str) -> bool:
+        until = self._down.get(address)
+        return until is not None and self._clock() < until
 
     def addresses(self) -> list[str]:
         with self._lock:
-            return sorted({a for hs in self._holders.values() for a in hs} - self._down)
+            return sorted(a for a in {a for hs in self._holders.values() for a in hs} if not self._is_down(a))
 
-    def pick(self, layer: int, expert: int, avoid: Iterable[str] = ()) -> str | None:
-        """A live holder of (layer, expert), or None. Replicas share the load by a fixed rule, so the same
-        swarm always sends the same expert to the same node (reproducible, cache-friendly)."""
+    def pick(
+        self, layer: int, expert: int, avoid: Iterable[str] = (), include_down: bool = False
+    ) -> str | None:
+        """A live holder of (layer, expert) not in `avoid`, or None. Replicas share the load by a fixed rule,
+        so the same swarm always sends the same expert to the same node (reproducible, cache-friendly)."""
         avoid = set(avoid)
         with self._lock:
             live = [
-                a for a in self._holders.get((layer, expert), ()) if a not in self._down and a not in avoid
+                a
+                for a in self._holders.get((layer, expert), ())
+                if a not in avoid and (include_down or not self._is_down(a))
             ]
         if not live:
             return None
@@ -127,7 +142,7 @@ class _SwarmPending:
         offsets = g.offsets()
         out = torch.empty(self.rows.shape, dtype=torch.float32)
         pending = list(self.calls)
-        failed: dict[int, set[str]] = {}  # expert index -> holders that failed it
+        failed: dict[int, list[str]] = {}  # expert index -> holders that failed it, in order
         while pending:
             c = pending.pop(0)
             try:
@@ -139,7 +154,7 @@ class _SwarmPending:
                 self.backend.placement.mark_down(c.address)
                 self.backend.failovers += 1
                 for i in c.indices:
-                    failed.setdefault(i, set()).add(c.address)
+                    failed.setdefault(i, []).append(c.address)
                 pending.extend(self.backend._send(self.layer, g, self.rows, c.indices, failed))
                 continue
             start = 0
@@ -184,16 +199,12 @@ class SwarmExperts:
         groups: ExpertMajor,
         rows: torch.Tensor,
         indices: Iterable[int],
-        failed: dict[int, set[str]],
+        failed: dict[int, list[str]],
     ) -> list[_Call]:
         """One Compute call per chosen holder for the experts at `indices` (positions in groups)."""
         by_node: dict[str, list[int]] = {}
         for i in indices:
-            expert = groups.expert_ids[i]
-            address = self.placement.pick(layer, expert, avoid=failed.get(i, ()))
-            if address is None:
-                raise UserError(describe_missing({layer: [expert]}, self.source))
-            by_node.setdefault(address, []).append(i)
+            by_node.setdefault(self._holder_for(layer, groups.expert_ids[i], failed.get(i, [])), []).append(i)
         offsets = groups.offsets()
         calls = []
         for address, idx in by_node.items():
@@ -209,6 +220,20 @@ class SwarmExperts:
             self.rows_per_node[address] += int(part.shape[0])
             calls.append(_Call(address, idx, call))
         return calls
+
+    def _holder_for(self, layer: int, expert: int, failed: list[str]) -> str:
+        """A holder that has not failed this expert yet; else, within MAX_ATTEMPTS, any holder again."""
+        address = self.placement.pick(layer, expert, avoid=failed)
+        if address is None and failed and len(failed) < MAX_ATTEMPTS:
+            address = self.placement.pick(layer, expert, include_down=True)
+        if address is not None:
+            return address
+        if failed:
+            raise UserError(
+                f"layer {layer} expert {expert}: every holder failed ({', '.join(failed)}); "
+                f"check those nodes (`swarm node` logs), add replicas, or raise --timeout"
+            )
+        raise UserError(describe_missing({layer: [expert]}, self.source))
 
     def close(self) -> None:
         for c in self.clients.values():

@@ -1,0 +1,192 @@
+"""The coordinator against real node processes on loopback, found by mDNS.
+
+Swarm logits must be bit-identical to the in-process backend's at the same wire precision (the in-process
+backend is checked against transformers and llama.cpp in test_models*.py), and stay so when a node dies
+and its experts fail over to a replica.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import FIXTURES
+from reference import assert_logits_close
+
+from swarm.coordinator.engine import open_engine
+from swarm.coordinator.experts import LocalExperts
+from swarm.coordinator.generate import forward_one
+from swarm.coordinator.swarm import Placement, connect
+from swarm.node.launch import start_nodes
+from swarm.node.store import ExpertStore
+from swarm.sharding.errors import UserError
+from swarm.sharding.shard import shard_model
+from swarm.sharding.slabs import read_manifest, slabs_from_shard
+
+LOOPBACK = ["127.0.0.1"]
+MODELS = ["qwen3moe-tiny", "qwen2moe-tiny"]
+
+
+@pytest.fixture(scope="module")
+def swarms(tmp_path_factory):
+    """Per model: a shard dir and 3 nodes holding disjoint expert ranges (all started at once)."""
+    work = tmp_path_factory.mktemp("swarm")
+    dirs, specs = {}, []
+    for name in MODELS:
+        d = work / f"{name}.swarm"
+        shard_model(FIXTURES / name / "model-f32.gguf", d)
+        dirs[name] = d
+        n = read_manifest(d).n_expert
+        cuts = [0, n // 3, 2 * n // 3, n]
+        specs += [(d, ["--experts", f"{cuts[i]}-{cuts[i + 1] - 1}"]) for i in range(3)]
+    nodes = start_nodes(specs, work / "nodes")
+    yield {name: (dirs[name], nodes[3 * i : 3 * i + 3]) for i, name in enumerate(MODELS)}
+    for node in nodes:
+        node.stop()
+
+
+def _prompts(name: str) -> tuple[np.lib.npyio.NpzFile, list[list[int]]]:
+    ref = np.load(FIXTURES / name / "reference.npz")
+    return ref, [ref[f"tokens_{i}"].tolist() for i in range(4)]
+
+
+def _greedy(model, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
+    state = model.new_state()
+    rows = [forward_one(model, prompt, state, "cpu")[-1]]
+    tokens = []
+    for _ in range(steps):
+        tokens.append(int(torch.argmax(rows[-1])))
+        rows.append(forward_one(model, [tokens[-1]], state, "cpu")[-1])
+    return tokens, torch.stack(rows[1:])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", MODELS)
+def test_swarm_is_bit_identical_to_in_process(swarms, name):
+    shard_dir, _ = swarms[name]
+    ref, prompts = _prompts(name)
+    swarm = open_engine(shard_dir, mdns_interfaces=LOOPBACK, wait=10.0, device="cpu")
+    local = open_engine(shard_dir, local=True, device="cpu")
+    try:
+        assert len(swarm.experts.clients) == 3, "all three nodes found by mDNS"
+        for i, tokens in enumerate(prompts):
+            a = forward_one(swarm.model, tokens, swarm.model.new_state(), "cpu")
+            b = forward_one(local.model, tokens, local.model.new_state(), "cpu")
+            assert torch.equal(a, b), f"prompt {i}: prefill differs, max {float((a - b).abs().max()):.3g}"
+            assert_logits_close(a, ref[f"hf_logits_{i}"], f"{name} swarm prompt {i} vs transformers")
+        # decode: 16 greedy steps through the KV cache, one fan-out per step
+        tokens_s, logits_s = _greedy(swarm.model, prompts[0], 16)
+        tokens_l, logits_l = _greedy(local.model, prompts[0], 16)
+        assert tokens_s == tokens_l == ref["hf_greedy_0"].tolist()
+        assert torch.equal(logits_s, logits_l)
+        assert sum(swarm.experts.calls_per_node.values()) > 0
+        assert len(swarm.experts.calls_per_node) == 3, "every node got calls"
+    finally:
+        swarm.close()
+        local.close()
+
+
+@pytest.mark.slow
+def test_f16_wire_matches_in_process_at_the_same_precision(swarms):
+    shard_dir, _ = swarms["qwen3moe-tiny"]
+    _, prompts = _prompts("qwen3moe-tiny")
+    swarm = open_engine(shard_dir, mdns_interfaces=LOOPBACK, wait=10.0, wire="f16", device="cpu")
+    local = open_engine(shard_dir, local=True, wire="f16", device="cpu")
+    f32 = open_engine(shard_dir, local=True, device="cpu")
+    try:
+        a = forward_one(swarm.model, prompts[1], swarm.model.new_state(), "cpu")
+        b = forward_one(local.model, prompts[1], local.model.new_state(), "cpu")
+        c = forward_one(f32.model, prompts[1], f32.model.new_state(), "cpu")
+        assert torch.equal(a, b)
+        assert not torch.equal(a, c), "the f16 wire really rounds"
+    finally:
+        for e in (swarm, local, f32):
+            e.close()
+
+
+@pytest.mark.slow
+def test_two_sequences_share_one_fan_out_per_layer(swarms):
+    shard_dir, _ = swarms["qwen3moe-tiny"]
+    _, prompts = _prompts("qwen3moe-tiny")
+    swarm = open_engine(shard_dir, mdns_interfaces=LOOPBACK, wait=10.0, device="cpu")
+    try:
+        model = swarm.model
+        alone = [forward_one(model, p, model.new_state(), "cpu") for p in prompts[:2]]
+        before = sum(swarm.experts.calls_per_node.values())
+        ids = torch.tensor(prompts[0] + prompts[1])
+        both = model(ids, [model.new_state(), model.new_state()], [len(prompts[0]), len(prompts[1])])
+        calls = sum(swarm.experts.calls_per_node.values()) - before
+        n_layers = len(model.blk)
+        assert calls <= 3 * n_layers, f"{calls} calls for {n_layers} layers x 3 nodes"
+        torch.testing.assert_close(both, torch.cat(alone), rtol=0, atol=1e-5)
+    finally:
+        swarm.close()
+
+
+@pytest.mark.slow
+def test_a_dead_node_fails_over_to_a_replica(swarms, tmp_path):
+    shard_dir, nodes = swarms["qwen2moe-tiny"]
+    _, prompts = _prompts("qwen2moe-tiny")
+    manifest = read_manifest(shard_dir)
+    slabs, _ = slabs_from_shard(shard_dir)
+    local = LocalExperts(ExpertStore(slabs))
+    # a fourth node replicating everything, plus the three disjoint ones; then one of those dies
+    (replica,) = start_nodes([(shard_dir, ["--no-mdns"])], tmp_path)
+    needed = sorted(slabs)
+    backend = connect(needed, manifest.fingerprint, str(shard_dir), peers=[n.address for n in nodes] + [replica.address],
+                      mdns=False, timeout=10.0)  # fmt: skip
+    try:
+        engine = open_engine(shard_dir, local=True, device="cpu")
+        model = engine.model
+        expect = forward_one(model, prompts[0], model.new_state(), "cpu")
+        model.set_experts(backend)
+        victim = nodes[1]
+        victim.process.kill()
+        victim.process.wait()
+        got = forward_one(model, prompts[0], model.new_state(), "cpu")
+        assert torch.equal(got, expect)
+        assert backend.failovers >= 1
+        assert victim.address not in backend.placement.addresses()
+        model.set_experts(local)
+    finally:
+        backend.close()
+        replica.stop()
+
+
+def test_missing_experts_are_named(tmp_path):
+    shard_dir = tmp_path / "m.swarm"
+    shard_model(FIXTURES / "qwen3moe-tiny" / "model-f32.gguf", shard_dir)
+    manifest = read_manifest(shard_dir)
+    (node,) = start_nodes([(shard_dir, ["--experts", "0-15", "--no-mdns"])], tmp_path / "n")
+    try:
+        needed = [(layer, e) for layer in manifest.moe_layers for e in range(manifest.n_expert)]
+        with pytest.raises(UserError, match=r"layer 0: experts 16-31"):
+            connect(needed, manifest.fingerprint, str(shard_dir), peers=[node.address], mdns=False)
+        with pytest.raises(UserError, match="another model"):
+            connect(needed, "0" * 64, str(shard_dir), peers=[node.address], mdns=False)
+    finally:
+        node.stop()
+
+
+def test_no_nodes_says_how_to_start_one(tmp_path):
+    shard_dir = tmp_path / "m.swarm"
+    shard_model(FIXTURES / "qwen3moe-tiny" / "model-f32.gguf", shard_dir)
+    with pytest.raises(UserError, match="swarm node"):
+        open_engine(shard_dir, mdns=False, device="cpu")
+
+
+def test_placement_passes_over_a_failed_node_for_a_while():
+    now = [0.0]
+    p = Placement(clock=lambda: now[0])
+    p.add("a:1", [(0, 0), (0, 1)])
+    p.add("b:1", [(0, 0)])
+    assert {p.pick(0, 0), p.pick(0, 1)} <= {"a:1", "b:1"}
+    assert p.pick(0, 0, avoid=["a:1"]) == "b:1"
+    p.mark_down("a:1", seconds=5.0)
+    assert p.pick(0, 0) == "b:1"
+    assert p.pick(0, 1) is None
+    assert p.pick(0, 1, include_down=True) == "a:1"
+    assert p.missing([(0, 0), (0, 1), (1, 0)]) == {0: [1], 1: [0]}
+    now[0] = 6.0
+    assert p.pick(0, 1) == "a:1"
+    assert p.addresses() == ["a:1", "b:1"]
