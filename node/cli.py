@@ -95,6 +95,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "mps"), help="where to compute")
     p.add_argument("--workers", type=int, default=8, help="calls served concurrently")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads per call (default: torch's, one per core); 1 can be much faster on a busy device",
+    )
     p.add_argument("--name", default=None, help="name to advertise (default: swarm-node-HOST-PORT-xxxxxx)")
     p.add_argument(
         "--key",
@@ -145,6 +151,12 @@ def run_node(args: argparse.Namespace) -> int:
     slab_keys = parse_slab_specs(args.slab)
     memory = parse_size(args.memory) if args.memory else 0
     device = _device(args.device)
+    if args.threads is not None:
+        if args.threads < 1:
+            raise UserError("--threads must be at least 1")
+        import torch
+
+        torch.set_num_threads(args.threads)
     key = args.key if args.key is not None else os.environ.get("SWARM_KEY") or None
 
     loaded = load_slabs(args.source, layers, experts, slab_keys, verify=not args.no_verify)
