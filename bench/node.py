@@ -135,7 +135,8 @@ def bench_dequant(store: ExpertStore, reps: int) -> float:
 
 
 def bench_rtt(model: Path, calls: int, tmp: Path) -> dict[str, float]:
-    (node,) = start_nodes([(model, ["--no-mdns", "--workers", "4"])], tmp / "nodes")
+    args = ["--no-mdns", "--workers", "4", "--threads", str(torch.get_num_threads())]
+    (node,) = start_nodes([(model, args)], tmp / "nodes")
     try:
         client = NodeClient(node.address, fingerprint=node.fingerprint)
         x = torch.randn(EXPERTS_PER_CALL, 2048).to(torch.float16)
@@ -236,10 +237,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--rtt-calls", type=int, default=300)
     p.add_argument(
+        "--threads", type=int, default=None, help="torch threads here and in the node (default: torch's)"
+    )
+    p.add_argument(
         "--no-write", action="store_true", help="print the section instead of writing docs/BENCHMARKS.md"
     )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     cmd = "python bench/node.py" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
