@@ -23,8 +23,9 @@ from swarm.coordinator.models import ARCHS, layers
 from swarm.coordinator.models.layers import DecoderModel, attention, rope
 from swarm.node.store import ExpertStore
 from swarm.sharding.errors import UserError
-from swarm.sharding.gguf_io import EXPERT_TENSOR_RE, GGUFError, open_gguf
-from swarm.sharding.slabs import slabs_from_gguf
+from swarm.sharding.gguf_io import GGUFError, open_gguf
+from swarm.sharding.shard import shard_model
+from swarm.sharding.slabs import slabs_from_gguf, slabs_from_shard
 
 ARCH_NAMES = ["qwen3moe", "qwen2moe"]
 N_PROMPTS = 4
@@ -219,12 +220,18 @@ def rewrite_gguf(
     writer.close()
 
 
-def test_shard_dir_dense_gguf_loads_without_experts(tmp_path: Path) -> None:
-    src = gguf_of("qwen3moe")
-    rewrite_gguf(src, tmp_path / "dense.gguf", keep=lambda n: not EXPERT_TENSOR_RE.match(n))
-    model, _ = load_model(tmp_path, local_experts(src), device="cpu")
-    ref = np.load(FIXTURES / "qwen3moe-tiny" / "reference.npz")
-    assert_logits_close(model.run(tokens(ref, 3), model.new_state()), ref["hf_logits_3"], "dense.gguf")
+@pytest.mark.parametrize("arch", ARCH_NAMES)
+def test_swarm_shard_directory_loads(arch: str, tmp_path: Path) -> None:
+    """`swarm shard` output: the model from DIR/dense.gguf, the experts from the slab files."""
+    shard_model(gguf_of(arch), tmp_path)
+    slabs, problems = slabs_from_shard(tmp_path)
+    assert not problems
+    model, meta = load_model(tmp_path, LocalExperts(ExpertStore(slabs)), device="cpu")
+    assert meta[Keys.General.ARCHITECTURE] == arch
+    ref = np.load(FIXTURES / f"{arch}-tiny" / "reference.npz")
+    for i in (0, 3):
+        logits = model.run(tokens(ref, i), model.new_state())
+        assert_logits_close(logits, ref[f"llama_f32_logits_{i}"], f"{arch} shard dir, prompt {i}")
 
 
 def test_mtp_block_is_left_out_of_the_main_pass(tmp_path: Path) -> None:
