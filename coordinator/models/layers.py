@@ -312,8 +312,8 @@ class DecoderModel(nn.Module):
         With last_only, only each sequence's last position: [len(states), V] (saves the vocab
         projection of a long prefill). States are advanced in place.
         """
-        if len(states) != len(lengths):
-            raise ValueError(f"{len(states)} states but {len(lengths)} lengths")
+        if not states or len(states) != len(lengths):
+            raise ValueError(f"{len(states)} states but {len(lengths)} lengths; give at least one sequence")
         if sum(lengths) != tokens.shape[0] or any(n <= 0 for n in lengths):
             raise ValueError(f"lengths {list(lengths)} do not split {tokens.shape[0]} tokens")
         device = self.token_embd.weight.device
@@ -328,6 +328,8 @@ class DecoderModel(nn.Module):
             if last_only:
                 ends = torch.tensor(batch.lengths, device=device).cumsum(0) - 1
                 x = x.index_select(0, ends)  # [B, D]
+        # The head runs outside inference_mode so that callers get an ordinary tensor they may modify.
+        with torch.no_grad():
             return self.output(self.output_norm(x)).float()  # [N, V]
 
     def run(self, tokens: Sequence[int] | torch.Tensor, state: SequenceState) -> torch.Tensor:
