@@ -25,6 +25,7 @@ import queue
 import shutil
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -185,13 +186,20 @@ class Pump:
     """Copies byte ranges of the source into output files in chunks, hashing them on a second thread."""
 
     def __init__(self, source: Path, progress: Callable[[int], None] | None = None) -> None:
+        self.source = source
         self.fd = os.open(source, os.O_RDONLY)
+        # Slabs are copied expert by expert, so the reads hop between a layer's gate/up/down tensors;
+        # one descriptor per tensor keeps each stream sequential for the kernel's readahead.
+        self.stream_fds: dict[int, int] = {}
         self.progress = progress
         self.free: queue.Queue[memoryview] = queue.Queue()
         self.chunk = min(CHUNK, max(os.fstat(self.fd).st_size, 1))
         for _ in range(N_BUFFERS):
             self.free.put(memoryview(bytearray(self.chunk)))
-        self.jobs: queue.Queue[tuple[list[Any], memoryview, memoryview | None] | None] = queue.Queue()
+        # A job: hash `view` into each of `hashers`, give `buf` back to the pool, then call `then`.
+        self.jobs: queue.Queue[
+            tuple[list[Any], memoryview | None, memoryview | None, Callable[[], None] | None] | None
+        ] = queue.Queue()
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._hash_loop, name="shard-hash", daemon=True)
         self.thread.start()
@@ -201,10 +209,13 @@ class Pump:
             job = self.jobs.get()
             if job is None:
                 return
-            hashers, view, buf = job
+            hashers, view, buf, then = job
             try:
-                for h in hashers:
-                    h.update(view)
+                if view is not None:
+                    for h in hashers:
+                        h.update(view)
+                if then is not None:
+                    then()
             except BaseException as e:  # handed to the copying thread at the next drain()
                 self.error = e
             if buf is not None:
@@ -212,18 +223,34 @@ class Pump:
             self.jobs.task_done()
 
     def hash_bytes(self, hashers: list[Any], data: bytes) -> None:
-        self.jobs.put((hashers, memoryview(data), None))
+        self.jobs.put((hashers, memoryview(data), None, None))
 
-    def copy(self, offset: int, length: int, out_fd: int | None, hashers: list[Any]) -> None:
-        """Source bytes [offset, offset+length) to `out_fd` (None: only hash them), fed to `hashers`."""
+    def then(self, fn: Callable[[], None]) -> None:
+        """Call `fn` on the hashing thread once everything queued so far is hashed.
+
+        The copying thread never waits for a digest, so reading and writing the next slab overlaps
+        hashing the last one."""
+        self.jobs.put(([], None, None, fn))
+
+    def copy(
+        self, offset: int, length: int, out_fd: int | None, hashers: list[Any], stream: int = -1
+    ) -> None:
+        """Source bytes [offset, offset+length) to `out_fd` (None: only hash them), fed to `hashers`.
+
+        `stream` >= 0 reads through a descriptor of its own (see __init__)."""
+        fd = self.fd
+        if stream >= 0:
+            if stream not in self.stream_fds:
+                self.stream_fds[stream] = os.open(self.source, os.O_RDONLY)
+            fd = self.stream_fds[stream]
         while length > 0:
             buf = self.free.get()
-            n = os.preadv(self.fd, [buf[: min(self.chunk, length)]], offset)
+            n = os.preadv(fd, [buf[: min(self.chunk, length)]], offset)
             if n <= 0:
                 self.free.put(buf)
                 raise GGUFError(f"source ended early at byte {offset}; the file is truncated")
             view = buf[:n]
-            self.jobs.put((hashers, view, buf))
+            self.jobs.put((hashers, view, buf, None))
             if out_fd is not None:
                 write_all(out_fd, view)
             offset += n
@@ -241,6 +268,8 @@ class Pump:
         self.jobs.put(None)
         self.thread.join()
         os.close(self.fd)
+        for fd in self.stream_fds.values():
+            os.close(fd)
 
 
 def write_all(fd: int, data: memoryview | bytes) -> None:
@@ -415,6 +444,7 @@ def shard_model(
             "free some space, shard to another directory with -o, or cut a part with --layers/--experts"
         )
 
+    t_start = time.monotonic()
     bar = _progress_bar(src.size - src.data_start, progress)
     pump = Pump(src.path, bar.update if bar is not None else None)
     written = skipped = 0
@@ -440,9 +470,7 @@ def shard_model(
                     continue
                 hashers = [hashlib.sha256()]
                 _pump_slab(src, pump, layer, expert, None, hashers)
-                pump.drain()
-                slab_sha[key] = hashers[0].hexdigest()
-                journal.append({"slab": [layer, expert], "sha256": slab_sha[key], "written": False})
+                pump.then(_recorder(journal, slab_sha, key, hashers[0], written=False))
                 continue
             reuse = _reusable_slab(out, key, size, data_offset, journal, old_slabs, trusted_fp)
             if reuse is not None:
@@ -451,8 +479,8 @@ def shard_model(
                 if bar is not None:
                     bar.update(_slab_source_bytes(src, layer))
                 continue
-            slab_sha[key] = _write_slab(src, out, pump, layer, expert, trusted_fp, data_offset, size)
-            journal.append({"slab": [layer, expert], "sha256": slab_sha[key], "written": True})
+            h = _write_slab(src, out, pump, layer, expert, trusted_fp, data_offset, size)
+            pump.then(_recorder(journal, slab_sha, key, h, written=True))
             written += 1
         pump.drain()
     except OSError as e:
@@ -462,6 +490,7 @@ def shard_model(
         if bar is not None:
             bar.close()
 
+    log.info("copied and hashed in %.1f s", time.monotonic() - t_start)
     fp = _fingerprint(header_sha, dense_data_sha, slab_sha)
     if trusted_fp is not None and fp != trusted_fp:
         raise UserError(f"{out}: the source changed while it was being cut; run `swarm shard` again")
@@ -504,7 +533,9 @@ def shard_model(
     try:
         # One flush of the whole file system instead of an fsync per file (thousands of slabs): until the
         # manifest exists nothing verifies, and the manifest is written only once every file is durable.
+        t0 = time.monotonic()
         _syncfs(out)
+        log.info("flushed %s to disk in %.1f s", out, time.monotonic() - t0)
         write_manifest(out, manifest)
         (out / JOURNAL_NAME).unlink(missing_ok=True)
     except OSError as e:
@@ -536,8 +567,8 @@ def _pump_slab(
     src: SourceModel, pump: Pump, layer: int, expert: int, out_fd: int | None, hashers: list[Any]
 ) -> None:
     """The data section of slab file (layer, expert): each tensor's source range, padded to 32 bytes."""
-    for et in src.layer_tensors(layer):
-        pump.copy(et.data_offset + expert * et.slab_bytes, et.slab_bytes, out_fd, hashers)
+    for i, et in enumerate(src.layer_tensors(layer)):
+        pump.copy(et.data_offset + expert * et.slab_bytes, et.slab_bytes, out_fd, hashers, stream=i)
         zeros = b"\0" * (pad(et.slab_bytes, 32) - et.slab_bytes)
         if zeros:
             if out_fd is not None:
@@ -558,8 +589,10 @@ def _write_slab(
     trusted_fp: str | None,
     data_offset: int,
     size: int,
-) -> str:
-    """Write one slab file (pending, or final when the fingerprint is already known); its data hash."""
+) -> Any:
+    """Write one slab file (pending, or final when the fingerprint is already known).
+
+    Returns the hasher of its data section, which holds the digest once the pump has caught up."""
     final = out / slab_relpath(layer, expert)
     final.parent.mkdir(parents=True, exist_ok=True)
     target = final if trusted_fp is not None else final.with_name(final.name + ".pending")
@@ -571,14 +604,23 @@ def _write_slab(
     try:
         write_all(fd, head)
         _pump_slab(src, pump, layer, expert, fd, hashers)
-        pump.drain()
     except BaseException:
         os.close(fd)
         tmp.unlink(missing_ok=True)
         raise
     os.close(fd)
     os.replace(tmp, target)
-    return hashers[0].hexdigest()
+    return hashers[0]
+
+
+def _recorder(
+    journal: Journal, slab_sha: dict[tuple[int, int], str], key: tuple[int, int], hasher: Any, written: bool
+) -> Callable[[], None]:
+    def record() -> None:
+        slab_sha[key] = hasher.hexdigest()
+        journal.append({"slab": list(key), "sha256": slab_sha[key], "written": written})
+
+    return record
 
 
 def _reusable_slab(
