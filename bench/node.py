@@ -91,6 +91,7 @@ def bench_compute(store: ExpertStore, reps: int) -> list[dict[str, float]]:
         rows_out.append(
             {
                 "n": n,
+                "threads": torch.get_num_threads(),
                 "store_rows_s": total / statistics.median(ts),
                 "torch_rows_s": total / statistics.median(tt),
                 "store_us": median_us(ts),
@@ -165,6 +166,8 @@ def bench_rtt(model: Path, calls: int, tmp: Path) -> dict[str, float]:
         "empty_p50": pct(empty, 0.5),
         "empty_p99": pct(empty, 0.99),
         "node_busy_us": busy_us,
+        "compute_mean": statistics.mean(compute) * 1e6,
+        "empty_mean": statistics.mean(empty) * 1e6,
     }
 
 
@@ -185,12 +188,13 @@ def render(
         f"Shape: Qwen3.6-35B-A3B experts, D 2048, F 512, Q4_K (synthesized), {EXPERTS_PER_CALL} experts per call. "
         "Medians of interleaved runs; the machine is shared, so read the ratios.",
         "",
-        "| rows per expert | ExpertStore.compute rows/s | torch f32 matmuls rows/s | ratio | store µs/call | torch µs/call |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| torch threads | rows per expert | ExpertStore.compute rows/s | torch f32 matmuls rows/s | ratio | "
+        "store µs/call | torch µs/call |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in comp:
         lines.append(
-            f"| {r['n']} | {r['store_rows_s']:,.0f} | {r['torch_rows_s']:,.0f} | "
+            f"| {r['threads']} | {r['n']} | {r['store_rows_s']:,.0f} | {r['torch_rows_s']:,.0f} | "
             f"{r['store_rows_s'] / r['torch_rows_s']:.2f} | {r['store_us']:,.0f} | {r['torch_us']:,.0f} |"
         )
     lines += [
@@ -214,9 +218,9 @@ def render(
         f"| Compute, 8 rows of 2048 f16 (1 row x 8 experts) | {rtt['compute_p50']:,.0f} | {rtt['compute_p99']:,.0f} |",
         f"| gRPC health check (empty call) | {rtt['empty_p50']:,.0f} | {rtt['empty_p99']:,.0f} |",
         "",
-        f"Node-side compute time of that Compute call (mean Stats busy time per call): {rtt['node_busy_us']:,.0f} µs, so "
-        f"the wire and codec add about {rtt['compute_p50'] - rtt['node_busy_us']:,.0f} µs at p50 "
-        f"({rtt['compute_p50'] - rtt['node_busy_us'] - rtt['empty_p50']:,.0f} µs over an empty call).",
+        f"Means over the same calls: Compute {rtt['compute_mean']:,.0f} µs round trip, of which the node spent "
+        f"{rtt['node_busy_us']:,.0f} µs computing (Stats busy time), so decode, encode and the wire cost about "
+        f"{rtt['compute_mean'] - rtt['node_busy_us']:,.0f} µs per call; an empty call costs {rtt['empty_mean']:,.0f} µs.",
         f"<!-- /bench:{SECTION} -->",
     ]
     return "\n".join(lines)
@@ -252,7 +256,12 @@ def main(argv: list[str] | None = None) -> int:
         model = synth_model(tmp)
         store = ExpertStore(slabs_from_gguf(model))
         log.info("compute throughput ...")
-        comp = bench_compute(store, args.reps)
+        comp = []
+        default_threads = torch.get_num_threads()
+        for threads in sorted({1, default_threads}):  # many threads can lose badly on a busy machine
+            torch.set_num_threads(threads)
+            comp += bench_compute(store, args.reps)
+        torch.set_num_threads(default_threads)
         layout = bench_layout(store, args.reps)
         dq = bench_dequant(store, args.reps)
         log.info("loopback round trip ...")
