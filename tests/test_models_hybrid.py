@@ -18,7 +18,6 @@ from conftest import FIXTURES
 from gguf import GGUFReader, GGUFWriter, Keys
 from reference import assert_logits_close
 
-from swarm.coordinator.engine import open_engine
 from swarm.coordinator.experts import LocalExperts
 from swarm.coordinator.loader import load_model
 from swarm.coordinator.models.deltanet import (
@@ -27,11 +26,10 @@ from swarm.coordinator.models.deltanet import (
     gated_delta_recurrent,
 )
 from swarm.coordinator.models.layers import DecoderModel
-from swarm.node.launch import start_nodes
 from swarm.node.store import ExpertStore
 from swarm.sharding.gguf_io import GGUFError, open_gguf, read_metadata, tensor_to_numpy
 from swarm.sharding.shard import shard_model
-from swarm.sharding.slabs import read_manifest, slabs_from_gguf, slabs_from_shard
+from swarm.sharding.slabs import slabs_from_gguf, slabs_from_shard
 
 N_PROMPTS = 4
 N_GREEDY = 16
@@ -240,56 +238,3 @@ def test_rope_sections_must_cover_every_rotary_pair() -> None:
         check_text_rope_sections([2, 2, 2, 2], 16)  # pairs in the 4th (non-text) section
     with pytest.raises(GGUFError, match="falls outside"):
         check_text_rope_sections([3, 3, 1, 0], 16)
-
-
-# --- across the swarm ----------------------------------------------------------------------------------
-
-SWARM_MODELS = ["qwen35moe-tiny", "qwen3next-tiny"]
-
-
-@pytest.fixture(scope="module")
-def swarms(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """Per hybrid model: a shard dir and 2 node processes holding disjoint expert halves."""
-    work = tmp_path_factory.mktemp("hybrid-swarm")
-    dirs, specs = {}, []
-    for name in SWARM_MODELS:
-        d = work / f"{name}.swarm"
-        shard_model(FIXTURES / name / "model-f32.gguf", d)
-        dirs[name] = d
-        n = read_manifest(d).n_expert
-        specs += [(d, ["--experts", f"0-{n // 2 - 1}"]), (d, ["--experts", f"{n // 2}-{n - 1}"])]
-    nodes = start_nodes(specs, work / "nodes")
-    yield dirs
-    for node in nodes:
-        node.stop()
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", SWARM_MODELS)
-def test_swarm_is_bit_identical_to_in_process(swarms: Any, name: str) -> None:
-    ref = np.load(FIXTURES / name / "reference.npz")
-    swarm = open_engine(swarms[name], mdns_interfaces=["127.0.0.1"], wait=10.0, device="cpu")
-    local = open_engine(swarms[name], local=True, device="cpu")
-    try:
-        assert len(swarm.experts.clients) == 2, "both nodes found by mDNS"
-        for i in range(N_PROMPTS):
-            a = swarm.model.run(tokens(ref, i), swarm.model.new_state())
-            b = local.model.run(tokens(ref, i), local.model.new_state())
-            assert torch.equal(a, b), f"prompt {i}: prefill differs, max {float((a - b).abs().max()):.3g}"
-        got_s, rows_s = greedy(swarm.model, tokens(ref, 0), N_GREEDY)
-        got_l, rows_l = greedy(local.model, tokens(ref, 0), N_GREEDY)
-        assert got_s == got_l == ref["llama_f32_greedy_0"].tolist()
-        assert torch.equal(rows_s, rows_l)
-        # Two sequences decoding in one call: the batched recurrent step, one fan-out per layer.
-        s_states = [swarm.model.new_state() for _ in range(2)]
-        l_states = [local.model.new_state() for _ in range(2)]
-        prompt = torch.cat([tokens(ref, 0), tokens(ref, 3)])
-        lengths = [len(tokens(ref, 0)), len(tokens(ref, 3))]
-        for model, states in ((swarm.model, s_states), (local.model, l_states)):
-            model(prompt, states, lengths)
-        step = torch.tensor([5, 9])
-        assert torch.equal(swarm.model(step, s_states, [1, 1]), local.model(step, l_states, [1, 1]))
-        assert len(swarm.experts.calls_per_node) == 2, "every node got calls"
-    finally:
-        swarm.close()
-        local.close()
