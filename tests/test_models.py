@@ -267,6 +267,20 @@ def test_without_output_matrix_the_head_reuses_token_embd(tmp_path: Path) -> Non
     assert torch.equal(model.token_embd.weight, expected)
 
 
+def test_older_qwen2moe_file_without_shared_width_uses_feed_forward_length(tmp_path: Path) -> None:
+    """As llama.cpp does: no expert_shared_feed_forward_length -> the shared expert is feed_forward_length wide."""
+    src = gguf_of("qwen2moe")
+    old = tmp_path / "old.gguf"
+    rewrite_gguf(
+        src, old, drop_keys=frozenset({Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH.format(arch="qwen2moe")})
+    )
+    model, _ = load_model(old, local_experts(src), device="cpu")
+    ref = np.load(FIXTURES / "qwen2moe-tiny" / "reference.npz")
+    assert_logits_close(
+        model.run(tokens(ref, 3), model.new_state()), ref["hf_logits_3"], "older qwen2moe file"
+    )
+
+
 def test_missing_tensor_is_named(tmp_path: Path) -> None:
     src = gguf_of("qwen2moe")
     bad = tmp_path / "bad.gguf"

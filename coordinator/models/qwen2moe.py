@@ -59,6 +59,9 @@ class Config:
         n_embd = meta_int(meta, Keys.LLM.EMBEDDING_LENGTH.format(arch=a))
         n_head = meta_int(meta, Keys.Attention.HEAD_COUNT.format(arch=a))
         head_dim = meta_int(meta, Keys.Attention.KEY_LENGTH.format(arch=a), n_embd // n_head)
+        n_used = meta_int(meta, Keys.LLM.EXPERT_USED_COUNT.format(arch=a))
+        # Older files lack the expert widths; llama.cpp then derives them from feed_forward_length.
+        n_ff = meta_int(meta, Keys.LLM.FEED_FORWARD_LENGTH.format(arch=a), 0)
         return cls(
             n_vocab=n_vocab_of(meta, a),
             n_embd=n_embd,
@@ -70,9 +73,11 @@ class Config:
             rope_base=meta_float(meta, Keys.Rope.FREQ_BASE.format(arch=a), 10000.0),
             eps=meta_float(meta, Keys.Attention.LAYERNORM_RMS_EPS.format(arch=a)),
             n_expert=meta_int(meta, Keys.LLM.EXPERT_COUNT.format(arch=a)),
-            n_expert_used=meta_int(meta, Keys.LLM.EXPERT_USED_COUNT.format(arch=a)),
-            n_ff_exp=meta_int(meta, Keys.LLM.EXPERT_FEED_FORWARD_LENGTH.format(arch=a)),
-            n_ff_shexp=meta_int(meta, Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH.format(arch=a)),
+            n_expert_used=n_used,
+            n_ff_exp=meta_int(
+                meta, Keys.LLM.EXPERT_FEED_FORWARD_LENGTH.format(arch=a), n_ff // max(n_used, 1)
+            ),
+            n_ff_shexp=meta_int(meta, Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH.format(arch=a), n_ff),
         )
 
     @property
