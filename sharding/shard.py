@@ -20,9 +20,11 @@ import errno
 import hashlib
 import json
 import logging
+import mmap
 import os
 import queue
 import shutil
+import struct
 import sys
 import threading
 import time
@@ -31,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gguf import GGUFReader, Keys
+from gguf import GGUFReader, GGUFValueType, Keys
 
 from swarm.sharding.errors import UserError
 from swarm.sharding.gguf_io import (
@@ -66,8 +68,10 @@ from swarm.sharding.slabs import check_slab_file, hash_file_range
 log = logging.getLogger(__name__)
 
 JOURNAL_NAME = ".shard-journal.jsonl"
-CHUNK = 8 << 20  # bytes per read/write/hash step
-N_BUFFERS = 4  # buffers in flight between the copying thread and the hashing thread
+CHUNK = 8 << 20  # bytes per copy/hash step
+MAX_AHEAD = 16  # chunks copied but not yet hashed (they stay in the page cache until hashed)
+N_LANES = max(1, min(2, os.cpu_count() or 1))  # hashing threads
+PAGE = mmap.PAGESIZE
 PLACEHOLDER_FINGERPRINT = "0" * 64
 FINGERPRINT_DOMAIN = b"swarm-fingerprint-v1\0"
 
@@ -89,6 +93,8 @@ class SourceModel:
     dense_offsets: tuple[int, ...]  # absolute source offsets of `dense`
     n_expert: int
     moe_layers: tuple[int, ...]
+    # layer -> (header template, offset of the expert id, offset of the fingerprint) or None (see slab_header)
+    header_templates: dict[int, tuple[bytes, int, int] | None] = field(default_factory=dict, compare=False)
 
     def layer_tensors(self, layer: int) -> list[ExpertTensor]:
         return [t for t in self.experts if t.layer == layer]
@@ -152,21 +158,41 @@ def slab_tensor_specs(src: SourceModel, layer: int) -> list[TensorSpec]:
     return [TensorSpec(et.name, et.qtype, et.slab_shape, et.slab_bytes) for et in src.layer_tensors(layer)]
 
 
-def slab_header(src: SourceModel, layer: int, expert: int, fingerprint: str) -> bytes:
+def build_slab_header(src: SourceModel, layer: int, expert: int, fingerprint: str) -> bytes:
+    """The header bytes (up to the tensor data) of slab file (layer, expert), built with GGUFWriter."""
     kvs = [
-        KV(Keys.General.ARCHITECTURE, src.arch, _vt("STRING")),
-        KV(KEY_FORMAT, FORMAT_VERSION, _vt("UINT32")),
-        KV(KEY_LAYER, layer, _vt("UINT32")),
-        KV(KEY_EXPERT, expert, _vt("UINT32")),
-        KV(KEY_FINGERPRINT, fingerprint, _vt("STRING")),
+        KV(Keys.General.ARCHITECTURE, src.arch, GGUFValueType.STRING),
+        KV(KEY_FORMAT, FORMAT_VERSION, GGUFValueType.UINT32),
+        KV(KEY_LAYER, layer, GGUFValueType.UINT32),
+        KV(KEY_EXPERT, expert, GGUFValueType.UINT32),
+        KV(KEY_FINGERPRINT, fingerprint, GGUFValueType.STRING),
     ]
     return build_header(src.arch, kvs, slab_tensor_specs(src, layer))
 
 
-def _vt(name: str) -> Any:
-    from gguf import GGUFValueType
+_EXPERT_SENTINEL = 0xA5C3E1F7
+_FP_SENTINEL = "Z" * 64  # never hex
 
-    return GGUFValueType[name]
+
+def slab_header(src: SourceModel, layer: int, expert: int, fingerprint: str) -> bytes:
+    """build_slab_header, from a per-layer template: thousands of slabs, one GGUFWriter run per layer.
+
+    The expert id is a fixed-width uint32 and the fingerprint a fixed-length string, so only those bytes
+    differ between the headers of one layer."""
+    templates = src.header_templates
+    if layer not in templates:
+        t = build_slab_header(src, layer, _EXPERT_SENTINEL, _FP_SENTINEL)
+        e_at, f_at = t.find(struct.pack("<I", _EXPERT_SENTINEL)), t.find(_FP_SENTINEL.encode())
+        unique = t.count(struct.pack("<I", _EXPERT_SENTINEL)) == 1 and t.count(_FP_SENTINEL.encode()) == 1
+        templates[layer] = (t, e_at, f_at) if unique else None
+    tpl = templates[layer]
+    if tpl is None or len(fingerprint) != 64:
+        return build_slab_header(src, layer, expert, fingerprint)
+    t, e_at, f_at = tpl
+    b = bytearray(t)
+    b[e_at : e_at + 4] = struct.pack("<I", expert)
+    b[f_at : f_at + 64] = fingerprint.encode()
+    return bytes(b)
 
 
 def slab_file_size(src: SourceModel, layer: int) -> tuple[int, int]:
@@ -183,54 +209,84 @@ def dense_header(src: SourceModel) -> bytes:
 
 
 class Pump:
-    """Copies byte ranges of the source into output files in chunks, hashing them on a second thread."""
+    """Copies byte ranges of the source into output files, hashing them on other threads.
+
+    The copy stays in the kernel (copy_file_range: one page-cache copy, like `cp`); the hashing threads
+    read the same bytes through a read-only memory map and drop those pages from this process's map
+    once hashed (MADV_DONTNEED), so resident memory stays flat. Each group of hashers (one output file)
+    is fed in order on one lane; lanes run in parallel (hashlib releases the GIL).
+    """
 
     def __init__(self, source: Path, progress: Callable[[int], None] | None = None) -> None:
         self.source = source
         self.fd = os.open(source, os.O_RDONLY)
+        size = os.fstat(self.fd).st_size
+        self.map = mmap.mmap(self.fd, size, access=mmap.ACCESS_READ) if size else None
+        self.view = memoryview(self.map) if self.map is not None else memoryview(b"")
         # Slabs are copied expert by expert, so the reads hop between a layer's gate/up/down tensors;
         # one descriptor per tensor keeps each stream sequential for the kernel's readahead.
         self.stream_fds: dict[int, int] = {}
         self.progress = progress
-        self.free: queue.Queue[memoryview] = queue.Queue()
-        self.chunk = min(CHUNK, max(os.fstat(self.fd).st_size, 1))
-        for _ in range(N_BUFFERS):
-            self.free.put(memoryview(bytearray(self.chunk)))
-        # A job: hash `view` into each of `hashers`, give `buf` back to the pool, then call `then`.
-        self.jobs: queue.Queue[
-            tuple[list[Any], memoryview | None, memoryview | None, Callable[[], None] | None] | None
-        ] = queue.Queue()
+        self.ahead = threading.BoundedSemaphore(MAX_AHEAD)  # chunks copied but not yet hashed
         self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._hash_loop, name="shard-hash", daemon=True)
-        self.thread.start()
+        self.lanes: list[queue.Queue[_Job | None]] = [queue.Queue() for _ in range(N_LANES)]
+        self.lane_of: dict[int, int] = {}
+        self.next_lane = 0
+        self.threads = [
+            threading.Thread(target=self._hash_loop, args=(q,), name=f"shard-hash-{i}", daemon=True)
+            for i, q in enumerate(self.lanes)
+        ]
+        for t in self.threads:
+            t.start()
 
-    def _hash_loop(self) -> None:
+    def _lane(self, hashers: list[Any]) -> queue.Queue[_Job | None]:
+        key = id(hashers[0])
+        if key not in self.lane_of:
+            self.lane_of[key] = self.next_lane
+            self.next_lane = (self.next_lane + 1) % len(self.lanes)
+        return self.lanes[self.lane_of[key]]
+
+    def _hash_loop(self, jobs: queue.Queue[_Job | None]) -> None:
         while True:
-            job = self.jobs.get()
+            job = jobs.get()
             if job is None:
                 return
-            hashers, view, buf, then = job
             try:
-                if view is not None:
-                    for h in hashers:
-                        h.update(view)
-                if then is not None:
-                    then()
+                if job.data is not None:
+                    for h in job.hashers:
+                        h.update(job.data)
+                if job.span is not None:
+                    start, end = job.span
+                    for h in job.hashers:
+                        h.update(self.view[start:end])
+                    self._forget(start, end)
+                if job.then is not None:
+                    job.then()
             except BaseException as e:  # handed to the copying thread at the next drain()
                 self.error = e
-            if buf is not None:
-                self.free.put(buf)
-            self.jobs.task_done()
+            finally:
+                if job.span is not None:
+                    self.ahead.release()
+                jobs.task_done()
+
+    def _forget(self, start: int, end: int) -> None:
+        """Unmap hashed pages from this process (they stay in the page cache): RSS stays flat."""
+        assert self.map is not None
+        first = -(-start // PAGE) * PAGE
+        last = end // PAGE * PAGE
+        if last > first:
+            self.map.madvise(mmap.MADV_DONTNEED, first, last - first)
 
     def hash_bytes(self, hashers: list[Any], data: bytes) -> None:
-        self.jobs.put((hashers, memoryview(data), None, None))
+        if data:
+            self._lane(hashers).put(_Job(hashers, data=data))
 
-    def then(self, fn: Callable[[], None]) -> None:
-        """Call `fn` on the hashing thread once everything queued so far is hashed.
+    def then(self, hashers: list[Any], fn: Callable[[], None]) -> None:
+        """Call `fn` on the hashing lane of `hashers` once everything queued for them is hashed.
 
-        The copying thread never waits for a digest, so reading and writing the next slab overlaps
-        hashing the last one."""
-        self.jobs.put(([], None, None, fn))
+        The copying thread never waits for a digest, so copying the next slab overlaps hashing the last."""
+        self._lane(hashers).put(_Job(hashers, then=fn))
+        self.lane_of.pop(id(hashers[0]), None)
 
     def copy(
         self, offset: int, length: int, out_fd: int | None, hashers: list[Any], stream: int = -1
@@ -238,38 +294,73 @@ class Pump:
         """Source bytes [offset, offset+length) to `out_fd` (None: only hash them), fed to `hashers`.
 
         `stream` >= 0 reads through a descriptor of its own (see __init__)."""
+        if offset + length > len(self.view):
+            raise GGUFError(f"{self.source}: ends before byte {offset + length}; the file is truncated")
         fd = self.fd
         if stream >= 0:
             if stream not in self.stream_fds:
                 self.stream_fds[stream] = os.open(self.source, os.O_RDONLY)
             fd = self.stream_fds[stream]
-        while length > 0:
-            buf = self.free.get()
-            n = os.preadv(fd, [buf[: min(self.chunk, length)]], offset)
-            if n <= 0:
-                self.free.put(buf)
-                raise GGUFError(f"source ended early at byte {offset}; the file is truncated")
-            view = buf[:n]
-            self.jobs.put((hashers, view, buf, None))
+        lane = self._lane(hashers)
+        end = offset + length
+        while offset < end:
+            n = min(CHUNK, end - offset)
             if out_fd is not None:
-                write_all(out_fd, view)
+                copy_range(fd, offset, n, out_fd, self.source)
+            self.ahead.acquire()
+            lane.put(_Job(hashers, span=(offset, offset + n)))
             offset += n
-            length -= n
             if self.progress is not None:
                 self.progress(n)
 
     def drain(self) -> None:
-        """Wait until every queued chunk is hashed (before reading a digest)."""
-        self.jobs.join()
+        """Wait until everything queued is hashed (before reading a digest)."""
+        for q in self.lanes:
+            q.join()
         if self.error is not None:
             raise self.error
 
     def close(self) -> None:
-        self.jobs.put(None)
-        self.thread.join()
+        for q in self.lanes:
+            q.put(None)
+        for t in self.threads:
+            t.join()
+        self.view.release()
+        if self.map is not None:
+            self.map.close()
         os.close(self.fd)
         for fd in self.stream_fds.values():
             os.close(fd)
+
+
+@dataclass(frozen=True)
+class _Job:
+    hashers: list[Any]
+    span: tuple[int, int] | None = None  # source bytes to hash through the memory map
+    data: bytes | None = None  # or these bytes
+    then: Callable[[], None] | None = None  # then call this
+
+
+def copy_range(src_fd: int, offset: int, length: int, out_fd: int, source: Path) -> None:
+    """Append source bytes [offset, offset+length) to out_fd, inside the kernel."""
+    while length > 0:
+        try:
+            n = os.copy_file_range(src_fd, out_fd, length, offset)
+        except OSError as e:
+            if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            n = _copy_by_hand(src_fd, offset, min(length, CHUNK), out_fd)
+        if n == 0:
+            raise GGUFError(f"{source}: ends before byte {offset + length}; the file is truncated")
+        offset += n
+        length -= n
+
+
+def _copy_by_hand(src_fd: int, offset: int, length: int, out_fd: int) -> int:
+    """Where copy_file_range is not supported (other kernels, some file systems)."""
+    data = os.pread(src_fd, length, offset)
+    write_all(out_fd, data)
+    return len(data)
 
 
 def write_all(fd: int, data: memoryview | bytes) -> None:
@@ -290,6 +381,7 @@ class Journal:
     identity: dict[str, Any]
     dense: dict[str, Any] | None = None
     slabs: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)  # lines come from the hashing lanes
 
     @staticmethod
     def load(path: Path) -> tuple[dict[str, Any] | None, Journal | None]:
@@ -320,8 +412,9 @@ class Journal:
             f.write(json.dumps({"identity": self.identity}) + "\n")
 
     def append(self, rec: dict[str, Any]) -> None:
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(rec) + "\n")
+        line = json.dumps(rec) + "\n"
+        with self.lock, open(self.path, "a", encoding="utf-8") as f:
+            f.write(line)
 
 
 @dataclass(frozen=True)
@@ -470,7 +563,7 @@ def shard_model(
                     continue
                 hashers = [hashlib.sha256()]
                 _pump_slab(src, pump, layer, expert, None, hashers)
-                pump.then(_recorder(journal, slab_sha, key, hashers[0], written=False))
+                pump.then(hashers, _recorder(journal, slab_sha, key, hashers[0], written=False))
                 continue
             reuse = _reusable_slab(out, key, size, data_offset, journal, old_slabs, trusted_fp)
             if reuse is not None:
@@ -479,8 +572,8 @@ def shard_model(
                 if bar is not None:
                     bar.update(_slab_source_bytes(src, layer))
                 continue
-            h = _write_slab(src, out, pump, layer, expert, trusted_fp, data_offset, size)
-            pump.then(_recorder(journal, slab_sha, key, h, written=True))
+            hashers = _write_slab(src, out, pump, layer, expert, trusted_fp, data_offset, size)
+            pump.then(hashers, _recorder(journal, slab_sha, key, hashers[0], written=True))
             written += 1
         pump.drain()
     except OSError as e:
@@ -592,7 +685,7 @@ def _write_slab(
 ) -> Any:
     """Write one slab file (pending, or final when the fingerprint is already known).
 
-    Returns the hasher of its data section, which holds the digest once the pump has caught up."""
+    Returns the hashers of its data section, which hold the digest once the pump has caught up."""
     final = out / slab_relpath(layer, expert)
     final.parent.mkdir(parents=True, exist_ok=True)
     target = final if trusted_fp is not None else final.with_name(final.name + ".pending")
@@ -610,7 +703,7 @@ def _write_slab(
         raise
     os.close(fd)
     os.replace(tmp, target)
-    return hashers[0]
+    return hashers
 
 
 def _recorder(
