@@ -15,6 +15,8 @@ from typing import Any
 from swarm.sharding.errors import UserError
 from swarm.sharding.ranges import format_ranges, parse_ranges
 
+MAX_PROBLEM_LINES = 20  # refused slabs named one per line, then a count
+
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
 
 
@@ -160,8 +162,13 @@ def run_node(args: argparse.Namespace) -> int:
     key = args.key if args.key is not None else os.environ.get("SWARM_KEY") or None
 
     loaded = load_slabs(args.source, layers, experts, slab_keys, verify=not args.no_verify)
-    for problem in loaded.problems:
+    for problem in loaded.problems[:MAX_PROBLEM_LINES]:
         print(f"swarm node: refused {problem}", file=sys.stderr)
+    if len(loaded.problems) > MAX_PROBLEM_LINES:
+        print(
+            f"swarm node: refused {len(loaded.problems) - MAX_PROBLEM_LINES} more slabs",
+            file=sys.stderr,
+        )
     if not loaded.slabs:
         raise UserError(f"{args.source}: none of the requested slabs can be served; see the lines above")
     try:
