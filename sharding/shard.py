@@ -382,6 +382,7 @@ class Journal:
     dense: dict[str, Any] | None = None
     slabs: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)  # lines come from the hashing lanes
+    fd: int | None = None
 
     @staticmethod
     def load(path: Path) -> tuple[dict[str, Any] | None, Journal | None]:
@@ -412,9 +413,17 @@ class Journal:
             f.write(json.dumps({"identity": self.identity}) + "\n")
 
     def append(self, rec: dict[str, Any]) -> None:
-        line = json.dumps(rec) + "\n"
-        with self.lock, open(self.path, "a", encoding="utf-8") as f:
-            f.write(line)
+        line = (json.dumps(rec) + "\n").encode()
+        with self.lock:
+            if self.fd is None:
+                self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            write_all(self.fd, line)
+
+    def close(self) -> None:
+        with self.lock:
+            if self.fd is not None:
+                os.close(self.fd)
+                self.fd = None
 
 
 @dataclass(frozen=True)
@@ -580,6 +589,7 @@ def shard_model(
         raise _disk_error(e, out, needed) from e
     finally:
         pump.close()
+        journal.close()
         if bar is not None:
             bar.close()
 
@@ -588,7 +598,9 @@ def shard_model(
     if trusted_fp is not None and fp != trusted_fp:
         raise UserError(f"{out}: the source changed while it was being cut; run `swarm shard` again")
     try:
+        t0 = time.monotonic()
         entries = _seal_slabs(src, out, wanted, slab_sha, fp, layer_layout)
+        log.info("sealed %d slab files in %.1f s", len(entries), time.monotonic() - t0)
     except OSError as e:
         raise _disk_error(e, out, needed) from e
     if old is not None and old.fingerprint == fp:
