@@ -29,6 +29,7 @@ class LocalNode:
     ready_file: Path
     log_file: Path
     ready: dict[str, Any] = field(default_factory=dict)
+    terminated: bool = False
 
     @property
     def address(self) -> str:
@@ -66,10 +67,17 @@ class LocalNode:
         self.ready = json.loads(self.ready_file.read_text())
         return self
 
+    def terminate(self) -> None:
+        """Send SIGTERM once: a second one could land while Python is finalizing, after the node's handler is
+        gone, and kill it mid-goodbye."""
+        if not self.terminated and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            self.terminated = True
+
     def stop(self, timeout: float = 10.0) -> int:
         """SIGTERM (clean goodbye), then SIGKILL if it has not exited after `timeout` s; the exit code."""
         if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
+            self.terminate()
             try:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -130,6 +138,5 @@ def start_nodes(
 def stop_nodes(nodes: Sequence[LocalNode], timeout: float = 10.0) -> list[int]:
     """SIGTERM every node at once (their shutdowns overlap), then wait for each; the exit codes."""
     for n in nodes:
-        if n.process.poll() is None:
-            n.process.send_signal(signal.SIGTERM)
+        n.terminate()
     return [n.stop(timeout) for n in nodes]
