@@ -379,3 +379,35 @@ def test_unreachable_node_is_unavailable():
     with NodeClient("127.0.0.1:1") as c:
         code, _ = _code(lambda: c.compute(0, [0], [1], torch.randn(1, 256), timeout=5))
         assert code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_store_serves_other_experts_while_one_is_loading(monkeypatch):
+    import threading
+
+    import swarm.node.store as store_mod
+    from swarm.node.store import ExpertStore
+    from swarm.sharding.slabs import slabs_from_gguf
+
+    slabs = slabs_from_gguf(Q4KM_GGUF, layers=[0], experts=[0, 1])
+    release = threading.Event()
+    real = store_mod.dequantize_expert
+
+    def slow_for_expert_0(parts, device="cpu"):
+        if parts is slabs[(0, 0)]:
+            assert release.wait(10), "expert 0's load was never released"
+        return real(parts, device)
+
+    monkeypatch.setattr(store_mod, "dequantize_expert", slow_for_expert_0)
+    store = ExpertStore(slabs)
+    x = torch.randn(1, 256)
+    blocked = threading.Thread(target=store.compute, args=(0, [0], [1], x))
+    blocked.start()
+    try:
+        # Expert 1 computes (twice, from the cache the second time) while expert 0 is still being loaded.
+        store.compute(0, [1], [1], x)
+        store.compute(0, [1], [1], x)
+        assert blocked.is_alive()
+    finally:
+        release.set()
+        blocked.join(10)
+    assert store.cache_stats().resident_experts == 2
