@@ -22,7 +22,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("paths", nargs="+", metavar="PATH", help="MODEL.gguf; with --verify: DIR [MODEL.gguf]")
     p.add_argument("-o", "--output", metavar="DIR", help="shard directory to write (created if needed)")
-    p.add_argument("--layers", metavar="RANGES", help="cut only these layers, e.g. 0-9,20")
+    p.add_argument(
+        "--layers",
+        metavar="RANGES",
+        help="cut only these layers, e.g. 0-9,20 (the rest is still read, for the model fingerprint)",
+    )
     p.add_argument("--experts", metavar="RANGES", help="cut only these experts of each layer, e.g. 0-63")
     p.add_argument(
         "--verify",

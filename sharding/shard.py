@@ -1,16 +1,19 @@
 """`swarm shard`: cut a MoE GGUF into one mini-GGUF per (layer, expert), a dense.gguf and a manifest.
 
-One sequential pass over the source: every byte is read once into a small reused buffer, written to its
-output file and hashed on a second thread (hashlib releases the GIL), so memory stays flat whatever the
-model size and the hashing overlaps the I/O.
+One pass over the source: each byte is copied once inside the kernel (copy_file_range, like `cp`) and
+hashed once, on other threads, through a read-only memory map whose pages are dropped from the process
+as soon as they are hashed; so memory stays flat whatever the model size, and hashing overlaps the copy.
+A cut of a part (--layers/--experts) still reads (hashes, without writing) the rest: the fingerprint
+covers the whole model, so every partial cut of one model carries the same fingerprint.
 
-Atomicity and resume. Every file is written under a `.tmp-PID` name and renamed. A slab file's
-header carries the model fingerprint, which is known only once the whole model has been read; so slab
-files are first completed as `<expert>.gguf.pending` with a placeholder fingerprint of the same length,
-and recorded in a journal (`.shard-journal.jsonl`: the source's identity, then one line per finished
-file with its data hash). Once every byte is hashed, the real header is written into each pending file,
-which is renamed to `<expert>.gguf`; the file system is flushed (syncfs) and the manifest comes last. No file verifies before the manifest names
-it, and a rerun skips every journaled or manifest-listed file whose bytes still hash right.
+Atomicity and resume. Every file is written under a `.tmp-PID` name and renamed. A slab file's header
+carries the model fingerprint, which is known only once the whole model has been read; so slab files
+are first completed as `<expert>.gguf.pending` with a placeholder fingerprint of the same length, and
+recorded in a journal (`.shard-journal.jsonl`: the source's identity, then one line per finished file
+with its data hash). Once every byte is hashed, the real header is written into each pending file,
+which is renamed to `<expert>.gguf`; the file system is flushed (syncfs) and the manifest comes last.
+No file verifies before the manifest names it, and a rerun skips every journaled or manifest-listed
+file whose bytes still hash right.
 """
 
 from __future__ import annotations

@@ -580,3 +580,23 @@ def test_synth_models_in_every_quant_type(tmp_path, qtype, like):
     check_shard_against_source(src, out)
     assert {t.qtype for t in read_manifest(out).expert_tensors} == {qtype}
     assert verify_shard(out, src) == []
+
+
+def test_expert_dimension_not_outermost(tmp_path, capsys):
+    p = tmp_path / "flat.gguf"
+    w = GGUFWriter(p, "qwen3moe")
+    w.add_tensor("blk.0.ffn_up_exps.weight", np.zeros((64,), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    rc, err = run_cli(capsys, "shard", str(p), "-o", str(tmp_path / "o"))
+    assert_one_line_error(rc, err, "expert dimension outermost")
+
+
+def test_unfinished_cut_of_another_model(tmp_path, capsys):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / JOURNAL_NAME).write_text(json.dumps({"identity": {"name": "other.gguf", "size": 1}}) + "\n")
+    rc, err = run_cli(capsys, "shard", str(FIXTURES / "qwen2moe-tiny/model-f32.gguf"), "-o", str(out))
+    assert_one_line_error(rc, err, "unfinished cut of another model", "other.gguf")
