@@ -277,7 +277,7 @@ class Pump:
         assert self.map is not None
         first = -(-start // PAGE) * PAGE
         last = end // PAGE * PAGE
-        if last > first:
+        if last > first and hasattr(mmap, "MADV_DONTNEED"):
             self.map.madvise(mmap.MADV_DONTNEED, first, last - first)
 
     def hash_bytes(self, hashers: list[Any], data: bytes) -> None:
@@ -348,6 +348,8 @@ def copy_range(src_fd: int, offset: int, length: int, out_fd: int, source: Path)
     """Append source bytes [offset, offset+length) to out_fd, inside the kernel."""
     while length > 0:
         try:
+            if not hasattr(os, "copy_file_range"):  # not Linux
+                raise OSError(errno.ENOSYS, "copy_file_range")
             n = os.copy_file_range(src_fd, out_fd, length, offset)
         except OSError as e:
             if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import json
+import os
 import resource
 import shutil
 import signal
@@ -600,3 +601,12 @@ def test_unfinished_cut_of_another_model(tmp_path, capsys):
     (out / JOURNAL_NAME).write_text(json.dumps({"identity": {"name": "other.gguf", "size": 1}}) + "\n")
     rc, err = run_cli(capsys, "shard", str(FIXTURES / "qwen2moe-tiny/model-f32.gguf"), "-o", str(out))
     assert_one_line_error(rc, err, "unfinished cut of another model", "other.gguf")
+
+
+def test_without_copy_file_range(tmp_path, monkeypatch):
+    """Systems without copy_file_range (macOS) copy through user space: the same bytes."""
+    src = FIXTURES / "qwen35moe-quant/model-q4_k_m.gguf"
+    shard_model(src, tmp_path / "a")
+    monkeypatch.delattr(os, "copy_file_range")
+    shard_model(src, tmp_path / "b")
+    assert tree_bytes(tmp_path / "a") == tree_bytes(tmp_path / "b")
