@@ -6,15 +6,20 @@ A shard directory is what `swarm shard` writes and what nodes and the coordinato
     DIR/dense.gguf                    every non-expert tensor and every metadata key of the source
     DIR/experts/<layer>/<expert>.gguf one mini-GGUF per (layer, expert): that expert's slabs, bytes as in the source
 
+A slab file holds the layer's expert tensors in source order, named as in the source
+(`blk.7.ffn_up_exps.weight`, now 2-D; biases 1-D), same quant type, bytes identical to the source range,
+with metadata general.architecture, swarm.format_version, swarm.layer, swarm.expert, swarm.fingerprint.
+
 Hashes. `dense.sha256` is the SHA-256 of the whole dense.gguf. A slab file is checked in two parts, because
 its header carries the model fingerprint, which is only known once every byte of the model has been read
 (hashing while copying, one pass): `header_sha256` covers bytes [0, data_offset) and `sha256` covers
 [data_offset, size), the tensors' bytes (each padded to the file's alignment with zeros). Together they
 cover every byte of the file.
 
-Fingerprint: SHA-256 over the source's header bytes (all metadata and tensor infos), the source bytes of
-every non-expert tensor, and every slab's data hash in (layer, expert) order; so it changes when any byte
-of the model changes (padding between tensors aside), whatever part of it a run cut.
+Fingerprint: SHA-256("swarm-fingerprint-v1\\0" ‖ H(source bytes before its tensor data: metadata and
+tensor infos) ‖ H(every non-expert tensor's source bytes, in file order) ‖ the data hash of every slab
+in (layer, expert) order), H = SHA-256 digest. So it changes when any byte of the model changes (padding
+between tensors aside), and every cut of one model, whole or partial, carries the same fingerprint.
 """
 
 from __future__ import annotations
