@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     cold = drop_caches()
     cmds = {
         "cp": ["sh", "-c", f"cp '{model}' '{copy}' && sync -f '{copy}'"],
-        "shard": [*SWARM, "shard", str(model), "-o", str(out), "-q"],
+        "shard": [*SWARM, "-v", "shard", str(model), "-o", str(out), "-q"],  # -v: its phase timings
     }
     times: dict[str, list[float]] = {"cp": [], "shard": []}
     cpu: dict[str, list[float]] = {"cp": [], "shard": []}

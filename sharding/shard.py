@@ -706,7 +706,9 @@ def _write_slab(
     final = out / slab_relpath(layer, expert)
     final.parent.mkdir(parents=True, exist_ok=True)
     target = final if trusted_fp is not None else final.with_name(final.name + ".pending")
-    tmp = _tmp_name(target)
+    # A final name must only ever hold a whole file: write it under a temp name. A pending file is not
+    # trusted before the journal vouches for its hash (after it is complete), so it is written in place.
+    tmp = _tmp_name(target) if target == final else target
     head = slab_header(src, layer, expert, trusted_fp or PLACEHOLDER_FINGERPRINT)
     assert len(head) == data_offset
     hashers = [hashlib.sha256()]
@@ -719,7 +721,8 @@ def _write_slab(
         tmp.unlink(missing_ok=True)
         raise
     os.close(fd)
-    os.replace(tmp, target)
+    if tmp != target:
+        os.replace(tmp, target)
     return hashers
 
 
