@@ -32,6 +32,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,6 +75,7 @@ JOURNAL_NAME = ".shard-journal.jsonl"
 CHUNK = 8 << 20  # bytes per copy/hash step
 MAX_AHEAD = 16  # chunks copied but not yet hashed (they stay in the page cache until hashed)
 N_LANES = max(1, min(2, os.cpu_count() or 1))  # hashing threads
+N_COPIERS = 2  # threads copying slabs, one layer each at a time
 PAGE = mmap.PAGESIZE
 PLACEHOLDER_FINGERPRINT = "0" * 64
 FINGERPRINT_DOMAIN = b"swarm-fingerprint-v1\0"
@@ -228,7 +230,9 @@ class Pump:
         self.view = memoryview(self.map) if self.map is not None else memoryview(b"")
         # Slabs are copied expert by expert, so the reads hop between a layer's gate/up/down tensors;
         # one descriptor per tensor keeps each stream sequential for the kernel's readahead.
-        self.stream_fds: dict[int, int] = {}
+        self.local = threading.local()  # per copying thread: {stream: fd}
+        self.all_fds: list[int] = []
+        self.lock = threading.Lock()  # lane assignment and all_fds, shared by the copying threads
         self.progress = progress
         self.ahead = threading.BoundedSemaphore(MAX_AHEAD)  # chunks copied but not yet hashed
         self.error: BaseException | None = None
@@ -244,10 +248,11 @@ class Pump:
 
     def _lane(self, hashers: list[Any]) -> queue.Queue[_Job | None]:
         key = id(hashers[0])
-        if key not in self.lane_of:
-            self.lane_of[key] = self.next_lane
-            self.next_lane = (self.next_lane + 1) % len(self.lanes)
-        return self.lanes[self.lane_of[key]]
+        with self.lock:
+            if key not in self.lane_of:
+                self.lane_of[key] = self.next_lane
+                self.next_lane = (self.next_lane + 1) % len(self.lanes)
+            return self.lanes[self.lane_of[key]]
 
     def _hash_loop(self, jobs: queue.Queue[_Job | None]) -> None:
         while True:
@@ -289,7 +294,8 @@ class Pump:
 
         The copying thread never waits for a digest, so copying the next slab overlaps hashing the last."""
         self._lane(hashers).put(_Job(hashers, then=fn))
-        self.lane_of.pop(id(hashers[0]), None)
+        with self.lock:
+            self.lane_of.pop(id(hashers[0]), None)
 
     def copy(
         self, offset: int, length: int, out_fd: int | None, hashers: list[Any], stream: int = -1
@@ -301,9 +307,12 @@ class Pump:
             raise GGUFError(f"{self.source}: ends before byte {offset + length}; the file is truncated")
         fd = self.fd
         if stream >= 0:
-            if stream not in self.stream_fds:
-                self.stream_fds[stream] = os.open(self.source, os.O_RDONLY)
-            fd = self.stream_fds[stream]
+            fds: dict[int, int] = self.local.__dict__.setdefault("fds", {})
+            if stream not in fds:
+                fds[stream] = os.open(self.source, os.O_RDONLY)
+                with self.lock:
+                    self.all_fds.append(fds[stream])
+            fd = fds[stream]
         lane = self._lane(hashers)
         end = offset + length
         while offset < end:
@@ -332,7 +341,7 @@ class Pump:
         if self.map is not None:
             self.map.close()
         os.close(self.fd)
-        for fd in self.stream_fds.values():
+        for fd in self.all_fds:
             os.close(fd)
 
 
@@ -553,7 +562,14 @@ def shard_model(
 
     t_start = time.monotonic()
     bar = _progress_bar(src.size - src.data_start, progress)
-    pump = Pump(src.path, bar.update if bar is not None else None)
+    bar_lock = threading.Lock()
+
+    def progress(n: int) -> None:  # called from the copying threads
+        if bar is not None:
+            with bar_lock:
+                bar.update(n)
+
+    pump = Pump(src.path, progress)
     written = skipped = 0
     try:
         # dense.gguf: whole-file hash for the manifest, hash of the source tensor bytes for the fingerprint.
@@ -562,33 +578,52 @@ def shard_model(
         skipped += 1 - did
         slab_sha: dict[tuple[int, int], str] = {}
         old_slabs = {(s.layer, s.expert): s for s in (old.slabs if old is not None else ())}
-        for key in cut:
-            layer, expert = key
+        stop = threading.Event()
+
+        def cut_layer(layer: int) -> tuple[int, int]:
+            """Every slab of one layer, in expert order (one sequential stream per tensor)."""
+            n_written = n_skipped = 0
             data_offset, size = layer_layout[layer]
-            if key not in wanted:
-                # Only hashed, for the fingerprint; a journal or the old manifest may already know it.
-                known = journal.slabs.get(key) or (
-                    {"sha256": old_slabs[key].sha256} if key in old_slabs and trusted_fp else None
-                )
-                if known is not None:
-                    slab_sha[key] = known["sha256"]
-                    if bar is not None:
-                        bar.update(_slab_source_bytes(src, layer))
+            for expert in range(src.n_expert):
+                if stop.is_set():
+                    break
+                key = (layer, expert)
+                if key not in wanted:
+                    # Only hashed, for the fingerprint; a journal or the old manifest may already know it.
+                    known = journal.slabs.get(key) or (
+                        {"sha256": old_slabs[key].sha256} if key in old_slabs and trusted_fp else None
+                    )
+                    if known is not None:
+                        slab_sha[key] = known["sha256"]
+                        progress(_slab_source_bytes(src, layer))
+                        continue
+                    hashers = [hashlib.sha256()]
+                    _pump_slab(src, pump, layer, expert, None, hashers)
+                    pump.then(hashers, _recorder(journal, slab_sha, key, hashers[0], written=False))
                     continue
-                hashers = [hashlib.sha256()]
-                _pump_slab(src, pump, layer, expert, None, hashers)
-                pump.then(hashers, _recorder(journal, slab_sha, key, hashers[0], written=False))
-                continue
-            reuse = _reusable_slab(out, key, size, data_offset, journal, old_slabs, trusted_fp)
-            if reuse is not None:
-                slab_sha[key] = reuse
-                skipped += 1
-                if bar is not None:
-                    bar.update(_slab_source_bytes(src, layer))
-                continue
-            hashers = _write_slab(src, out, pump, layer, expert, trusted_fp, data_offset, size)
-            pump.then(hashers, _recorder(journal, slab_sha, key, hashers[0], written=True))
-            written += 1
+                reuse = _reusable_slab(out, key, size, data_offset, journal, old_slabs, trusted_fp)
+                if reuse is not None:
+                    slab_sha[key] = reuse
+                    n_skipped += 1
+                    progress(_slab_source_bytes(src, layer))
+                    continue
+                hashers = _write_slab(src, out, pump, layer, expert, trusted_fp, data_offset, size)
+                pump.then(hashers, _recorder(journal, slab_sha, key, hashers[0], written=True))
+                n_written += 1
+            return n_written, n_skipped
+
+        # Layers are cut N_COPIERS at a time: each copier keeps its own sequential read streams, and the
+        # copy (system calls, file creation) runs beside the hashing instead of behind it.
+        with ThreadPoolExecutor(N_COPIERS, thread_name_prefix="shard-copy") as pool:
+            futures = [pool.submit(cut_layer, layer) for layer in src.moe_layers]
+            try:
+                for f in futures:
+                    w, k = f.result()
+                    written += w
+                    skipped += k
+            except BaseException:
+                stop.set()
+                raise
         pump.drain()
     except OSError as e:
         raise _disk_error(e, out, needed) from e
