@@ -76,6 +76,8 @@ CHUNK = 8 << 20  # bytes per copy/hash step
 MAX_AHEAD = 16  # chunks copied but not yet hashed (they stay in the page cache until hashed)
 N_LANES = max(1, min(2, os.cpu_count() or 1))  # hashing threads
 N_COPIERS = 2  # threads copying slabs, one layer each at a time
+SMALL_FILE = 64 << 20  # slabs up to this size are hashed as one job
+ZEROS = bytes(64)
 PAGE = mmap.PAGESIZE
 PLACEHOLDER_FINGERPRINT = "0" * 64
 FINGERPRINT_DOMAIN = b"swarm-fingerprint-v1\0"
@@ -268,12 +270,20 @@ class Pump:
                     for h in job.hashers:
                         h.update(self.view[start:end])
                     self._forget(start, end)
+                for part in job.parts or ():
+                    if isinstance(part, bytes):
+                        for h in job.hashers:
+                            h.update(part)
+                    else:
+                        for h in job.hashers:
+                            h.update(self.view[part[0] : part[1]])
+                        self._forget(*part)
                 if job.then is not None:
                     job.then()
             except BaseException as e:  # handed to the copying thread at the next drain()
                 self.error = e
             finally:
-                if job.span is not None:
+                if job.span is not None or job.parts is not None:
                     self.ahead.release()
                 jobs.task_done()
 
@@ -305,14 +315,7 @@ class Pump:
         `stream` >= 0 reads through a descriptor of its own (see __init__)."""
         if offset + length > len(self.view):
             raise GGUFError(f"{self.source}: ends before byte {offset + length}; the file is truncated")
-        fd = self.fd
-        if stream >= 0:
-            fds: dict[int, int] = self.local.__dict__.setdefault("fds", {})
-            if stream not in fds:
-                fds[stream] = os.open(self.source, os.O_RDONLY)
-                with self.lock:
-                    self.all_fds.append(fds[stream])
-            fd = fds[stream]
+        fd = self._stream_fd(stream)
         lane = self._lane(hashers)
         end = offset + length
         while offset < end:
@@ -324,6 +327,45 @@ class Pump:
             offset += n
             if self.progress is not None:
                 self.progress(n)
+
+    def copy_small(
+        self,
+        ranges: list[tuple[int, int, int, bytes]],
+        out_fd: int | None,
+        hashers: list[Any],
+        then: Callable[[], None] | None,
+    ) -> None:
+        """(offset, length, stream, padding) ranges, copied then padded, hashed as one job, then `then`.
+
+        For small files (one slab): one queue round trip per file instead of one per tensor."""
+        parts: list[tuple[int, int] | bytes] = []
+        for offset, length, stream, padding in ranges:
+            if offset + length > len(self.view):
+                raise GGUFError(f"{self.source}: ends before byte {offset + length}; the file is truncated")
+            if out_fd is not None:
+                copy_range(self._stream_fd(stream), offset, length, out_fd, self.source)
+            parts.append((offset, offset + length))
+            if padding:
+                if out_fd is not None:
+                    write_all(out_fd, padding)
+                parts.append(padding)
+            if self.progress is not None:
+                self.progress(length)
+        self.ahead.acquire()
+        with self.lock:
+            lane = self.lanes[self.next_lane]
+            self.next_lane = (self.next_lane + 1) % len(self.lanes)
+        lane.put(_Job(hashers, parts=parts, then=then))
+
+    def _stream_fd(self, stream: int) -> int:
+        if stream < 0:
+            return self.fd
+        fds: dict[int, int] = self.local.__dict__.setdefault("fds", {})
+        if stream not in fds:
+            fds[stream] = os.open(self.source, os.O_RDONLY)
+            with self.lock:
+                self.all_fds.append(fds[stream])
+        return fds[stream]
 
     def drain(self) -> None:
         """Wait until everything queued is hashed (before reading a digest)."""
@@ -350,6 +392,7 @@ class _Job:
     hashers: list[Any]
     span: tuple[int, int] | None = None  # source bytes to hash through the memory map
     data: bytes | None = None  # or these bytes
+    parts: list[tuple[int, int] | bytes] | None = None  # or these source spans and literal bytes, in order
     then: Callable[[], None] | None = None  # then call this
 
 
@@ -598,8 +641,8 @@ def shard_model(
                         progress(_slab_source_bytes(src, layer))
                         continue
                     hashers = [hashlib.sha256()]
-                    _pump_slab(src, pump, layer, expert, None, hashers)
-                    pump.then(hashers, _recorder(journal, slab_sha, key, hashers[0], written=False))
+                    rec = _recorder(journal, slab_sha, key, hashers[0], written=False)
+                    _pump_slab(src, pump, layer, expert, None, hashers, rec)
                     continue
                 reuse = _reusable_slab(out, key, size, data_offset, journal, old_slabs, trusted_fp)
                 if reuse is not None:
@@ -607,8 +650,7 @@ def shard_model(
                     n_skipped += 1
                     progress(_slab_source_bytes(src, layer))
                     continue
-                hashers = _write_slab(src, out, pump, layer, expert, trusted_fp, data_offset, size)
-                pump.then(hashers, _recorder(journal, slab_sha, key, hashers[0], written=True))
+                _write_slab(src, out, pump, layer, expert, trusted_fp, data_offset, size, journal, slab_sha)
                 n_written += 1
             return n_written, n_skipped
 
@@ -709,16 +751,39 @@ def _slab_source_bytes(src: SourceModel, layer: int) -> int:
 
 
 def _pump_slab(
-    src: SourceModel, pump: Pump, layer: int, expert: int, out_fd: int | None, hashers: list[Any]
+    src: SourceModel,
+    pump: Pump,
+    layer: int,
+    expert: int,
+    out_fd: int | None,
+    hashers: list[Any],
+    then: Callable[[], None] | None = None,
 ) -> None:
-    """The data section of slab file (layer, expert): each tensor's source range, padded to 32 bytes."""
-    for i, et in enumerate(src.layer_tensors(layer)):
+    """The data section of slab file (layer, expert): each tensor's source range, padded to 32 bytes.
+
+    `then` runs on the hashing lane once the section is hashed."""
+    tensors = src.layer_tensors(layer)
+    if _slab_source_bytes(src, layer) <= SMALL_FILE:
+        ranges = [
+            (
+                et.data_offset + expert * et.slab_bytes,
+                et.slab_bytes,
+                i,
+                ZEROS[: pad(et.slab_bytes, 32) - et.slab_bytes],
+            )
+            for i, et in enumerate(tensors)
+        ]
+        pump.copy_small(ranges, out_fd, hashers, then)
+        return
+    for i, et in enumerate(tensors):
         pump.copy(et.data_offset + expert * et.slab_bytes, et.slab_bytes, out_fd, hashers, stream=i)
         zeros = b"\0" * (pad(et.slab_bytes, 32) - et.slab_bytes)
         if zeros:
             if out_fd is not None:
                 write_all(out_fd, zeros)
             pump.hash_bytes(hashers, zeros)
+    if then is not None:
+        pump.then(hashers, then)
 
 
 def _tmp_name(path: Path) -> Path:
@@ -734,10 +799,13 @@ def _write_slab(
     trusted_fp: str | None,
     data_offset: int,
     size: int,
-) -> Any:
+    journal: Journal,
+    slab_sha: dict[tuple[int, int], str],
+) -> None:
     """Write one slab file (pending, or final when the fingerprint is already known).
 
-    Returns the hashers of its data section, which hold the digest once the pump has caught up."""
+    Its data hash lands in `slab_sha` and the journal once the hashing lane has caught up (after the
+    file is complete: the journal only vouches for whole files)."""
     final = out / slab_relpath(layer, expert)
     final.parent.mkdir(parents=True, exist_ok=True)
     target = final if trusted_fp is not None else final.with_name(final.name + ".pending")
@@ -747,18 +815,28 @@ def _write_slab(
     head = slab_header(src, layer, expert, trusted_fp or PLACEHOLDER_FINGERPRINT)
     assert len(head) == data_offset
     hashers = [hashlib.sha256()]
+    done = threading.Event()
+    record = _recorder(journal, slab_sha, (layer, expert), hashers[0], written=True)
+
+    def then() -> None:
+        done.wait()  # the file is closed and renamed before the journal may name it
+        record()
+
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         write_all(fd, head)
-        _pump_slab(src, pump, layer, expert, fd, hashers)
+        _pump_slab(src, pump, layer, expert, fd, hashers, then)
     except BaseException:
+        done.set()  # let the lane go on; its journal line is harmless, the hash check decides
         os.close(fd)
         tmp.unlink(missing_ok=True)
         raise
-    os.close(fd)
-    if tmp != target:
-        os.replace(tmp, target)
-    return hashers
+    try:
+        os.close(fd)
+        if tmp != target:
+            os.replace(tmp, target)
+    finally:
+        done.set()  # never leave the hashing lane waiting (a journal line for a missing file is harmless)
 
 
 def _recorder(

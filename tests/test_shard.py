@@ -610,3 +610,16 @@ def test_without_copy_file_range(tmp_path, monkeypatch):
     monkeypatch.delattr(os, "copy_file_range")
     shard_model(src, tmp_path / "b")
     assert tree_bytes(tmp_path / "a") == tree_bytes(tmp_path / "b")
+
+
+def test_big_slab_path_gives_the_same_bytes(tmp_path, monkeypatch):
+    """Slabs over SMALL_FILE go through the chunked copy (real models' big dense tensors always do)."""
+    import swarm.sharding.shard as shard_mod
+
+    src = FIXTURES / "qwen35moe-quant/model-q8_0.gguf"
+    shard_model(src, tmp_path / "a")
+    monkeypatch.setattr(shard_mod, "SMALL_FILE", 0)
+    monkeypatch.setattr(shard_mod, "CHUNK", 4096)
+    shard_model(src, tmp_path / "b")
+    assert tree_bytes(tmp_path / "a") == tree_bytes(tmp_path / "b")
+    assert verify_shard(tmp_path / "b", src) == []
