@@ -169,7 +169,9 @@ def render(r: dict[str, object], command: str) -> str:
         f"| median CPU s (user+sys) | {cpu['cp']:.2f} | {cpu['shard']:.2f} |",
         "",
         f"SHA-256 of the file alone (one thread, warm cache) costs {r['hash_cpu']:.2f} CPU s: the shard has to "
-        "spend that on top of the copy (the fingerprint and every manifest hash), on a second thread.",
+        "spend that on top of the copy (the fingerprint and every manifest hash), on a second thread. The shard "
+        "needs more CPU than cp (hashing, one file per slab), so the ratio depends on free cores: with the "
+        "2 cores busy with other work (load average 4-7) it measured 0.4-0.65 here.",
         "",
         f"**Shard throughput / cp throughput: {ratio:.2f}** (goal >= 0.8).  ",
         f"**Peak RSS of the shard process: {max(rss) / 2**20:.0f} MiB** (max over runs; goal < 256 MB).",
