@@ -19,7 +19,7 @@ from swarm.coordinator.models.layers import DecoderModel
 from swarm.coordinator.swarm import SwarmExperts, connect
 from swarm.coordinator.tokenizer import GGUFTokenizer
 from swarm.node.source import gguf_header_fingerprint, load_slabs
-from swarm.node.store import ExpertStore
+from swarm.node.store import ExpertStore, default_memory_budget
 from swarm.sharding.errors import UserError
 from swarm.sharding.gguf_io import expert_tensors, open_gguf
 from swarm.sharding.slabs import SlabKey, read_manifest
@@ -79,7 +79,8 @@ def open_engine(
         loaded = load_slabs(path)
         if loaded.problems:
             raise UserError(f"{path}: some expert slabs cannot be used: " + "; ".join(loaded.problems[:5]))
-        experts = LocalExperts(ExpertStore(loaded.slabs, dev, memory_budget), wire_dtype)
+        budget = default_memory_budget() if memory_budget is None else memory_budget
+        experts = LocalExperts(ExpertStore(loaded.slabs, dev, budget), wire_dtype)
         fingerprint = loaded.fingerprint
     else:
         fingerprint, needed = model_identity(path)

@@ -92,7 +92,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--memory",
         default=None,
-        help="budget for dequantized working copies, e.g. 4GiB (default: unlimited); "
+        help="budget for dequantized working copies, e.g. 4GiB, 0 for unlimited (default: half the RAM); "
         "quantized slabs stay memory-mapped either way",
     )
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "mps"), help="where to compute")
@@ -144,14 +144,14 @@ def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
 def run_node(args: argparse.Namespace) -> int:
     from swarm.node.server import NodeServer
     from swarm.node.source import load_slabs
-    from swarm.node.store import ExpertStore
+    from swarm.node.store import ExpertStore, default_memory_budget
 
     if args.workers < 1:
         raise UserError("--workers must be at least 1")
     layers = parse_ranges(args.layers, "layer") if args.layers else None
     experts = parse_ranges(args.experts, "expert") if args.experts else None
     slab_keys = parse_slab_specs(args.slab)
-    memory = parse_size(args.memory) if args.memory else 0
+    memory = parse_size(args.memory) if args.memory is not None else default_memory_budget()
     device = _device(args.device)
     if args.threads is not None:
         if args.threads < 1:

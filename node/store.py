@@ -11,6 +11,7 @@ it once), and the matmuls run outside any lock.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -135,6 +136,15 @@ class CacheStats:
     evictions: int
     resident_bytes: int
     resident_experts: int
+
+
+def default_memory_budget() -> int:
+    """Half of this machine's physical memory: dequantized float32 experts are 4-8x their quantized size, and
+    a node that holds 64 experts of every layer of a 35B model would otherwise outgrow a laptop's RAM."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) // 2
+    except (ValueError, OSError, AttributeError):
+        return 0  # unknown: unlimited
 
 
 class ExpertStore:
