@@ -51,6 +51,7 @@ import torch
 from swarm.coordinator.engine import Engine, open_engine
 from swarm.coordinator.experts import PendingExperts
 from swarm.coordinator.generate import GenerationStats, forward_one
+from swarm.coordinator.openmp import wait_policy_env
 from swarm.coordinator.swarm import SwarmExperts
 from swarm.node.client import NodeClient
 from swarm.node.launch import LocalNode, start_nodes, stop_nodes
@@ -519,10 +520,23 @@ def _call(fn: Callable[[], Run]) -> Run:
     return fn()
 
 
-def _in_child(fn: Callable[[], Run]) -> Callable[[], Run]:
+def _in_child(fn: Callable[[], Run], experts_remote: bool) -> Callable[[], Run]:
+    """fn in a fresh process whose OpenMP wait policy is the one `swarm run` would pick (set before the
+    child loads torch, which is the only time it counts)."""
+
     def run() -> Run:
-        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            return pool.submit(_call, fn).result()
+        env = wait_policy_env(experts_remote)
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+                return pool.submit(_call, fn).result()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
     return run
 
@@ -623,7 +637,7 @@ def main(argv: list[str] | None = None) -> int:
         # Our engine runs in a child process per pass: the float32 working copies (10-13 GB) are then surely
         # given back before the next configuration starts (two copies at once do not fit this machine).
         for key in ("in-process", "swarm"):
-            runners[key] = _in_child(runners[key])
+            runners[key] = _in_child(runners[key], experts_remote=key == "swarm")
         active = [c for c in configs if c not in unavailable]
         results: dict[str, list[Run]] = {c: [] for c in active}
         for rep in range(args.reps):

@@ -7,6 +7,7 @@ import os
 import sys
 from typing import Any
 
+from swarm.coordinator.openmp import set_wait_policy
 from swarm.sharding.errors import UserError
 
 
@@ -184,6 +185,7 @@ def report(engine: Any, stats: Any, err: Any = None) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    set_wait_policy(experts_remote=not args.local)
     engine = _open(args)
     try:
         params = _sampling(args, engine.tokenizer.eos_ids)
@@ -209,6 +211,7 @@ def _parse_tokens(text: str, vocab: int) -> list[int]:
 
 
 def cmd_logits(args: argparse.Namespace) -> int:
+    set_wait_policy(experts_remote=not args.local)
     import numpy as np
 
     from swarm.coordinator.generate import forward_one
@@ -235,6 +238,7 @@ def cmd_logits(args: argparse.Namespace) -> int:
 
 
 def cmd_perplexity(args: argparse.Namespace) -> int:
+    set_wait_policy(experts_remote=not args.local)
     import math
     import time
 
@@ -280,6 +284,7 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    set_wait_policy(experts_remote=True)  # its nodes share this machine
     from swarm.coordinator.demo import run_demo
 
     return run_demo(

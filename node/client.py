@@ -4,15 +4,20 @@
     call = client.compute_async(layer, expert_ids, counts, rows, timeout=5.0)  # returns at once
     out = call.result()  # [sum(counts), D] torch tensor, rows in the order sent
 
-`compute_async` returns a ComputeCall wrapping the grpc future, so a coordinator can start the calls
-to every node of a layer at once and then collect them. Failures surface as NodeCallError with the
+`compute_async` returns a ComputeCall at once, so a coordinator can start the calls to every node of a
+layer together and then collect them. Each call runs as a blocking unary call on a small thread pool of
+the client's: measured on loopback, that costs the caller ~10 us per call where grpc's own `.future()`
+costs ~300 us (a rendezvous object per call, woken through the channel's polling thread), which adds up
+at one call per node per layer per decoded token. Failures surface as NodeCallError with the
 grpc status code (NOT_FOUND, INVALID_ARGUMENT, FAILED_PRECONDITION, RESOURCE_EXHAUSTED,
 UNAUTHENTICATED, UNAVAILABLE, DEADLINE_EXCEEDED, ...) and the node's message.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass
 
 import grpc
@@ -75,45 +80,45 @@ class NodeStats:
 class ComputeCall:
     """One Compute call in flight. `result()` blocks and returns the output rows [N, D] on the CPU."""
 
-    def __init__(self, address: str, future: grpc.Future) -> None:
+    def __init__(self, address: str, future: Future[pb.ComputeReply]) -> None:
         self.address = address
-        self.grpc_future = future
+        self._future = future
 
     def result(self, timeout: float | None = None) -> torch.Tensor:
         try:
-            reply = self.grpc_future.result(timeout=timeout)
+            reply = self._future.result(timeout=timeout)
         except grpc.RpcError as e:
             raise _wrap(self.address, "Compute", e) from None
-        except grpc.FutureCancelledError:
+        except CancelledError:
             raise NodeCallError(
                 self.address, "Compute", grpc.StatusCode.CANCELLED, "the call was cancelled"
             ) from None
-        except grpc.FutureTimeoutError:
+        except FutureTimeoutError:
             raise NodeCallError(
                 self.address, "Compute", grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {timeout} s"
             ) from None
         return decode_tensor(reply.rows, "reply rows")
 
     def done(self) -> bool:
-        return self.grpc_future.done()
-
-    def cancel(self) -> bool:
-        return self.grpc_future.cancel()
-
-    def add_done_callback(self, fn: Callable[[ComputeCall], None]) -> None:
-        self.grpc_future.add_done_callback(lambda _f: fn(self))
+        return self._future.done()
 
 
 class NodeClient:
-    """A channel to one node (address "host:port"). Thread-safe; reuse one per node."""
+    """A channel to one node (address "host:port"). Thread-safe; reuse one per node.
 
-    def __init__(self, address: str, fingerprint: str | None = None, key: str | None = None) -> None:
+    `max_in_flight` bounds the Compute calls running at once to this node (more wait their turn here).
+    """
+
+    def __init__(
+        self, address: str, fingerprint: str | None = None, key: str | None = None, max_in_flight: int = 8
+    ) -> None:
         self.address = address
         self.fingerprint = fingerprint or ""
         self._metadata = ((SWARM_KEY_METADATA, key),) if key else None
         self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.ExpertNodeStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._calls = ThreadPoolExecutor(max_in_flight, thread_name_prefix=f"swarm-call-{address}")
 
     def compute_async(
         self,
@@ -129,7 +134,7 @@ class NodeClient:
         request = compute_request(
             layer, expert_ids, counts, rows, self.fingerprint, out_dtype, protocol_version=PROTOCOL_VERSION
         )
-        future = self._stub.Compute.future(request, timeout=timeout, metadata=self._metadata)
+        future = self._calls.submit(self._stub.Compute, request, timeout=timeout, metadata=self._metadata)
         return ComputeCall(self.address, future)
 
     def compute(
@@ -199,6 +204,7 @@ class NodeClient:
             ) from None
 
     def close(self) -> None:
+        self._calls.shutdown(wait=False, cancel_futures=True)
         self._channel.close()
 
     def __enter__(self) -> NodeClient:
