@@ -190,3 +190,41 @@ def test_placement_passes_over_a_failed_node_for_a_while():
     now[0] = 6.0
     assert p.pick(0, 1) == "a:1"
     assert p.addresses() == ["a:1", "b:1"]
+
+
+@pytest.mark.slow
+def test_qwen36_35b_layer_shape_runs_through_four_nodes(tmp_path):
+    """The real Qwen3.6-35B-A3B layer (D 2048, 256 experts of F 512, K 8, shared F 512, gated attention 16/2
+    heads of 256, Gated DeltaNet 16/32 heads of 128), 4 layers of Q4_K experts, across 4 node processes."""
+    from swarm.sharding.synth import preset, synthesize
+
+    gguf, shard_dir = tmp_path / "q36.gguf", tmp_path / "q36.swarm"
+    synthesize(gguf, preset("qwen3.6-35b-a3b", n_layers=4, experts_type="Q4_K"))
+    shard_model(gguf, shard_dir)
+    m = read_manifest(shard_dir)
+    assert (m.arch, m.n_embd, m.n_expert, m.n_expert_used, m.n_ff_exp) == ("qwen35moe", 2048, 256, 8, 512)
+    nodes = start_nodes(
+        [(shard_dir, ["--experts", f"{64 * i}-{64 * i + 63}", "--threads", "1"]) for i in range(4)],
+        tmp_path / "nodes",
+    )
+    swarm = local = None
+    try:
+        swarm = open_engine(shard_dir, mdns_interfaces=LOOPBACK, wait=10.0, device="cpu")
+        local = open_engine(shard_dir, local=True, device="cpu")
+        cfg = swarm.model.cfg
+        assert (cfg.n_head, cfg.n_head_kv, cfg.head_dim) == (16, 2, 256)
+        assert (cfg.n_k_heads, cfg.n_v_heads, cfg.d_state, cfg.moe.n_ff_shared) == (16, 32, 128, 512)
+        assert cfg.recurrent == (True, True, True, False)
+        prompt = swarm.tokenizer.encode("Experts of one layer live on different machines.")
+        tokens_s, logits_s = _greedy(swarm.model, prompt, 3)
+        tokens_l, logits_l = _greedy(local.model, prompt, 3)
+        assert tokens_s == tokens_l
+        assert torch.equal(logits_s, logits_l)
+        assert len(swarm.experts.calls_per_node) == 4, "every node got calls"
+        assert not swarm.experts.failovers
+    finally:
+        for e in (swarm, local):
+            if e is not None:
+                e.close()
+        for node in nodes:
+            node.stop()
