@@ -21,13 +21,13 @@ from torch import nn
 from swarm.coordinator.experts import ExpertBackend
 from swarm.coordinator.models import get_arch
 from swarm.coordinator.models.layers import DecoderModel, n_main_layers
+from swarm.node.dequant import dequantize
 from swarm.sharding.gguf_io import (
     EXPERT_TENSOR_RE,
     GGUFError,
     architecture,
     open_gguf,
     read_metadata,
-    tensor_to_numpy,
     torch_shape,
 )
 
@@ -146,7 +146,7 @@ def load_dense_tensors(model: nn.Module, reader: GGUFReader, meta: dict[str, Any
                     f"{path}: tensor {name} has shape {list(shape)}, the {arch} model built from the "
                     f"file's metadata expects {list(target.shape)}"
                 )
-        values = torch.from_numpy(tensor_to_numpy(t)).reshape(target.shape)
+        values = dequantize(t.data, t.tensor_type, shape).reshape(target.shape)
         with torch.no_grad():
             target.data.copy_(values)
     log.debug("%s: loaded %d tensors, left %d to the experts/MTP", path, len(names), skipped)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from swarm.sharding.gguf_io import dequantize
+from swarm.node.dequant import dequantize
 from swarm.sharding.ranges import format_ranges
 from swarm.sharding.slabs import SlabKey, SlabTensor
 
@@ -82,7 +82,16 @@ class ExpertWeights:
 
 
 def _load(s: SlabTensor, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(dequantize(s.data, s.qtype, s.shape)).to(device)
+    return dequantize(s.data, s.qtype, s.shape).to(device)
+
+
+def _load_pair(first: SlabTensor, second: SlabTensor, device: torch.device) -> torch.Tensor:
+    """Two slabs stacked on dim 0, each dequantized straight into its half (no torch.cat copy)."""
+    rows = first.shape[0]
+    pair = torch.empty((rows + second.shape[0], *first.shape[1:]), dtype=torch.float32)
+    dequantize(first.data, first.qtype, first.shape, out=pair[:rows])
+    dequantize(second.data, second.qtype, second.shape, out=pair[rows:])
+    return pair.to(device)
 
 
 def dequantize_expert(parts: dict[str, SlabTensor], device: torch.device | str = "cpu") -> ExpertWeights:
@@ -92,10 +101,10 @@ def dequantize_expert(parts: dict[str, SlabTensor], device: torch.device | str =
         gate_up = _load(parts[GATE_UP], device)
         gu_bias = _load(parts[GATE_UP + ".bias"], device) if GATE_UP + ".bias" in parts else None
     else:
-        gate_up = torch.cat([_load(parts[GATE], device), _load(parts[UP], device)], dim=0)
+        gate_up = _load_pair(parts[GATE], parts[UP], device)
         gu_bias = None
         if GATE + ".bias" in parts and UP + ".bias" in parts:
-            gu_bias = torch.cat([_load(parts[GATE + ".bias"], device), _load(parts[UP + ".bias"], device)])
+            gu_bias = _load_pair(parts[GATE + ".bias"], parts[UP + ".bias"], device)
     down_bias = _load(parts[DOWN + ".bias"], device) if DOWN + ".bias" in parts else None
     return ExpertWeights(gate_up.contiguous(), _load(parts[DOWN], device).contiguous(), gu_bias, down_bias)
 
