@@ -2,8 +2,8 @@
 
 Dimension letters: T tokens, K selected experts per token, D model width, N = T*K pairs.
 Per layer and step: group the pairs expert-major (counts -> offsets -> pack), split the experts by the
-holder `Placement.pick` chooses, send one Compute call per node, all at once; the model computes its
-shared expert meanwhile; `wait` writes each node's rows back at their packed offsets and unpacks to
+holder `Placement.pick` chooses, send one Compute call per node (several when its rows would make a
+message over CALL_BYTES: a long prefill; see split_parts), all at once; the model computes its shared expert meanwhile; `wait` writes each node's rows back at their packed offsets and unpacks to
 [T, K, D]. A node that fails (gone, deadline, refused) is marked down and its experts are sent again to
 another holder. The weighted sum over K happens in the model, in slot order, so the result never depends
 on which node answered first.
@@ -23,6 +23,7 @@ import torch
 
 from swarm.coordinator.experts import ExpertMajor, PendingExperts, group_expert_major
 from swarm.node.client import ComputeCall, NodeCallError, NodeClient
+from swarm.node.store import ROWS_PER_MATMUL
 from swarm.sharding.errors import UserError
 from swarm.sharding.ranges import format_ranges
 from swarm.sharding.slabs import SlabKey
@@ -48,6 +49,10 @@ FAILOVER_CODES = frozenset(
 DOWN_SECONDS = 10.0
 # Tries per expert and step across holders (the same holder again when it is the only one).
 MAX_ATTEMPTS = 3
+# The most row bytes one Compute call carries: a long prefill goes to a node as several calls. Well under the
+# wire's MAX_MESSAGE_BYTES (whatever D and the wire precision), and the node starts computing the first
+# call while the next ones are still on their way.
+CALL_BYTES = 16 * 1024 * 1024
 
 
 class Placement:
@@ -115,11 +120,42 @@ def describe_missing(missing: dict[int, list[int]], source: str) -> str:
     )
 
 
+@dataclass(frozen=True)
+class Part:
+    """Rows [start, start + rows) of one expert's block in the packed rows."""
+
+    index: int  # the expert's position in ExpertMajor.expert_ids
+    start: int
+    rows: int
+
+
 @dataclass
 class _Call:
     address: str
-    indices: list[int]  # positions in ExpertMajor.expert_ids
+    parts: list[Part]  # in the order of the call's rows
     call: ComputeCall
+
+
+def split_parts(parts: Sequence[Part], max_rows: int, unit: int = ROWS_PER_MATMUL) -> list[list[Part]]:
+    """Parts as calls of at most max_rows rows, in order. An expert's block is never cut when it fits in
+    one call; a bigger one is cut at multiples of `unit` from its start (so that a node multiplies the same
+    row blocks as the in-process store) and may then exceed max_rows by up to one unit."""
+    step = max(unit, max_rows // unit * unit)
+    calls: list[list[Part]] = []
+    room = 0
+    for p in parts:
+        if p.rows > room and p.rows <= max_rows:
+            calls.append([])
+            room = max_rows
+        if p.rows <= room:
+            calls[-1].append(p)
+            room -= p.rows
+            continue
+        for at in range(0, p.rows, step):
+            n = min(step, p.rows - at)
+            calls.append([Part(p.index, p.start + at, n)])
+            room = max(0, max_rows - n)
+    return calls
 
 
 class _SwarmPending:
@@ -153,15 +189,15 @@ class _SwarmPending:
                 log.warning("node %s failed layer %d (%s); trying other holders", c.address, self.layer, e)
                 self.backend.placement.mark_down(c.address)
                 self.backend.failovers += 1
-                for i in c.indices:
+                for i in {p.index for p in c.parts}:
                     failed.setdefault(i, []).append(c.address)
-                pending.extend(self.backend._send(self.layer, g, self.rows, c.indices, failed))
+                pending.extend(self.backend._send(self.layer, g, self.rows, c.parts, failed))
                 continue
-            start = 0
-            for i in c.indices:
-                n = g.counts[i]
-                out[offsets[i] : offsets[i] + n] = result[start : start + n].float()
-                start += n
+            at = 0
+            for p in c.parts:
+                begin = offsets[p.index] + p.start
+                out[begin : begin + p.rows] = result[at : at + p.rows].float()
+                at += p.rows
         return g.unpack(out.to(self.device), self.t, self.k)
 
 
@@ -175,12 +211,14 @@ class SwarmExperts:
         source: str,
         wire_dtype: torch.dtype = torch.float32,
         timeout: float = 30.0,
+        call_bytes: int = CALL_BYTES,
     ) -> None:
         self.clients = clients
         self.placement = placement
         self.source = source
         self.wire_dtype = wire_dtype
         self.timeout = timeout
+        self.call_bytes = call_bytes
         self.calls_per_node: Counter[str] = Counter()
         self.rows_per_node: Counter[str] = Counter()
         self.failovers = 0
@@ -190,7 +228,8 @@ class SwarmExperts:
         t, k = ids.shape
         groups = group_expert_major(ids)
         rows = groups.pack(x, k).to(device="cpu", dtype=self.wire_dtype)  # [N, D], what the wire carries
-        calls = self._send(layer, groups, rows, range(len(groups.expert_ids)), {})
+        parts = [Part(i, 0, n) for i, n in enumerate(groups.counts)]
+        calls = self._send(layer, groups, rows, parts, {})
         return _TimedPending(self, _SwarmPending(self, layer, groups, rows, calls, t, k, x.device))
 
     def _send(
@@ -198,27 +237,32 @@ class SwarmExperts:
         layer: int,
         groups: ExpertMajor,
         rows: torch.Tensor,
-        indices: Iterable[int],
+        parts: Iterable[Part],
         failed: dict[int, list[str]],
     ) -> list[_Call]:
-        """One Compute call per chosen holder for the experts at `indices` (positions in groups)."""
-        by_node: dict[str, list[int]] = {}
-        for i in indices:
-            by_node.setdefault(self._holder_for(layer, groups.expert_ids[i], failed.get(i, [])), []).append(i)
+        """Compute calls for `parts` of the packed rows: one per chosen holder, or several when its rows
+        exceed call_bytes."""
+        by_node: dict[str, list[Part]] = {}
+        for p in parts:
+            address = self._holder_for(layer, groups.expert_ids[p.index], failed.get(p.index, []))
+            by_node.setdefault(address, []).append(p)
         offsets = groups.offsets()
+        max_rows = max(1, self.call_bytes // max(1, rows.shape[1] * rows.element_size()))
         calls = []
-        for address, idx in by_node.items():
-            part = torch.cat([rows[offsets[i] : offsets[i] + groups.counts[i]] for i in idx])
-            call = self.clients[address].compute_async(
-                layer,
-                [groups.expert_ids[i] for i in idx],
-                [groups.counts[i] for i in idx],
-                part,
-                self.timeout,
-            )
-            self.calls_per_node[address] += 1
-            self.rows_per_node[address] += int(part.shape[0])
-            calls.append(_Call(address, idx, call))
+        for address, node_parts in by_node.items():
+            for chunk in split_parts(node_parts, max_rows):
+                begins = [offsets[p.index] + p.start for p in chunk]
+                part = torch.cat([rows[b : b + p.rows] for b, p in zip(begins, chunk, strict=True)])
+                call = self.clients[address].compute_async(
+                    layer,
+                    [groups.expert_ids[p.index] for p in chunk],
+                    [p.rows for p in chunk],
+                    part,
+                    self.timeout,
+                )
+                self.calls_per_node[address] += 1
+                self.rows_per_node[address] += int(part.shape[0])
+                calls.append(_Call(address, chunk, call))
         return calls
 
     def _holder_for(self, layer: int, expert: int, failed: list[str]) -> str:

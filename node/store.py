@@ -29,6 +29,14 @@ log = logging.getLogger(__name__)
 GATE, UP, DOWN, GATE_UP = "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_up_exps"
 
 
+# An expert's rows are multiplied in blocks of at most this many, counted from the first row a call gives
+# for it. A BLAS kernel may round a row differently depending on how many rows share its matmul, so a
+# coordinator that has to cut one expert's rows over several calls cuts at multiples of this: the rows then
+# meet the same matmuls on a node as in process, and the bits agree. (The bound also caps the [rows, 2F]
+# intermediate of a long prefill.)
+ROWS_PER_MATMUL = 1024
+
+
 class MissingSlabs(KeyError):
     """A call named slabs this store does not hold."""
 
@@ -271,6 +279,9 @@ class ExpertStore:
         start = 0
         for expert, n in zip(expert_ids, counts, strict=True):
             if n:
-                out[start : start + n] = swiglu(self.weights(layer, expert), x[start : start + n])
+                w = self.weights(layer, expert)
+                for a in range(start, start + n, ROWS_PER_MATMUL):
+                    b = min(a + ROWS_PER_MATMUL, start + n)
+                    out[a:b] = swiglu(w, x[a:b])
             start += n
         return out

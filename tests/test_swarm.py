@@ -16,12 +16,12 @@ from reference import assert_logits_close
 from swarm.coordinator.engine import open_engine
 from swarm.coordinator.experts import LocalExperts
 from swarm.coordinator.generate import forward_one
-from swarm.coordinator.swarm import Placement, connect
+from swarm.coordinator.swarm import Part, Placement, connect, split_parts
 from swarm.node.launch import start_nodes
-from swarm.node.store import ExpertStore
+from swarm.node.store import ROWS_PER_MATMUL, ExpertStore
 from swarm.sharding.errors import UserError
 from swarm.sharding.shard import shard_model
-from swarm.sharding.slabs import read_manifest, slabs_from_shard
+from swarm.sharding.slabs import read_manifest, slabs_from_gguf, slabs_from_shard
 
 LOOPBACK = ["127.0.0.1"]
 MODELS = ["qwen3moe-tiny", "qwen2moe-tiny", "qwen35moe-tiny", "qwen3next-tiny"]
@@ -135,6 +135,7 @@ def test_a_dead_node_fails_over_to_a_replica(swarms, tmp_path):
     needed = sorted(slabs)
     backend = connect(needed, manifest.fingerprint, str(shard_dir), peers=[n.address for n in nodes] + [replica.address],
                       mdns=False, timeout=10.0)  # fmt: skip
+    backend.call_bytes = 3 * manifest.n_embd * 4  # 3 rows a call: the dead node's parts go as several calls
     try:
         engine = open_engine(shard_dir, local=True, device="cpu")
         model = engine.model
@@ -151,6 +152,51 @@ def test_a_dead_node_fails_over_to_a_replica(swarms, tmp_path):
     finally:
         backend.close()
         replica.stop()
+
+
+@pytest.mark.slow
+def test_a_long_prompt_goes_to_a_node_as_several_calls(swarms):
+    shard_dir, _ = swarms["qwen3moe-tiny"]
+    _, prompts = _prompts("qwen3moe-tiny")
+    swarm = open_engine(shard_dir, mdns_interfaces=LOOPBACK, wait=10.0, device="cpu")
+    local = open_engine(shard_dir, local=True, device="cpu")
+    try:
+        d = swarm.model.cfg.n_embd
+        swarm.experts.call_bytes = 5 * d * 4  # 5 f32 rows a call
+        tokens = prompts[1]  # 40 tokens x K 4 = 160 pairs a layer
+        a = forward_one(swarm.model, tokens, swarm.model.new_state(), "cpu")
+        b = forward_one(local.model, tokens, local.model.new_state(), "cpu")
+        assert torch.equal(a, b)
+        calls = sum(swarm.experts.calls_per_node.values())
+        assert calls > 2 * 3 * len(swarm.model.blk), f"{calls} calls: not several per node and layer"
+    finally:
+        swarm.close()
+        local.close()
+
+
+def test_split_parts_keeps_experts_whole_and_cuts_big_ones_at_matmul_blocks():
+    def calls(parts, max_rows, unit):
+        return [[(p.index, p.start, p.rows) for p in c] for c in split_parts(parts, max_rows, unit)]
+
+    parts = [Part(0, 0, 7), Part(1, 0, 2), Part(2, 0, 4)]
+    assert calls(parts, 100, 1024) == [[(0, 0, 7), (1, 0, 2), (2, 0, 4)]]
+    assert calls(parts, 5, 1024) == [[(0, 0, 7)], [(1, 0, 2)], [(2, 0, 4)]]  # 7 rows: one block, not cut
+    assert calls(parts, 5, 2) == [[(0, 0, 4)], [(0, 4, 3), (1, 0, 2)], [(2, 0, 4)]]
+    assert calls([Part(3, 4, 5)], 1, 2) == [[(3, 4, 2)], [(3, 6, 2)], [(3, 8, 1)]]
+
+
+def test_an_expert_cut_at_matmul_blocks_gives_the_same_bits():
+    """What lets a coordinator cut one expert's rows over several calls without changing a bit."""
+    slabs = slabs_from_gguf(FIXTURES / "qwen3moe-tiny" / "model-f32.gguf", [0], [5])
+    store = ExpertStore(slabs)
+    n = 2 * ROWS_PER_MATMUL + 300
+    rows = torch.randn(n, store.hidden_size, generator=torch.Generator().manual_seed(0))
+    whole = store.compute(0, [5], [n], rows)
+    cut = 2 * ROWS_PER_MATMUL
+    pieces = torch.cat(
+        [store.compute(0, [5], [cut], rows[:cut]), store.compute(0, [5], [n - cut], rows[cut:])]
+    )
+    assert torch.equal(whole, pieces)
 
 
 def test_missing_experts_are_named(tmp_path):
