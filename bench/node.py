@@ -3,7 +3,8 @@
 1. Compute throughput: rows/s of ExpertStore.compute (warm working copies) at 1, 8 and 64 rows per expert,
    8 experts per call as a node serves a layer, against torch's own float32 matmuls of the same math on the
    same (already float32) weights, interleaved in one run; plus the cost of dequantizing one Q4_K expert (what
-   a call pays for an expert evicted under --memory).
+   a call pays for an expert evicted under --memory): the store's torch path (swarm.node.dequant) against the
+   former gguf-py numpy path, and per quant type the torch dequantizer against gguf-py's numpy one.
 2. Loopback round trip to a real `swarm node` process: p50/p99 of a decode-sized Compute (8 rows of 2048 f16,
    one row for each of 8 experts) against a gRPC health check (an empty call) on the same channel.
 
@@ -24,13 +25,18 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import quantize
 
 from swarm.node.client import NodeClient
+from swarm.node.dequant import dequantize
 from swarm.node.launch import start_nodes, stop_nodes
-from swarm.node.store import ExpertStore, dequantize_expert
-from swarm.sharding.slabs import slabs_from_gguf
+from swarm.node.store import DOWN, GATE, UP, ExpertStore, dequantize_expert
+from swarm.sharding import gguf_io
+from swarm.sharding.slabs import SlabTensor, slabs_from_gguf
 from swarm.sharding.synth import preset, synthesize
 
 log = logging.getLogger("bench.node")
@@ -39,6 +45,24 @@ ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "BENCHMARKS.md"
 SECTION = "node"
 EXPERTS_PER_CALL = 8
+EXPERT_D, EXPERT_F = 2048, 512
+DEQUANT_TYPES = (
+    "F16",
+    "BF16",
+    "Q8_0",
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "Q2_K",
+    "Q3_K",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+)
+# gguf-py cannot quantize to these; their blocks are random bytes with the float16 scale fields (d, dmin) set
+# to a model's magnitudes, so that no scale is a subnormal (which would slow both dequantizers alike).
+K_SCALE_FIELDS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 
 
 def synth_model(tmp: Path) -> Path:
@@ -125,14 +149,86 @@ def bench_layout(store: ExpertStore, reps: int) -> list[dict[str, float]]:
     return out
 
 
-def bench_dequant(store: ExpertStore, reps: int) -> float:
-    key = store.held()[0]
-    ts = []
-    for _ in range(max(3, reps // 5)):
+def numpy_expert(parts: dict[str, SlabTensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The store's dequantization before swarm.node.dequant: gguf-py numpy per slab, gate and up joined by cat."""
+
+    def load(s: SlabTensor) -> torch.Tensor:
+        return torch.from_numpy(gguf_io.dequantize(s.data, s.qtype, s.shape))
+
+    return torch.cat([load(parts[GATE]), load(parts[UP])]), load(parts[DOWN])
+
+
+def bench_dequant(store: ExpertStore, reps: int) -> dict[str, float]:
+    """One Q4_K expert through ExpertStore.dequantize_expert (torch) vs the former numpy path, interleaved."""
+    parts = store.slabs[store.held()[0]]
+    w = dequantize_expert(parts)
+    gate_up, down = numpy_expert(parts)
+    assert torch.equal(w.gate_up.view(torch.int32), gate_up.view(torch.int32))
+    assert torch.equal(w.down.view(torch.int32), down.view(torch.int32))
+    tt, tn = [], []
+    for _ in range(reps):
         t0 = time.perf_counter()
-        dequantize_expert(store.slabs[key])
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1e3
+        dequantize_expert(parts)
+        t1 = time.perf_counter()
+        numpy_expert(parts)
+        t2 = time.perf_counter()
+        tt.append(t1 - t0)
+        tn.append(t2 - t1)
+    return {"torch_ms": statistics.median(tt) * 1e3, "numpy_ms": statistics.median(tn) * 1e3}
+
+
+def expert_bytes(name: str, rng: np.random.Generator) -> np.ndarray:
+    """One expert's worth (gate + up + down, 3F x D values) of blocks of quant type `name`, as bytes."""
+    qtype = GGMLQuantizationType[name]
+    block, size = GGML_QUANT_SIZES[qtype]
+    n = 3 * EXPERT_F * EXPERT_D
+    if name in K_SCALE_FIELDS:
+        blocks = rng.integers(0, 256, (n // block, size), dtype=np.uint8)
+        for off in K_SCALE_FIELDS[name]:
+            scales = (rng.uniform(0.5, 1.5, n // block) * 1e-3).astype(np.float16)
+            blocks[:, off : off + 2] = scales.view(np.uint8).reshape(-1, 2)
+        return blocks.reshape(-1)
+    values = rng.standard_normal((3 * EXPERT_F, EXPERT_D), dtype=np.float32) * EXPERT_D**-0.5
+    return np.ascontiguousarray(quantize(values, qtype)).view(np.uint8).reshape(-1)
+
+
+def bench_dequant_types(reps: int) -> list[dict[str, float | str]]:
+    """Per quant type, one expert's bytes: gguf-py numpy (gguf_io.dequantize) vs the torch dequantizer at
+    1 and at the default number of torch threads, interleaved; checked bit-identical first."""
+    rng = np.random.default_rng(0)
+    shape = (3 * EXPERT_F, EXPERT_D)
+    threads = torch.get_num_threads()
+    out = []
+    for name in DEQUANT_TYPES:
+        qtype = GGMLQuantizationType[name]
+        raw = expert_bytes(name, rng)
+        want = torch.from_numpy(gguf_io.dequantize(raw, qtype, shape))
+        assert torch.equal(dequantize(raw, qtype, shape).view(torch.int32), want.view(torch.int32)), name
+        # One pass per torch thread count, gguf-py's numpy code (single-threaded) interleaved in both.
+        tn: list[float] = []
+        tt: dict[int, list[float]] = {1: [], threads: []}
+        for n_threads in sorted(tt):
+            torch.set_num_threads(n_threads)
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                gguf_io.dequantize(raw, qtype, shape)
+                t1 = time.perf_counter()
+                dequantize(raw, qtype, shape)
+                t2 = time.perf_counter()
+                tn.append(t1 - t0)
+                tt[n_threads].append(t2 - t1)
+        torch.set_num_threads(threads)
+        out.append(
+            {
+                "type": name,
+                "mb": raw.nbytes / 1e6,
+                "numpy_ms": statistics.median(tn) * 1e3,
+                "torch1_ms": statistics.median(tt[1]) * 1e3,
+                "torch_ms": statistics.median(tt[threads]) * 1e3,
+            }
+        )
+        log.info("dequant %s: %s", name, out[-1])
+    return out
 
 
 def bench_rtt(model: Path, calls: int, tmp: Path) -> dict[str, float]:
@@ -175,7 +271,8 @@ def render(
     cmd: str,
     comp: list[dict[str, float]],
     layout: list[dict[str, float]],
-    dq_ms: float,
+    dq: dict[str, float],
+    dq_types: list[dict[str, float | str]],
     rtt: dict[str, float],
 ) -> str:
     lines = [
@@ -208,8 +305,26 @@ def render(
     ]
     lines += [
         "",
-        f"Dequantizing one Q4_K expert (gate+up+down, gguf-py numpy) to float32: {dq_ms:.1f} ms: the extra cost of "
-        "a call whose expert was evicted under `--memory`.",
+        f"Dequantizing one Q4_K expert (gate+up+down) to float32, the extra cost of a call whose expert was evicted "
+        f"under `--memory`: {dq['torch_ms']:.1f} ms with `ExpertStore.dequantize_expert` (torch, `swarm.node.dequant`) "
+        f"against {dq['numpy_ms']:.1f} ms the former way (gguf-py numpy per slab, then torch.cat): "
+        f"{dq['numpy_ms'] / dq['torch_ms']:.1f}x, the same bits.",
+        "",
+        "Per quant type, one expert's bytes (3F x D = 3.1 M values), `swarm.node.dequant.dequantize` against gguf-py's "
+        "numpy dequantizer (`swarm.sharding.gguf_io.dequantize`), interleaved, checked bit-identical; MB/s of "
+        "quantized input. Blocks quantized by gguf-py from normal values, or (Q2_K..Q6_K, which gguf-py cannot "
+        "quantize) random bytes with model-sized float16 scales. Both include allocating the float32 output.",
+        "",
+        f"| type | MB | gguf-py numpy ms | torch 1 thread ms | torch {torch.get_num_threads()} threads ms | "
+        "numpy MB/s | torch 1 thread MB/s | torch MB/s | speedup 1 thread | speedup |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        *[
+            f"| {r['type']} | {r['mb']:.2f} | {r['numpy_ms']:.2f} | {r['torch1_ms']:.2f} | {r['torch_ms']:.2f} | "
+            f"{r['mb'] / r['numpy_ms'] * 1e3:,.0f} | {r['mb'] / r['torch1_ms'] * 1e3:,.0f} | "
+            f"{r['mb'] / r['torch_ms'] * 1e3:,.0f} | {r['numpy_ms'] / r['torch1_ms']:.1f}x | "
+            f"{r['numpy_ms'] / r['torch_ms']:.1f}x |"
+            for r in dq_types
+        ],
         "",
         "Loopback round trip to a `swarm node` process (same channel, alternating calls):",
         "",
@@ -264,9 +379,11 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(default_threads)
         layout = bench_layout(store, args.reps)
         dq = bench_dequant(store, args.reps)
+        log.info("dequantization per type ...")
+        dq_types = bench_dequant_types(max(5, args.reps // 2))
         log.info("loopback round trip ...")
         rtt = bench_rtt(model, args.rtt_calls, tmp)
-    text = render(cmd, comp, layout, dq, rtt)
+    text = render(cmd, comp, layout, dq, dq_types, rtt)
     print(text)
     if not args.no_write:
         write_section(text)
