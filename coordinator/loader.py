@@ -14,13 +14,15 @@ import re
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
-from gguf import GGUFReader, Keys
+from gguf import GGMLQuantizationType, GGUFReader, Keys
+from gguf.gguf_reader import ReaderTensor
 from torch import nn
 
 from swarm.coordinator.experts import ExpertBackend
 from swarm.coordinator.models import get_arch
-from swarm.coordinator.models.layers import DecoderModel, n_main_layers
+from swarm.coordinator.models.layers import DecoderModel, PackedEmbedding, n_main_layers
 from swarm.node.dequant import dequantize
 from swarm.sharding.gguf_io import (
     EXPERT_TENSOR_RE,
@@ -34,6 +36,7 @@ from swarm.sharding.gguf_io import (
 log = logging.getLogger(__name__)
 
 DENSE_FILE = "dense.gguf"  # the non-expert half of a `swarm shard` directory
+TOKEN_EMBD = "token_embd.weight"
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.")
 
 
@@ -111,13 +114,12 @@ def load_dense_tensors(model: nn.Module, reader: GGUFReader, meta: dict[str, Any
 
     # Tied embeddings: without an output matrix the head reuses token_embd, as llama.cpp does.
     aliases = {}
-    if (
-        "output.weight" in wanted
-        and "output.weight" not in file_tensors
-        and "token_embd.weight" in file_tensors
-    ):
-        aliases["output.weight"] = "token_embd.weight"
+    if "output.weight" in wanted and "output.weight" not in file_tensors and TOKEN_EMBD in file_tensors:
+        aliases["output.weight"] = TOKEN_EMBD
         log.info("%s: no output.weight; the output head reuses token_embd.weight", path)
+
+    if pack_token_embd(model, file_tensors, aliases):  # loaded now: nothing to copy below
+        names = {k: v for k, v in names.items() if v != TOKEN_EMBD}
 
     missing = sorted(n for n in wanted if n not in file_tensors and n not in aliases)
     if missing:
@@ -150,6 +152,27 @@ def load_dense_tensors(model: nn.Module, reader: GGUFReader, meta: dict[str, Any
         with torch.no_grad():
             target.data.copy_(values)
     log.debug("%s: loaded %d tensors, left %d to the experts/MTP", path, len(names), skipped)
+
+
+def pack_token_embd(model: nn.Module, file_tensors: dict[str, ReaderTensor], aliases: dict[str, str]) -> bool:
+    """Give the model a PackedEmbedding over the file's own token_embd rows when the table is not float32
+    and the output head does not reuse it (a tied head needs the float32 matrix anyway)."""
+    t = file_tensors.get(TOKEN_EMBD)
+    embd = getattr(model, "token_embd", None)
+    if t is None or t.tensor_type == GGMLQuantizationType.F32 or TOKEN_EMBD in aliases.values():
+        return False
+    if not isinstance(embd, nn.Embedding) or torch_shape(t) != tuple(embd.weight.shape):
+        return False  # the shape check below names the mismatch
+    n_vocab, n_embd = embd.weight.shape
+    qtype = t.tensor_type
+
+    def decode(rows: np.ndarray, shape: tuple[int, int]) -> torch.Tensor:
+        return dequantize(rows, qtype, shape)
+
+    model.token_embd = PackedEmbedding(
+        np.asarray(t.data).reshape(n_vocab, -1), n_embd, decode, embd.weight.device
+    )
+    return True
 
 
 def _squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -25,7 +25,7 @@ from swarm.coordinator.models.deltanet import (
     gated_delta_chunked,
     gated_delta_recurrent,
 )
-from swarm.coordinator.models.layers import DecoderModel
+from swarm.coordinator.models.layers import DecoderModel, PackedEmbedding
 from swarm.node.store import ExpertStore
 from swarm.sharding.gguf_io import GGUFError, open_gguf, read_metadata, tensor_to_numpy
 from swarm.sharding.shard import shard_model
@@ -238,3 +238,29 @@ def test_rope_sections_must_cover_every_rotary_pair() -> None:
         check_text_rope_sections([2, 2, 2, 2], 16)  # pairs in the 4th (non-text) section
     with pytest.raises(GGUFError, match="falls outside"):
         check_text_rope_sections([3, 3, 1, 0], 16)
+
+
+@pytest.mark.parametrize(
+    ("model_dir", "file"),
+    [
+        ("qwen35moe-quant", "model-q4_k_m.gguf"),
+        ("qwen35moe-quant", "model-q8_0.gguf"),
+        ("qwen35moe-tiny", "model-bf16.gguf"),
+    ],
+)
+def test_a_non_float32_token_table_stays_packed_and_looks_up_gguf_values(model_dir: str, file: str) -> None:
+    """Only the looked-up rows are decoded, and they are exactly gguf-py's dequantization of the table."""
+    path = FIXTURES / model_dir / file
+    model, _ = load_model(path, LocalExperts(ExpertStore({})), device="cpu")
+    assert isinstance(model.token_embd, PackedEmbedding)
+    assert "token_embd.weight" not in model.state_dict()
+    table = next(t for t in open_gguf(path).tensors if t.name == "token_embd.weight")
+    expected = torch.from_numpy(tensor_to_numpy(table))  # [V, D], gguf-py's numpy dequantizer
+    ids = torch.tensor([0, 5, 5, expected.shape[0] - 1, 17])
+    assert torch.equal(model.token_embd(ids), expected[ids])
+
+
+def test_a_float32_token_table_is_an_ordinary_embedding() -> None:
+    path = FIXTURES / "qwen35moe-tiny" / "model-f32.gguf"
+    model, _ = load_model(path, LocalExperts(ExpertStore({})), device="cpu")
+    assert isinstance(model.token_embd, torch.nn.Embedding)

@@ -15,10 +15,11 @@ sequence, every MoE layer sees all N tokens: one expert fan-out per layer for th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from gguf import Keys
@@ -275,12 +276,41 @@ class Block(Protocol):
     def new_state(self) -> Any: ...
 
 
+class PackedEmbedding(nn.Module):
+    """token_embd kept as the file encodes it (quantized, f16, bf16) and decoded per lookup, row by row.
+
+    A real vocabulary makes the table big (248k x 2048 is 2 GB as float32, 0.4 GB as Q6_K) while a step
+    reads a handful of rows, and decoding just those rows gives the same float32 values as decoding the
+    whole table. `rows` [V, bytes or values per row] may be a view of the file's memory map (only the rows
+    looked up are read); `decode(rows, (n, D))` -> float32 [n, D] on the CPU.
+    """
+
+    def __init__(
+        self,
+        rows: np.ndarray,
+        n_embd: int,
+        decode: Callable[[np.ndarray, tuple[int, int]], torch.Tensor],
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.rows = rows
+        self.num_embeddings, self.embedding_dim = int(rows.shape[0]), n_embd
+        self.decode = decode
+        self.device = device
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        picked = self.rows[ids.cpu().numpy()]  # [N, row]: copies of just these rows
+        return self.decode(picked, (picked.shape[0], self.embedding_dim)).to(self.device)  # [N, D]
+
+
 class DecoderModel(nn.Module):
     """token_embd -> blocks -> output_norm -> output. Subclasses fill `blk` with their blocks.
 
     Every block's forward(x [N, D], batch, states) runs attention (or the recurrence) per sequence
     and its MoE over all N tokens at once: one expert fan-out per layer for the whole batch.
     """
+
+    token_embd: nn.Embedding | PackedEmbedding  # the loader packs a non-float32 table
 
     def __init__(self, n_vocab: int, n_embd: int, eps: float) -> None:
         super().__init__()
@@ -316,7 +346,7 @@ class DecoderModel(nn.Module):
             raise ValueError(f"{len(states)} states but {len(lengths)} lengths; give at least one sequence")
         if sum(lengths) != tokens.shape[0] or any(n <= 0 for n in lengths):
             raise ValueError(f"lengths {list(lengths)} do not split {tokens.shape[0]} tokens")
-        device = self.token_embd.weight.device
+        device = self.output_norm.weight.device
         # inference_mode throughout, so caches made in one call stay writable in the next.
         with torch.inference_mode():
             batch = Batch.of(states, lengths, device)
