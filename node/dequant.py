@@ -176,19 +176,30 @@ def _q3_k(b: torch.Tensor, out: torch.Tensor) -> None:
     _scale(out, q.view(n, 16, 16), dl)
 
 
-def _k_scale_min(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The 12 packed scale bytes of Q4_K / Q5_K [n, 12] -> (8 six-bit scales, 8 six-bit mins) as float32."""
-    a, m, md = s[:, 0:4], s[:, 4:8], s[:, 8:12]
-    sc = torch.cat((a & 0x3F, (md & 0x0F) | ((a >> 2) & 0x30)), dim=1)
-    mn = torch.cat((m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)), dim=1)
-    return sc.to(torch.float32), mn.to(torch.float32)
-
-
 def _k_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K / Q5_K per-sub-block (d * scale, dmin * min), each [n, 8, 1] float32."""
+    """Q4_K / Q5_K per-sub-block (d * scale, dmin * min), each [n, 8, 1] float32.
+
+    Bytes 4-15 pack 8 six-bit scales and 8 six-bit mins: scale i < 4 is the low 6 bits of byte 4 + i, scale
+    i >= 4 the low nibble of byte 8 + i plus the top 2 bits of byte i as bits 4-5; the mins likewise from
+    bytes 8 + i (i < 4), the high nibbles of bytes 8 + i and the top bits of bytes 4 + i. Worked on as three
+    int32 words of 4 bytes each (a, m, md), so each step handles 4 scales at once.
+    """
     n = b.shape[0]
-    sc, mn = _k_scale_min(_field(b, 4, 16))
-    return (_f16(b, 0) * sc).view(n, 8, 1), (_f16(b, 2) * mn).view(n, 8, 1)
+    w = _field(b, 0, 16).view(torch.int32)  # [n, 4]: d and dmin, then a, m, md
+    a, m, md = w[:, 1], w[:, 2], w[:, 3]
+    six = torch.stack(
+        (
+            a & 0x3F3F3F3F,
+            (md & 0x0F0F0F0F) | ((a >> 2) & 0x30303030),
+            m & 0x3F3F3F3F,
+            ((md >> 4) & 0x0F0F0F0F) | ((m >> 2) & 0x30303030),
+        ),
+        dim=1,
+    )  # int32 shifts are arithmetic; the smeared sign bits fall outside each byte's mask
+    six = six.view(torch.uint8).to(torch.float32).view(n, 2, 8)  # [n, (scales, mins), 8]
+    d = w[:, :1].view(torch.float16).to(torch.float32).view(n, 2, 1)  # [n, (d, dmin), 1]
+    prod = d * six
+    return prod[:, 0].view(n, 8, 1), prod[:, 1].view(n, 8, 1)
 
 
 def _q4_k(b: torch.Tensor, out: torch.Tensor) -> None:
