@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, Keys
 from gguf.gguf_reader import ReaderTensor
 from torch import nn
+from tqdm import tqdm
 
 from swarm.coordinator.experts import ExpertBackend
 from swarm.coordinator.models import get_arch
@@ -58,9 +60,13 @@ def resolve_gguf(path: str | Path) -> Path:
 
 
 def load_model(
-    path: str | Path, experts: ExpertBackend, device: str | torch.device | None = None
+    path: str | Path,
+    experts: ExpertBackend,
+    device: str | torch.device | None = None,
+    progress: bool = False,
 ) -> tuple[DecoderModel, dict[str, Any]]:
-    """(model on `device`, every metadata key of the file). device: cuda when present, else cpu."""
+    """(model on `device`, every metadata key of the file). device: cuda when present, else cpu.
+    `progress`: a progress bar on stderr (when it is a terminal) while the dense weights load."""
     gguf_path = resolve_gguf(path)
     device = torch.device(device) if device is not None else default_device()
     reader = open_gguf(gguf_path)
@@ -75,7 +81,7 @@ def load_model(
         cfg = refine(cfg, [t.name for t in reader.tensors])
     with torch.device(device):
         model = arch.Model(cfg, experts)
-    load_dense_tensors(model, reader, meta, gguf_path)
+    load_dense_tensors(model, reader, meta, gguf_path, progress)
     model.eval()
     log.info("loaded %s (%s) on %s", gguf_path, meta[Keys.General.ARCHITECTURE], device)
     return model, meta
@@ -104,7 +110,9 @@ def main_pass_tensor(name: str, n_main: int) -> bool:
     return m is None or int(m.group(1)) < n_main
 
 
-def load_dense_tensors(model: nn.Module, reader: GGUFReader, meta: dict[str, Any], path: Path) -> None:
+def load_dense_tensors(
+    model: nn.Module, reader: GGUFReader, meta: dict[str, Any], path: Path, progress: bool = False
+) -> None:
     arch = meta[Keys.General.ARCHITECTURE]
     n_main = n_main_layers(meta, arch)
     file_tensors = {t.name: t for t in reader.tensors if main_pass_tensor(t.name, n_main)}
@@ -137,6 +145,17 @@ def load_dense_tensors(model: nn.Module, reader: GGUFReader, meta: dict[str, Any
         )
 
     state = model.state_dict(keep_vars=True)
+    total = sum(int(file_tensors[aliases.get(n, n)].n_bytes) for n in names.values())
+    bar = tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc="loading dense weights",
+        file=sys.stderr,
+        disable=None if progress else True,  # None: only on a terminal
+        leave=False,
+    )
     for key, name in names.items():
         t = file_tensors[aliases.get(name, name)]
         target = state[key]
@@ -151,6 +170,8 @@ def load_dense_tensors(model: nn.Module, reader: GGUFReader, meta: dict[str, Any
         values = dequantize(t.data, t.tensor_type, shape).reshape(target.shape)
         with torch.no_grad():
             target.data.copy_(values)
+        bar.update(int(t.n_bytes))
+    bar.close()
     log.debug("%s: loaded %d tensors, left %d to the experts/MTP", path, len(names), skipped)
 
 

@@ -7,7 +7,7 @@ mini-GGUF written by `swarm shard`.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -140,8 +140,9 @@ def slabs_from_shard(
     layers: Iterable[int] | None = None,
     experts: Iterable[int] | None = None,
     verify: bool = True,
+    progress: Callable[[int, int], None] | None = None,
 ) -> tuple[dict[SlabKey, dict[str, SlabTensor]], list[str]]:
-    """Load the requested slabs of a shard directory, memory-mapped.
+    """Load the requested slabs of a shard directory, memory-mapped; `progress(done, total)` after each.
 
     With `verify`, each slab file is hashed against the manifest first (header and data, every byte); a
     slab that does not verify, is missing, or is not part of this (partial) shard is left out and named in
@@ -155,33 +156,46 @@ def slabs_from_shard(
     moe = set(manifest.moe_layers)
     problems: list[str] = []
     out: dict[SlabKey, dict[str, SlabTensor]] = {}
+    total = len(want_experts) * sum(1 for layer in want_layers if layer in moe)
+    done = 0
     for layer in want_layers:
         if layer not in moe:
             problems.append(f"layer {layer}: the model has no experts in this layer")
             continue
         for expert in want_experts:
-            if expert >= manifest.n_expert:
-                problems.append(f"expert {expert}: the model has only {manifest.n_expert} experts per layer")
-                continue
-            entry = manifest.slab(layer, expert)
-            if entry is None:
-                problems.append(
-                    f"layer {layer} expert {expert}: not in this shard directory (it was cut with "
-                    "--layers/--experts); shard it with `swarm shard MODEL.gguf -o DIR --layers/--experts`"
-                )
-                continue
-            if verify:
-                bad = check_slab_file(directory, entry)
-                if bad is not None:
-                    problems.append(f"layer {layer} expert {expert}: {bad}")
-                    continue
             try:
-                slabs = read_slab_file(directory / entry.path)
-            except GGUFError as e:
+                out[(layer, expert)] = _shard_slab(directory, manifest, layer, expert, verify)
+            except _Refused as e:
                 problems.append(f"layer {layer} expert {expert}: {e}")
-                continue
-            out[(layer, expert)] = slabs
+            done += 1
+            if progress is not None:
+                progress(done, total)
     return out, problems
+
+
+class _Refused(Exception):
+    """A slab a shard directory cannot serve; the text says why."""
+
+
+def _shard_slab(
+    directory: Path, manifest: Manifest, layer: int, expert: int, verify: bool
+) -> dict[str, SlabTensor]:
+    if expert >= manifest.n_expert:
+        raise _Refused(f"the model has only {manifest.n_expert} experts per layer")
+    entry = manifest.slab(layer, expert)
+    if entry is None:
+        raise _Refused(
+            "not in this shard directory (it was cut with --layers/--experts); "
+            "shard it with `swarm shard MODEL.gguf -o DIR --layers/--experts`"
+        )
+    if verify:
+        bad = check_slab_file(directory, entry)
+        if bad is not None:
+            raise _Refused(bad)
+    try:
+        return read_slab_file(directory / entry.path)
+    except GGUFError as e:
+        raise _Refused(str(e)) from None
 
 
 def open_dense(directory: str | Path, verify: bool = False) -> GGUFReader:

@@ -623,3 +623,20 @@ def test_big_slab_path_gives_the_same_bytes(tmp_path, monkeypatch):
     shard_model(src, tmp_path / "b")
     assert tree_bytes(tmp_path / "a") == tree_bytes(tmp_path / "b")
     assert verify_shard(tmp_path / "b", src) == []
+
+
+def test_loading_slabs_reports_progress_and_refuses_a_damaged_one(tmp_path: Path) -> None:
+    out = tmp_path / "m.swarm"
+    shard_model(FIXTURES / "qwen3moe-tiny" / "model-f32.gguf", out)
+    entry = read_manifest(out).slab(1, 2)
+    assert entry is not None
+    with open(out / entry.path, "r+b") as f:  # one flipped byte in the slab's data
+        f.seek(entry.size - 1)
+        last = f.read(1)
+        f.seek(entry.size - 1)
+        f.write(bytes([last[0] ^ 0xFF]))
+    seen: list[tuple[int, int]] = []
+    slabs, problems = slabs_from_shard(out, [0, 1], [0, 1, 2], progress=lambda d, t: seen.append((d, t)))
+    assert seen == [(i, 6) for i in range(1, 7)]
+    assert sorted(slabs) == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]
+    assert len(problems) == 1 and problems[0].startswith("layer 1 expert 2: ")
