@@ -274,3 +274,49 @@ def test_qwen36_35b_layer_shape_runs_through_four_nodes(tmp_path):
                 e.close()
         for node in nodes:
             node.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["killed", "stalled"])
+def test_answer_survives_a_node_leaving_mid_generation(tmp_path, how):
+    """Two replicas of every expert; one of them dies (SIGKILL) or stalls (SIGSTOP: a phone gone to sleep)
+    after the fourth token. The answer goes on through the other and is the in-process answer, token for
+    token."""
+    import os
+    import signal
+
+    from swarm.coordinator.generate import SamplingParams, generate
+
+    name = "qwen3moe-tiny"
+    shard_dir = tmp_path / "m.swarm"
+    shard_model(FIXTURES / name / "model-f32.gguf", shard_dir)
+    manifest = read_manifest(shard_dir)
+    _, prompts = _prompts(name)
+    nodes = start_nodes([(shard_dir, ["--no-mdns"]), (shard_dir, ["--no-mdns"])], tmp_path / "nodes")
+    local = open_engine(shard_dir, local=True, device="cpu")
+    backend = connect(sorted(slabs_from_shard(shard_dir, verify=False)[0]), manifest.fingerprint, str(shard_dir),
+                      peers=[n.address for n in nodes], mdns=False, timeout=3.0)  # fmt: skip
+    victim = nodes[1]
+    try:
+        params = SamplingParams(max_tokens=12)
+        expect = list(generate(local.model, prompts[0], params))
+        local.model.set_experts(backend)
+        got = []
+        for token in generate(local.model, prompts[0], params):
+            got.append(token)
+            if len(got) == 4:
+                assert len(backend.calls_per_node) == 2, "both replicas were in use before"
+                if how == "killed":
+                    victim.process.kill()
+                else:
+                    os.kill(victim.process.pid, signal.SIGSTOP)
+        assert got == expect
+        assert backend.failovers >= 1
+        assert victim.address not in backend.placement.addresses()
+    finally:
+        if how == "stalled":
+            os.kill(victim.process.pid, signal.SIGCONT)
+        backend.close()
+        local.close()
+        for n in nodes:
+            n.stop()
