@@ -18,7 +18,8 @@ from swarm.coordinator.loader import default_device, load_model
 from swarm.coordinator.models.layers import DecoderModel
 from swarm.coordinator.swarm import SwarmExperts, connect
 from swarm.coordinator.tokenizer import GGUFTokenizer
-from swarm.node.source import gguf_header_fingerprint, load_slabs
+from swarm.node.identity import ModelIdentity, identity_of
+from swarm.node.source import load_slabs
 from swarm.node.store import ExpertStore, default_memory_budget
 from swarm.sharding.errors import UserError
 from swarm.sharding.gguf_io import expert_tensors, open_gguf
@@ -44,18 +45,20 @@ class Engine:
             self.experts.close()
 
 
-def model_identity(path: str | Path) -> tuple[str, list[SlabKey]]:
-    """(fingerprint the nodes report for this model, every (layer, expert) slab it needs)."""
+def model_identity(path: str | Path) -> tuple[ModelIdentity, list[SlabKey]]:
+    """(what the model is known by: the nodes of it are those it matches, every (layer, expert) slab it needs).
+
+    A shard directory is known by its manifest fingerprint and its source GGUF's header hash, a GGUF by its
+    header hash, so nodes started on either form of the model serve a coordinator started on either."""
     path = Path(path)
+    identity = identity_of(path)
     if path.is_dir():
         manifest = read_manifest(path)
         needed = [(layer, e) for layer in manifest.moe_layers for e in range(manifest.n_expert)]
-        return manifest.fingerprint, needed
-    if not path.exists():
-        raise UserError(f"{path}: no such file or directory; give a .gguf model or a `swarm shard` directory")
+        return identity, needed
     reader = open_gguf(path)
     needed = sorted({(et.layer, e) for et in expert_tensors(reader, path) for e in range(et.n_expert)})
-    return gguf_header_fingerprint(path), needed
+    return identity, needed
 
 
 def open_engine(
@@ -83,10 +86,11 @@ def open_engine(
         experts = LocalExperts(ExpertStore(loaded.slabs, dev, budget), wire_dtype)
         fingerprint = loaded.fingerprint
     else:
-        fingerprint, needed = model_identity(path)
+        identity, needed = model_identity(path)
+        fingerprint = identity.fingerprint
         experts = connect(
             needed,
-            fingerprint,
+            identity,
             str(path),
             peers=peers,
             mdns=mdns,

@@ -23,6 +23,7 @@ import torch
 
 from swarm.coordinator.experts import ExpertMajor, PendingExperts, group_expert_major
 from swarm.node.client import ComputeCall, NodeCallError, NodeClient
+from swarm.node.identity import Match, ModelIdentity
 from swarm.node.store import ROWS_PER_MATMUL
 from swarm.sharding.errors import UserError
 from swarm.sharding.ranges import format_ranges
@@ -300,7 +301,7 @@ class _TimedPending:
 
 def connect(
     needed: Sequence[SlabKey],
-    fingerprint: str,
+    identity: ModelIdentity | str,
     source: str,
     peers: Sequence[str] = (),
     mdns: bool = True,
@@ -310,17 +311,27 @@ def connect(
     wire_dtype: torch.dtype = torch.float32,
     timeout: float = 30.0,
 ) -> SwarmExperts:
-    """Find nodes (static peers, then mDNS until every needed slab has a holder or `wait` s pass)."""
+    """Find nodes (static peers, then mDNS until every needed slab has a holder or `wait` s pass).
+
+    A node is taken when `identity` matches its own (the same model, started on the GGUF or on its shard
+    directory: see swarm.node.identity; a bare fingerprint string matches exactly that fingerprint). Each
+    node's calls then carry the fingerprint that node itself reports, which it checks on every call.
+    """
+    if isinstance(identity, str):
+        identity = ModelIdentity(identity)
     placement = Placement()
     clients: dict[str, NodeClient] = {}
+    by_header: list[str] = []  # nodes taken on the source GGUF's header hash alone
 
-    def add(address: str, held: Iterable[SlabKey]) -> None:
+    def add(address: str, node: ModelIdentity, held: Iterable[SlabKey]) -> None:
         if address not in clients:
-            clients[address] = NodeClient(address, fingerprint=fingerprint, key=key)
+            clients[address] = NodeClient(address, fingerprint=node.fingerprint, key=key)
+            if identity.match(node) is Match.HEADER:
+                by_header.append(address)
         placement.add(address, held)
 
     for peer in peers:
-        client = NodeClient(peer, fingerprint=fingerprint, key=key)
+        client = NodeClient(peer, key=key)
         try:
             info = client.info(timeout=min(wait, 10.0) if wait > 0 else 10.0)
         except NodeCallError as e:
@@ -328,28 +339,32 @@ def connect(
             raise UserError(
                 f"peer {peer} does not answer ({e.code.name}); is `swarm node` running there?"
             ) from None
-        if info.fingerprint != fingerprint:
+        match = identity.match(info.identity)
+        if match is None:
             client.close()
             raise UserError(
                 f"peer {peer} serves another model (fingerprint {info.fingerprint[:12]}, "
-                f"this one is {fingerprint[:12]}); start it on the same shard directory"
+                f"this one is {identity.fingerprint[:12]}); start it on the same GGUF or shard directory"
             )
+        client.fingerprint = info.fingerprint  # what the node checks in every Compute call
         clients[peer] = client
+        if match is Match.HEADER:
+            by_header.append(peer)
         placement.add(peer, info.held)
 
     if mdns and placement.missing(needed):
         from swarm.node.discovery import browse
 
-        with browse(fingerprint, interfaces) as browser:
+        with browse(interfaces=interfaces, identity=identity) as browser:
 
             def covered(nodes: list) -> bool:
                 for n in nodes:
-                    add(n.address, n.held)
+                    add(n.address, n.identity, n.held)
                 return not placement.missing(needed)
 
             browser.wait_for(covered, wait)
             for n in browser.nodes():
-                add(n.address, n.held)
+                add(n.address, n.identity, n.held)
 
     missing = placement.missing(needed)
     if missing:
@@ -362,5 +377,13 @@ def connect(
                 "on this or another machine, or run with --local to compute the experts here"
             )
         raise UserError(describe_missing(missing, source))
+    if by_header:
+        log.info(
+            "swarm: %d of %d nodes recognised by the source GGUF's header hash only, not the fingerprint over "
+            "every weight (a file with the same header but other weights would pass too): %s",
+            len(by_header),
+            len(clients),
+            ", ".join(sorted(by_header)),
+        )
     log.info("swarm: %d nodes cover %d slabs", len(clients), len(needed))
     return SwarmExperts(clients, placement, source, wire_dtype, timeout)

@@ -184,6 +184,7 @@ def run_node(args: argparse.Namespace) -> int:
         workers=args.workers,
         key=key,
         name=args.name or "",
+        source_sha256=loaded.source_sha256,
     ).start()
     stop = threading.Event()
 
@@ -208,6 +209,7 @@ def run_node(args: argparse.Namespace) -> int:
                 "port": server.port,
                 "pid": os.getpid(),
                 "fingerprint": loaded.fingerprint,
+                "source_sha256": loaded.source_sha256,
                 "slabs": len(store.slabs),
                 "held": held,
                 "device": str(store.device),
@@ -220,7 +222,13 @@ def run_node(args: argparse.Namespace) -> int:
 
         interfaces = args.mdns_interface if args.mdns_interface else default_mdns_interfaces(args.host)
         props = node_properties(
-            loaded.fingerprint, store.held(), store.hidden_size or 0, memory, args.workers, str(store.device)
+            loaded.fingerprint,
+            store.held(),
+            store.hidden_size or 0,
+            memory,
+            args.workers,
+            str(store.device),
+            source_sha256=loaded.source_sha256,
         )
         try:
             advertiser = Advertiser(server.port, args.host, props, interfaces, args.name).start()

@@ -24,6 +24,7 @@ import grpc
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from swarm.node.identity import ModelIdentity
 from swarm.proto import expert_pb2 as pb
 from swarm.proto import expert_pb2_grpc as pb_grpc
 from swarm.proto.channel import CHANNEL_OPTIONS, PROTOCOL_VERSION, SERVICE_NAME, SWARM_KEY_METADATA
@@ -60,6 +61,11 @@ class NodeInfo:
     hidden_size: int
     name: str
     version: str
+    source_sha256: str = ""  # the source GGUF's header hash; "" from an older node
+
+    @property
+    def identity(self) -> ModelIdentity:
+        return ModelIdentity(self.fingerprint, self.source_sha256)
 
 
 @dataclass(frozen=True)
@@ -165,6 +171,7 @@ class NodeClient:
             hidden_size=r.hidden_size,
             name=r.node_name,
             version=r.version,
+            source_sha256=r.source_sha256,
         )
 
     def stats(self, timeout: float | None = 10.0) -> NodeStats:

@@ -1,12 +1,13 @@
 """Finding nodes by mDNS / DNS-SD (zeroconf): the node's advertiser and the coordinator's browser.
 
 A node registers one service of type SERVICE_TYPE whose TXT record carries what a coordinator needs to
-place work before it ever connects: model fingerprint, protocol version, width D, capacity (memory
-budget, workers), device and the held slabs. The slab set is packed as msgpack groups of
+place work before it ever connects: model fingerprint, source GGUF header hash (key "src", see
+swarm.node.identity; absent from older nodes), protocol version, width D, capacity (memory budget,
+workers), device and the held slabs. The slab set is packed as msgpack groups of
 (layer ranges, expert ranges), base64url-encoded and split over TXT keys s0, s1, ... (a TXT string is
 at most 255 bytes); "experts 0-63 of layers 0-39" is a dozen bytes.
 
-    with browse(fingerprint=fp, interfaces=["127.0.0.1"]) as browser:
+    with browse(identity=identity_of("model.swarm"), interfaces=["127.0.0.1"]) as browser:
         browser.wait_for(lambda nodes: len(nodes) >= 3, timeout=5)
         for node in browser.nodes(): ...  # DiscoveredNode(address="127.0.0.1:50051", held=..., ...)
 
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 import msgpack
 from zeroconf import IPVersion, ServiceBrowser, ServiceInfo, ServiceStateChange, Zeroconf
 
+from swarm.node.identity import ModelIdentity
 from swarm.proto.channel import PROTOCOL_VERSION
 from swarm.proto.codec import SlabKey, group_slabs, ungroup_slabs
 
@@ -82,6 +84,11 @@ class DiscoveredNode:
     memory_budget_bytes: int
     workers: int
     device: str
+    source_sha256: str = ""
+
+    @property
+    def identity(self) -> ModelIdentity:
+        return ModelIdentity(self.fingerprint, self.source_sha256)
 
     @property
     def address(self) -> str:
@@ -95,6 +102,7 @@ def node_properties(
     memory_budget_bytes: int,
     workers: int,
     device: str,
+    source_sha256: str = "",
 ) -> dict[str, str]:
     chunks = pack_slabs(held)
     props = {
@@ -106,6 +114,8 @@ def node_properties(
         "dev": device,
         "sn": str(len(chunks)),
     }
+    if source_sha256:
+        props["src"] = source_sha256
     props.update({f"s{i}": c for i, c in enumerate(chunks)})
     return props
 
@@ -134,6 +144,7 @@ def parse_service(info: ServiceInfo) -> DiscoveredNode:
         memory_budget_bytes=int(_text(props, "mem", "0")),
         workers=int(_text(props, "w", "0")),
         device=_text(props, "dev"),
+        source_sha256=_text(props, "src"),
     )
 
 
@@ -235,10 +246,20 @@ class Advertiser:
 
 
 class NodeBrowser:
-    """A live view of the nodes advertised on the chosen interfaces (None = all)."""
+    """A live view of the nodes advertised on the chosen interfaces (None = all).
 
-    def __init__(self, fingerprint: str | None = None, interfaces: Sequence[str] | None = None) -> None:
+    `identity` keeps the nodes of that model (whether started on its GGUF or its shard directory);
+    `fingerprint` keeps only the nodes reporting exactly that fingerprint.
+    """
+
+    def __init__(
+        self,
+        fingerprint: str | None = None,
+        interfaces: Sequence[str] | None = None,
+        identity: ModelIdentity | None = None,
+    ) -> None:
         self.fingerprint = fingerprint
+        self.identity = identity
         self._nodes: dict[str, DiscoveredNode] = {}
         self._cond = threading.Condition()
         self._zc = _zeroconf(interfaces)
@@ -267,11 +288,13 @@ class NodeBrowser:
         log.info("node found: %s at %s (%d slabs)", name, node.address, len(node.held))
 
     def nodes(self) -> list[DiscoveredNode]:
-        """The nodes seen now (of this browser's model fingerprint when it has one), sorted by address."""
+        """The nodes seen now (of this browser's model when it has one), sorted by address."""
         with self._cond:
             found = list(self._nodes.values())
         if self.fingerprint:
             found = [n for n in found if n.fingerprint == self.fingerprint]
+        if self.identity is not None:
+            found = [n for n in found if self.identity.match(n.identity) is not None]
         return sorted(found, key=lambda n: (n.host, n.port))
 
     def wait_for(
@@ -300,6 +323,10 @@ class NodeBrowser:
         self.close()
 
 
-def browse(fingerprint: str | None = None, interfaces: Sequence[str] | None = None) -> NodeBrowser:
+def browse(
+    fingerprint: str | None = None,
+    interfaces: Sequence[str] | None = None,
+    identity: ModelIdentity | None = None,
+) -> NodeBrowser:
     """Start browsing for swarm nodes; interfaces=["127.0.0.1"] keeps it on loopback."""
-    return NodeBrowser(fingerprint, interfaces)
+    return NodeBrowser(fingerprint, interfaces, identity)

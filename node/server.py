@@ -126,9 +126,11 @@ class ExpertServicer(pb_grpc.ExpertNodeServicer):
         workers: int,
         name: str = "",
         stats: CallStats | None = None,
+        source_sha256: str = "",
     ) -> None:
         self.store = store
         self.fingerprint = fingerprint
+        self.source_sha256 = source_sha256
         self.workers = workers
         self.name = name
         self.stats = stats or CallStats()
@@ -176,6 +178,7 @@ class ExpertServicer(pb_grpc.ExpertNodeServicer):
             hidden_size=self.store.hidden_size or 0,
             node_name=self.name,
             version=software_version(),
+            source_sha256=self.source_sha256,
         )
 
     @_answer
@@ -249,10 +252,11 @@ class NodeServer:
         workers: int = DEFAULT_WORKERS,
         key: str | None = None,
         name: str = "",
+        source_sha256: str = "",
     ) -> None:
         self.store = store
         self.host = host
-        self.servicer = ExpertServicer(store, fingerprint, workers, name)
+        self.servicer = ExpertServicer(store, fingerprint, workers, name, source_sha256=source_sha256)
         self.health = health.HealthServicer()
         interceptors = [SwarmKeyInterceptor(key)] if key else []
         self._server = grpc.server(

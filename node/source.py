@@ -6,7 +6,9 @@ convenience for trying a node without sharding first).
 
 Model fingerprint: a shard directory's is the manifest's. A whole GGUF would need every byte hashed to
 get that same value, so a node started on one reports the SHA-256 of the GGUF's header bytes (all
-metadata and tensor infos) instead, the value a manifest records as `source.header_sha256`.
+metadata and tensor infos) instead, the value a manifest records as `source.header_sha256`. Either way the
+node also reports that source header hash, so a coordinator started on the other form of the same model
+recognises it (see swarm.node.identity).
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from swarm.node.identity import ModelIdentity, gguf_header_fingerprint
 from swarm.sharding.errors import UserError
 from swarm.sharding.gguf_io import expert_tensors, open_gguf
-from swarm.sharding.slabs import SlabKey, SlabTensor, hash_file_range, slabs_from_gguf
+from swarm.sharding.slabs import SlabKey, SlabTensor, slabs_from_gguf
 
 log = logging.getLogger(__name__)
 
@@ -29,12 +32,11 @@ class LoadedSlabs:
     fingerprint: str
     problems: list[str] = field(default_factory=list)
     source: str = ""
+    source_sha256: str = ""  # the source GGUF's header hash (for a whole GGUF: the fingerprint itself)
 
-
-def gguf_header_fingerprint(path: str | Path) -> str:
-    """SHA-256 of a GGUF's bytes before its tensor data: identifies the model without reading the weights."""
-    reader = open_gguf(path)
-    return hash_file_range(path, 0, int(reader.data_offset))
+    @property
+    def identity(self) -> ModelIdentity:
+        return ModelIdentity(self.fingerprint, self.source_sha256)
 
 
 def _wanted(
@@ -72,7 +74,8 @@ def load_from_gguf(
             problems.append(f"layer {layer} expert {e}: the model has no experts in layer {layer}")
         else:
             problems.append(f"layer {layer} expert {e}: the model has only {n_expert} experts per layer")
-    return LoadedSlabs(slabs, gguf_header_fingerprint(path), problems, str(path))
+    header = gguf_header_fingerprint(path)
+    return LoadedSlabs(slabs, header, problems, str(path), header)
 
 
 def load_from_shard(
@@ -99,7 +102,7 @@ def load_from_shard(
         got, bad = slabs_from_shard(directory, [layer], es, verify=verify)
         slabs.update(got)
         problems += bad
-    return LoadedSlabs(slabs, manifest.fingerprint, problems, str(directory))
+    return LoadedSlabs(slabs, manifest.fingerprint, problems, str(directory), manifest.source.header_sha256)
 
 
 def load_slabs(

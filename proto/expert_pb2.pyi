@@ -73,7 +73,7 @@ class SlabGroup(_message.Message):
     def __init__(self, layers: _Optional[_Iterable[_Union[IdRange, _Mapping]]] = ..., experts: _Optional[_Iterable[_Union[IdRange, _Mapping]]] = ...) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("fingerprint", "protocol_version", "held", "device", "memory_budget_bytes", "max_message_bytes", "workers", "hidden_size", "node_name", "version")
+    __slots__ = ("fingerprint", "protocol_version", "held", "device", "memory_budget_bytes", "max_message_bytes", "workers", "hidden_size", "node_name", "version", "source_sha256")
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     HELD_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +84,7 @@ class InfoReply(_message.Message):
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     NODE_NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_SHA256_FIELD_NUMBER: _ClassVar[int]
     fingerprint: str
     protocol_version: int
     held: _containers.RepeatedCompositeFieldContainer[SlabGroup]
@@ -94,7 +95,8 @@ class InfoReply(_message.Message):
     hidden_size: int
     node_name: str
     version: str
-    def __init__(self, fingerprint: _Optional[str] = ..., protocol_version: _Optional[int] = ..., held: _Optional[_Iterable[_Union[SlabGroup, _Mapping]]] = ..., device: _Optional[str] = ..., memory_budget_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., workers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., node_name: _Optional[str] = ..., version: _Optional[str] = ...) -> None: ...
+    source_sha256: str
+    def __init__(self, fingerprint: _Optional[str] = ..., protocol_version: _Optional[int] = ..., held: _Optional[_Iterable[_Union[SlabGroup, _Mapping]]] = ..., device: _Optional[str] = ..., memory_budget_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., workers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., node_name: _Optional[str] = ..., version: _Optional[str] = ..., source_sha256: _Optional[str] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
