@@ -22,7 +22,7 @@ from swarm.node.dequant import TORCH_TYPES, dequantize
 from swarm.node.store import dequantize_expert
 from swarm.sharding import gguf_io
 from swarm.sharding.gguf_io import torch_shape
-from swarm.sharding.slabs import slabs_from_gguf
+from swarm.sharding.slabs import SlabTensor, slabs_from_gguf
 from swarm.sharding.synth import EXPERT_TYPES, preset, synthesize
 
 Q = GGMLQuantizationType
@@ -237,3 +237,32 @@ def test_bad_sizes_are_value_errors_like_gguf_io(qtype, nbytes, shape):
         gguf_io.dequantize(raw, qtype, shape)
     with pytest.raises(ValueError):
         dequantize(raw, qtype, shape)
+
+
+def test_store_gate_up_down_and_biases_bit_identical():
+    """dequantize_expert writes gate and up (and their biases) straight into the halves of gate_up."""
+    f, d = 4, 64
+    rng = np.random.default_rng(11)
+
+    def slab(kind: str, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> SlabTensor:
+        block, _ = GGML_QUANT_SIZES[qtype]
+        n = int(np.prod(shape))
+        raw = random_blocks(qtype, n // block, seed=int(rng.integers(1 << 30)))
+        return SlabTensor(kind, qtype, shape, raw)
+
+    parts = {
+        "ffn_gate_exps": slab("ffn_gate_exps", Q.Q4_K, (f, d * 4)),
+        "ffn_up_exps": slab("ffn_up_exps", Q.Q6_K, (f, d * 4)),
+        "ffn_down_exps": slab("ffn_down_exps", Q.Q8_0, (d * 4, f * 8)),
+        "ffn_gate_exps.bias": slab("ffn_gate_exps.bias", Q.F32, (f,)),
+        "ffn_up_exps.bias": slab("ffn_up_exps.bias", Q.F32, (f,)),
+        "ffn_down_exps.bias": slab("ffn_down_exps.bias", Q.F32, (d * 4,)),
+    }
+    want = {k: reference(s.data, s.qtype, s.shape) for k, s in parts.items()}
+    w = dequantize_expert(parts)
+    assert_bit_identical(w.gate_up, np.concatenate([want["ffn_gate_exps"], want["ffn_up_exps"]]))
+    assert_bit_identical(
+        w.gate_up_bias, np.concatenate([want["ffn_gate_exps.bias"], want["ffn_up_exps.bias"]])
+    )
+    assert_bit_identical(w.down, want["ffn_down_exps"])
+    assert_bit_identical(w.down_bias, want["ffn_down_exps.bias"])
