@@ -111,6 +111,7 @@ def _open(args: argparse.Namespace) -> Any:
         device=args.device,
         key=args.key,
         timeout=args.timeout,
+        progress=True,
     )
 
 

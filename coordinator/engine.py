@@ -19,7 +19,7 @@ from swarm.coordinator.models.layers import DecoderModel
 from swarm.coordinator.swarm import SwarmExperts, connect
 from swarm.coordinator.tokenizer import GGUFTokenizer
 from swarm.node.identity import ModelIdentity, identity_of
-from swarm.node.source import load_slabs
+from swarm.node.source import load_slabs, slab_progress
 from swarm.node.store import ExpertStore, default_memory_budget
 from swarm.sharding.errors import UserError
 from swarm.sharding.gguf_io import expert_tensors, open_gguf
@@ -73,13 +73,16 @@ def open_engine(
     key: str | None = None,
     timeout: float = 30.0,
     memory_budget: int | None = None,
+    progress: bool = False,
 ) -> Engine:
-    """The model at `path` with its experts computed here (`local`) or by the swarm's nodes."""
+    """The model at `path` with its experts computed here (`local`) or by the swarm's nodes.
+    `progress`: progress bars on stderr (only when it is a terminal) while slabs and weights load."""
     dev = torch.device(device) if device else default_device()
     wire_dtype = WIRE_DTYPES[wire]
     experts: LocalExperts | SwarmExperts
     if local:
-        loaded = load_slabs(path)
+        with slab_progress("checking slabs", enabled=progress) as on_slab:
+            loaded = load_slabs(path, progress=on_slab)
         if loaded.problems:
             raise UserError(f"{path}: some expert slabs cannot be used: " + "; ".join(loaded.problems[:5]))
         budget = default_memory_budget() if memory_budget is None else memory_budget
@@ -101,7 +104,7 @@ def open_engine(
             timeout=timeout,
         )
     try:
-        model, meta = load_model(path, experts, dev)
+        model, meta = load_model(path, experts, dev, progress=progress)
         tokenizer = GGUFTokenizer(meta)
     except BaseException:
         if isinstance(experts, SwarmExperts):

@@ -143,7 +143,7 @@ def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
 
 def run_node(args: argparse.Namespace) -> int:
     from swarm.node.server import NodeServer
-    from swarm.node.source import load_slabs
+    from swarm.node.source import load_slabs, slab_progress
     from swarm.node.store import ExpertStore, default_memory_budget
 
     if args.workers < 1:
@@ -161,7 +161,10 @@ def run_node(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     key = args.key if args.key is not None else os.environ.get("SWARM_KEY") or None
 
-    loaded = load_slabs(args.source, layers, experts, slab_keys, verify=not args.no_verify)
+    with slab_progress("checking slabs" if not args.no_verify else "opening slabs") as progress:
+        loaded = load_slabs(
+            args.source, layers, experts, slab_keys, verify=not args.no_verify, progress=progress
+        )
     for problem in loaded.problems[:MAX_PROBLEM_LINES]:
         print(f"swarm node: refused {problem}", file=sys.stderr)
     if len(loaded.problems) > MAX_PROBLEM_LINES:

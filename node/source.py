@@ -13,8 +13,10 @@ recognises it (see swarm.node.identity).
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Iterable
+import sys
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -84,6 +86,7 @@ def load_from_shard(
     experts: Iterable[int] | None,
     slab_keys: Iterable[SlabKey],
     verify: bool = True,
+    progress: Callable[[int, int], None] | None = None,
 ) -> LoadedSlabs:
     from swarm.sharding.slabs import read_manifest, slabs_from_shard
 
@@ -92,7 +95,7 @@ def load_from_shard(
     slabs: dict[SlabKey, dict[str, SlabTensor]] = {}
     problems: list[str] = []
     if layers is not None or experts is not None or not slab_keys:
-        got, bad = slabs_from_shard(directory, layers, experts, verify=verify)
+        got, bad = slabs_from_shard(directory, layers, experts, verify=verify, progress=progress)
         slabs.update(got)
         problems += bad
     by_layer: dict[int, list[int]] = {}
@@ -111,15 +114,34 @@ def load_slabs(
     experts: Iterable[int] | None = None,
     slab_keys: Iterable[SlabKey] = (),
     verify: bool = True,
+    progress: Callable[[int, int], None] | None = None,
 ) -> LoadedSlabs:
     """The requested slabs: layers x experts (either None = all) plus individual (layer, expert) keys.
 
     With no selection at all, every slab of the model. Requested slabs that cannot be served are listed in
-    `problems` (one line each) and left out.
+    `problems` (one line each) and left out. `progress(done, total)` follows the layers x experts slabs of
+    a shard directory (checked one by one); a whole GGUF is only mapped, which is quick.
     """
     path = Path(source)
     if path.is_dir():
-        return load_from_shard(path, layers, experts, slab_keys, verify)
+        return load_from_shard(path, layers, experts, slab_keys, verify, progress)
     if not path.exists():
         raise UserError(f"{path}: no such file or directory; give a shard directory or a .gguf model")
     return load_from_gguf(path, layers, experts, slab_keys)
+
+
+@contextlib.contextmanager
+def slab_progress(desc: str, enabled: bool = True) -> Iterator[Callable[[int, int], None]]:
+    """A progress bar on stderr (only when it is a terminal) fed with (done, total) slab counts."""
+    from tqdm import tqdm
+
+    bar = tqdm(desc=desc, unit="slab", file=sys.stderr, disable=None if enabled else True, leave=False)
+
+    def update(done: int, total: int) -> None:
+        bar.total = total
+        bar.update(done - bar.n)
+
+    try:
+        yield update
+    finally:
+        bar.close()
