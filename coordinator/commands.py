@@ -181,6 +181,11 @@ def report(engine: Any, stats: Any, err: Any = None) -> None:
             )
         if engine.experts.failovers:
             print(f"  failovers: {engine.experts.failovers}", file=err)
+        if engine.experts.hedges:
+            print(
+                f"  hedged calls: {engine.experts.hedges} (a replica answered first {engine.experts.hedge_wins} times)",
+                file=err,
+            )
     else:
         print("  experts computed in process (--local)", file=err)
 

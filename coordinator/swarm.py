@@ -3,10 +3,12 @@
 Dimension letters: T tokens, K selected experts per token, D model width, N = T*K pairs.
 Per layer and step: group the pairs expert-major (counts -> offsets -> pack), split the experts by the
 holder `Placement.pick` chooses, send one Compute call per node (several when its rows would make a
-message over CALL_BYTES: a long prefill; see split_parts), all at once; the model computes its shared expert meanwhile; `wait` writes each node's rows back at their packed offsets and unpacks to
-[T, K, D]. A node that fails (gone, deadline, refused) is marked down and its experts are sent again to
-another holder. The weighted sum over K happens in the model, in slot order, so the result never depends
-on which node answered first.
+message over CALL_BYTES: a long prefill; see split_parts), all at once; the model computes its shared
+expert meanwhile; `wait` writes each node's rows back at their packed offsets and unpacks to [T, K, D].
+A node that fails (gone, deadline, refused) is marked down and its experts are sent again to another
+holder; a node that stalls (no answer in a few times its usual time) is hedged: its call goes to another
+holder too and the first complete answer is used. The weighted sum over K happens in the model, in slot
+order, so the result never depends on which node answered first.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import grpc
 import torch
 
 from swarm.coordinator.experts import ExpertMajor, PendingExperts, group_expert_major
-from swarm.node.client import ComputeCall, NodeCallError, NodeClient
+from swarm.node.client import ComputeCall, NodeCallError, NodeClient, wait_calls
 from swarm.node.identity import Match, ModelIdentity
 from swarm.node.store import ROWS_PER_MATMUL
 from swarm.sharding.errors import UserError
@@ -50,6 +52,13 @@ FAILOVER_CODES = frozenset(
 DOWN_SECONDS = 10.0
 # Tries per expert and step across holders (the same holder again when it is the only one).
 MAX_ATTEMPTS = 3
+# Hedging: a call still unanswered after HEDGE_FACTOR times what this node usually takes for that many rows
+# (and at least HEDGE_AFTER_MIN s) is sent again to another holder of its experts, and the first complete
+# answer is used: both compute the same rows in the same matmul blocks, so either gives the same bits. A node
+# that loses the race this way is passed over like a failed one (a phone gone to sleep stalls rather than
+# fails: its calls would otherwise wait for the whole --timeout).
+HEDGE_FACTOR = 4.0
+HEDGE_AFTER_MIN = 0.5
 # The most row bytes one Compute call carries: a long prefill goes to a node as several calls. Well under the
 # wire's MAX_MESSAGE_BYTES (whatever D and the wire precision), and the node starts computing the first
 # call while the next ones are still on their way.
@@ -183,7 +192,7 @@ class _SwarmPending:
         while pending:
             c = pending.pop(0)
             try:
-                result = c.call.result()
+                answers = self._answer(c)
             except NodeCallError as e:
                 if e.code not in FAILOVER_CODES:
                     raise
@@ -194,12 +203,39 @@ class _SwarmPending:
                     failed.setdefault(i, []).append(c.address)
                 pending.extend(self.backend._send(self.layer, g, self.rows, c.parts, failed))
                 continue
-            at = 0
-            for p in c.parts:
-                begin = offsets[p.index] + p.start
-                out[begin : begin + p.rows] = result[at : at + p.rows].float()
-                at += p.rows
+            for call, result in answers:
+                at = 0
+                for p in call.parts:
+                    begin = offsets[p.index] + p.start
+                    out[begin : begin + p.rows] = result[at : at + p.rows].float()
+                    at += p.rows
         return g.unpack(out.to(self.device), self.t, self.k)
+
+    def _answer(self, c: _Call) -> list[tuple[_Call, torch.Tensor]]:
+        """The rows of call c: from c itself or, when c stalls, from hedge calls to other holders."""
+        b = self.backend
+        after = b.hedge_after(c)
+        if after is None or c.call.wait(after):
+            return [b.observed(c)]
+        hedges = b.hedge(self.layer, self.groups, self.rows, c)
+        if not hedges:
+            return [b.observed(c)]
+        log.info("node %s has not answered layer %d in %.2f s; asked %s too", c.address, self.layer, after,
+                 ", ".join(sorted({h.address for h in hedges})))  # fmt: skip
+        while not c.call.done() and not all(h.call.done() for h in hedges):
+            wait_calls([c.call, *(h.call for h in hedges if not h.call.done())])
+        if c.call.succeeded():
+            return [b.observed(c)]
+        try:
+            won = [b.observed(h) for h in hedges]  # waits for the rest of them
+        except NodeCallError:
+            return [b.observed(c)]  # the hedges failed too: the original decides (answer or failover)
+        b.hedge_wins += 1
+        b.placement.mark_down(c.address)
+        log.warning(
+            "node %s stalled on layer %d; its replicas answered, passing it over", c.address, self.layer
+        )
+        return won
 
 
 class SwarmExperts:
@@ -223,7 +259,10 @@ class SwarmExperts:
         self.calls_per_node: Counter[str] = Counter()
         self.rows_per_node: Counter[str] = Counter()
         self.failovers = 0
+        self.hedges = 0  # calls sent again to another holder because the first was slow
+        self.hedge_wins = 0  # ... and the other holder answered first
         self.wait_seconds = 0.0
+        self._pace: dict[str, float] = {}  # address -> seconds per row, a moving average of answered calls
 
     def start(self, layer: int, x: torch.Tensor, ids: torch.Tensor) -> PendingExperts:
         t, k = ids.shape
@@ -265,6 +304,31 @@ class SwarmExperts:
                 self.rows_per_node[address] += int(part.shape[0])
                 calls.append(_Call(address, chunk, call))
         return calls
+
+    def hedge_after(self, c: _Call) -> float | None:
+        """How long to wait for call c before asking another holder; None: no estimate for its node yet."""
+        pace = self._pace.get(c.address)
+        if pace is None:
+            return None
+        return max(HEDGE_AFTER_MIN, HEDGE_FACTOR * pace * sum(p.rows for p in c.parts))
+
+    def hedge(self, layer: int, groups: ExpertMajor, rows: torch.Tensor, c: _Call) -> list[_Call]:
+        """Call c's parts sent to other live holders; none when some expert of c has no other holder."""
+        experts = {groups.expert_ids[p.index] for p in c.parts}
+        if any(self.placement.pick(layer, e, avoid=[c.address]) is None for e in experts):
+            return []
+        calls = self._send(layer, groups, rows, c.parts, {p.index: [c.address] for p in c.parts})
+        self.hedges += len(calls)
+        return calls
+
+    def observed(self, c: _Call) -> tuple[_Call, torch.Tensor]:
+        """(c, its rows), waiting for them, and the node's pace updated with how long they took."""
+        result = c.call.result()
+        if c.call.seconds is not None:
+            pace = c.call.seconds / max(1, sum(p.rows for p in c.parts))
+            old = self._pace.get(c.address)
+            self._pace[c.address] = pace if old is None else 0.8 * old + 0.2 * pace
+        return c, result
 
     def _holder_for(self, layer: int, expert: int, failed: list[str]) -> str:
         """A holder that has not failed this expert yet; else, within MAX_ATTEMPTS, any holder again."""

@@ -15,9 +15,11 @@ UNAUTHENTICATED, UNAVAILABLE, DEADLINE_EXCEEDED, ...) and the node's message.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+import time
+from collections.abc import Iterable, Sequence
+from concurrent.futures import FIRST_COMPLETED, CancelledError, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeoutError
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 
 import grpc
@@ -84,11 +86,22 @@ class NodeStats:
 
 
 class ComputeCall:
-    """One Compute call in flight. `result()` blocks and returns the output rows [N, D] on the CPU."""
+    """One Compute call in flight. `result()` blocks and returns the output rows [N, D] on the CPU.
+
+    `seconds` is the call's round trip once it has ended (None before), for pacing: how long this node
+    takes, and so when waiting on it has become suspicious.
+    """
 
     def __init__(self, address: str, future: Future[pb.ComputeReply]) -> None:
         self.address = address
         self._future = future
+        self.seconds: float | None = None
+        started = time.perf_counter()
+
+        def ended(_: Future[pb.ComputeReply]) -> None:
+            self.seconds = time.perf_counter() - started
+
+        future.add_done_callback(ended)
 
     def result(self, timeout: float | None = None) -> torch.Tensor:
         try:
@@ -107,6 +120,20 @@ class ComputeCall:
 
     def done(self) -> bool:
         return self._future.done()
+
+    def succeeded(self) -> bool:
+        """Ended with an answer (not an error)."""
+        return self._future.done() and not self._future.cancelled() and self._future.exception() is None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the call ends or `timeout` s pass; whether it ended."""
+        futures_wait([self._future], timeout)
+        return self._future.done()
+
+
+def wait_calls(calls: Iterable[ComputeCall], timeout: float | None = None) -> None:
+    """Block until the first of `calls` ends (or `timeout` s pass)."""
+    futures_wait([c._future for c in calls], timeout, return_when=FIRST_COMPLETED)
 
 
 class NodeClient:

@@ -281,9 +281,10 @@ def test_qwen36_35b_layer_shape_runs_through_four_nodes(tmp_path):
 def test_answer_survives_a_node_leaving_mid_generation(tmp_path, how):
     """Two replicas of every expert; one of them dies (SIGKILL) or stalls (SIGSTOP: a phone gone to sleep)
     after the fourth token. The answer goes on through the other and is the in-process answer, token for
-    token."""
+    token; a stalled node costs a hedge delay, not the 30 s call deadline."""
     import os
     import signal
+    import time
 
     from swarm.coordinator.generate import SamplingParams, generate
 
@@ -295,23 +296,29 @@ def test_answer_survives_a_node_leaving_mid_generation(tmp_path, how):
     nodes = start_nodes([(shard_dir, ["--no-mdns"]), (shard_dir, ["--no-mdns"])], tmp_path / "nodes")
     local = open_engine(shard_dir, local=True, device="cpu")
     backend = connect(sorted(slabs_from_shard(shard_dir, verify=False)[0]), manifest.fingerprint, str(shard_dir),
-                      peers=[n.address for n in nodes], mdns=False, timeout=3.0)  # fmt: skip
+                      peers=[n.address for n in nodes], mdns=False, timeout=30.0)  # fmt: skip
     victim = nodes[1]
     try:
         params = SamplingParams(max_tokens=12)
         expect = list(generate(local.model, prompts[0], params))
         local.model.set_experts(backend)
         got = []
+        t0 = time.perf_counter()
         for token in generate(local.model, prompts[0], params):
             got.append(token)
             if len(got) == 4:
+                t0 = time.perf_counter()
                 assert len(backend.calls_per_node) == 2, "both replicas were in use before"
                 if how == "killed":
                     victim.process.kill()
                 else:
                     os.kill(victim.process.pid, signal.SIGSTOP)
+        after = time.perf_counter() - t0
         assert got == expect
-        assert backend.failovers >= 1
+        if how == "killed":
+            assert backend.failovers >= 1
+        else:
+            assert backend.hedge_wins >= 1 and after < 15.0, f"{after:.1f} s after the stall"
         assert victim.address not in backend.placement.addresses()
     finally:
         if how == "stalled":
