@@ -80,15 +80,18 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="a whole swarm on this machine: synthesize, shard, start nodes, answer, compare",
         description=(
             "Synthesizes a small random-weight model with a real layout, shards it, starts node processes on "
-            "loopback, finds them by mDNS, answers a prompt through the swarm and in process, and checks that "
-            "the two agree bit for bit. No downloads, no other machines."
+            "loopback (expert ranges plus one replica), finds them by mDNS, answers a prompt through the swarm "
+            "and in process, and checks that the two agree bit for bit; then kills one node and answers again. "
+            "No downloads, no other machines."
         ),
     )
     p.add_argument(
         "--like", default="qwen35moe-tiny", help="synth preset of the model (default qwen35moe-tiny)"
     )
     p.add_argument("--experts-type", default="Q4_K", help="quant type of the experts")
-    p.add_argument("--nodes", type=int, default=3, help="node processes to start")
+    p.add_argument(
+        "--nodes", type=int, default=3, help="node processes holding expert ranges (one replica is added)"
+    )
     p.add_argument("--prompt", default="Explain what a mixture of experts is.")
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument(

@@ -1,8 +1,10 @@
 """`swarm demo`: a whole swarm on this machine, no downloads and no other machines.
 
-Synthesizes a small random-weight model with a real layout, shards it, starts node processes on loopback,
-finds them by mDNS, answers a prompt through the swarm, answers it again in process, and shows that the
-two agree bit for bit. Every process it started is stopped on the way out, Ctrl-C included.
+Synthesizes a small random-weight model with a real layout, shards it, starts node processes on loopback
+(each holding a range of experts, plus one replica holding them all), finds them by mDNS, answers a prompt
+through the swarm, answers it again in process, and shows that the two agree bit for bit. Then one node
+walks away without warning (SIGKILL) and the swarm answers again, its experts failing over to the replica,
+still bit for bit. Every process it started is stopped on the way out, Ctrl-C included.
 """
 
 from __future__ import annotations
@@ -49,6 +51,32 @@ def greedy_trace(
     return tokens, torch.stack(rows)
 
 
+def node_walks_away(
+    swarm: Any,
+    node: Any,
+    experts: list[int],
+    ids: list[int],
+    steps: int,
+    expect_tokens: list[int],
+    expect_logits: torch.Tensor,
+) -> bool:
+    """Kill one node without warning, answer again, compare with the in-process answer."""
+    _say(f"\n[6/6] the node at {node.address} (experts {format_ranges(experts)}) walks away: killed "
+         "without warning; answering the same prompt again ...")  # fmt: skip
+    node.process.kill()
+    node.process.wait()
+    failovers = swarm.experts.failovers
+    tokens, logits = greedy_trace(swarm.model, ids, steps, swarm.device)
+    moved = swarm.experts.failovers - failovers
+    if tokens == expect_tokens and torch.equal(logits, expect_logits):
+        _say(f"agreement after the loss: still bit-identical to in-process; {moved} call(s) failed over to "
+             "the replica, and the node was passed over after that")  # fmt: skip
+        return True
+    diff = float((logits - expect_logits).abs().max())
+    _say(f"DISAGREEMENT after the loss (max |logit diff| {diff:.3g}); this is a bug")
+    return False
+
+
 def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
@@ -86,7 +114,7 @@ def run_demo(
         gguf_path = work / f"{like}.gguf"
         t0 = time.perf_counter()
         synthesize(gguf_path, spec)
-        _say(f"[1/5] synthesized {gguf_path.name}: {spec.arch}, {spec.n_layers} layers, {spec.n_expert} experts "
+        _say(f"[1/6] synthesized {gguf_path.name}: {spec.arch}, {spec.n_layers} layers, {spec.n_expert} experts "
              f"(top-{spec.n_expert_used}), {experts_type} experts, {gguf_path.stat().st_size / 1e6:.1f} MB "
              f"in {time.perf_counter() - t0:.1f} s")  # fmt: skip
 
@@ -94,27 +122,28 @@ def run_demo(
         t0 = time.perf_counter()
         shard_model(gguf_path, shard_dir, progress=False)
         manifest = read_manifest(shard_dir)
-        _say(f"[2/5] sharded into {len(manifest.slabs)} expert slabs + dense.gguf "
+        _say(f"[2/6] sharded into {len(manifest.slabs)} expert slabs + dense.gguf "
              f"(fingerprint {manifest.fingerprint[:12]}) in {time.perf_counter() - t0:.1f} s")  # fmt: skip
 
         ranges = split_experts(manifest.n_expert, min(n_nodes, manifest.n_expert))
+        ranges.append(list(range(manifest.n_expert)))  # the replica: every expert once more
         specs = [(shard_dir, ["--host", LOOPBACK, "--experts", format_ranges(r)]) for r in ranges]
         t0 = time.perf_counter()
         nodes = start_nodes(specs, work / "nodes")
-        _say(f"[3/5] started {len(nodes)} node processes in {time.perf_counter() - t0:.1f} s:")
+        _say(f"[3/6] started {len(nodes)} node processes in {time.perf_counter() - t0:.1f} s:")
         for node, r in zip(nodes, ranges, strict=True):
-            _say(
-                f"      node at {node.address} (pid {node.pid}) holds experts {format_ranges(r)} of every layer"
-            )
+            role = " (a replica: the swarm shares the load with it)" if r is ranges[-1] else ""
+            _say(f"      node at {node.address} (pid {node.pid}) holds experts {format_ranges(r)} "
+                 f"of every layer{role}")  # fmt: skip
 
         t0 = time.perf_counter()
         swarm = open_engine(shard_dir, local=False, mdns_interfaces=[LOOPBACK], wait=10.0)
         engines.append(swarm)
-        _say(f"[4/5] found {len(swarm.experts.clients)} nodes by mDNS on {LOOPBACK} "
+        _say(f"[4/6] found {len(swarm.experts.clients)} nodes by mDNS on {LOOPBACK} "
              f"in {time.perf_counter() - t0:.1f} s; every expert has a holder")  # fmt: skip
 
         ids = prompt_ids(swarm, prompt, chat=True)
-        _say(f"[5/5] answering through the swarm ({len(ids)} prompt tokens, chat template from the GGUF):\n")
+        _say(f"[5/6] answering through the swarm ({len(ids)} prompt tokens, chat template from the GGUF):\n")
         params = SamplingParams(max_tokens=max_tokens, stop_ids=frozenset())
         sys.stdout.write("      ")
         generated, stats = stream_answer(swarm, ids, params)
@@ -134,8 +163,11 @@ def run_demo(
             diff = float((swarm_logits - local_logits).abs().max())
             _say(f"DISAGREEMENT: swarm and in-process differ (max |logit diff| {diff:.3g}); this is a bug")
 
+        if same:
+            same = node_walks_away(swarm, nodes[0], ranges[0], ids, steps, local_tokens, local_logits)
+
         _say("\nwhat each node did:")
-        for node in nodes:
+        for node in nodes[1:]:
             client = NodeClient(node.address, fingerprint=manifest.fingerprint)
             try:
                 s = client.stats()

@@ -59,6 +59,8 @@ MAX_ATTEMPTS = 3
 # fails: its calls would otherwise wait for the whole --timeout).
 HEDGE_FACTOR = 4.0
 HEDGE_AFTER_MIN = 0.5
+# After mDNS found holders for every expert, how long to keep listening for more (replicas).
+MDNS_SETTLE_SECONDS = 0.3
 # The most row bytes one Compute call carries: a long prefill goes to a node as several calls. Well under the
 # wire's MAX_MESSAGE_BYTES (whatever D and the wire precision), and the node starts computing the first
 # call while the next ones are still on their way.
@@ -426,7 +428,10 @@ def connect(
                     add(n.address, n.identity, n.held)
                 return not placement.missing(needed)
 
-            browser.wait_for(covered, wait)
+            if browser.wait_for(covered, wait) is not None:
+                # Other nodes answer the same query within a few hundred ms (mDNS responders wait 20-120
+                # ms at random): take them too, they are the replicas a failover will need.
+                time.sleep(min(MDNS_SETTLE_SECONDS, wait))
             for n in browser.nodes():
                 add(n.address, n.identity, n.held)
 

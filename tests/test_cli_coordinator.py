@@ -108,7 +108,9 @@ def test_demo_end_to_end_leaves_no_process_behind(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "RANDOM" in proc.stdout
     assert "agreement: swarm and in-process logits are bit-identical" in proc.stdout
-    assert "stopped 3 node processes" in proc.stdout
+    assert "agreement after the loss: still bit-identical to in-process" in proc.stdout
+    assert "found 4 nodes by mDNS" in proc.stdout, "the replica too"
+    assert "stopped 4 node processes" in proc.stdout
     leftovers = [
         p.pid
         for p in psutil.process_iter(["cmdline"])
