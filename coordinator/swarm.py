@@ -19,6 +19,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 import torch
@@ -30,6 +31,9 @@ from swarm.node.store import ROWS_PER_MATMUL
 from swarm.sharding.errors import UserError
 from swarm.sharding.ranges import format_ranges
 from swarm.sharding.slabs import SlabKey
+
+if TYPE_CHECKING:
+    from swarm.node.discovery import NodeBrowser
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +88,14 @@ class Placement:
                 if address not in holders:
                     holders.append(address)
                     holders.sort()
+
+    def remove(self, address: str) -> None:
+        """A node that left: it holds nothing any more."""
+        with self._lock:
+            for holders in self._holders.values():
+                if address in holders:
+                    holders.remove(address)
+            self._down.pop(address, None)
 
     def mark_down(self, address: str, seconds: float = DOWN_SECONDS) -> None:
         with self._lock:
@@ -251,6 +263,8 @@ class SwarmExperts:
         wire_dtype: torch.dtype = torch.float32,
         timeout: float = 30.0,
         call_bytes: int = CALL_BYTES,
+        browser: NodeBrowser | None = None,
+        key: str | None = None,
     ) -> None:
         self.clients = clients
         self.placement = placement
@@ -265,8 +279,14 @@ class SwarmExperts:
         self.hedge_wins = 0  # ... and the other holder answered first
         self.wait_seconds = 0.0
         self._pace: dict[str, float] = {}  # address -> seconds per row, a moving average of answered calls
+        # mDNS keeps running after connect: nodes that join are used from the next layer on, nodes that
+        # say goodbye are dropped before a call to them can fail.
+        self.browser, self.key = browser, key
+        self._browser_version = -1
+        self._advertised: set[str] = set()
 
     def start(self, layer: int, x: torch.Tensor, ids: torch.Tensor) -> PendingExperts:
+        self.follow_mdns()
         t, k = ids.shape
         groups = group_expert_major(ids)
         rows = groups.pack(x, k).to(device="cpu", dtype=self.wire_dtype)  # [N, D], what the wire carries
@@ -306,6 +326,24 @@ class SwarmExperts:
                 self.rows_per_node[address] += int(part.shape[0])
                 calls.append(_Call(address, chunk, call))
         return calls
+
+    def follow_mdns(self) -> None:
+        """Take in the nodes mDNS has found or lost since the last look (cheap when nothing changed)."""
+        b = self.browser
+        if b is None or b.version == self._browser_version:
+            return
+        self._browser_version = b.version
+        now = {n.address: n for n in b.nodes()}
+        for address, n in now.items():
+            if address not in self.clients:
+                self.clients[address] = NodeClient(address, fingerprint=n.identity.fingerprint, key=self.key)
+                log.info("node joined: %s (%d slabs)", address, len(n.held))
+            if address not in self._advertised:
+                self.placement.add(address, n.held)
+        for address in self._advertised - now.keys():
+            self.placement.remove(address)
+            log.info("node left: %s; its experts go to the other holders", address)
+        self._advertised = set(now)
 
     def hedge_after(self, c: _Call) -> float | None:
         """How long to wait for call c before asking another holder; None: no estimate for its node yet."""
@@ -347,6 +385,9 @@ class SwarmExperts:
         raise UserError(describe_missing({layer: [expert]}, self.source))
 
     def close(self) -> None:
+        if self.browser is not None:
+            self.browser.close()
+            self.browser = None
         for c in self.clients.values():
             c.close()
 
@@ -418,25 +459,28 @@ def connect(
             by_header.append(peer)
         placement.add(peer, info.held)
 
+    browser = None
     if mdns and placement.missing(needed):
         from swarm.node.discovery import browse
 
-        with browse(interfaces=interfaces, identity=identity) as browser:
+        browser = browse(interfaces=interfaces, identity=identity)
 
-            def covered(nodes: list) -> bool:
-                for n in nodes:
-                    add(n.address, n.identity, n.held)
-                return not placement.missing(needed)
-
-            if browser.wait_for(covered, wait) is not None:
-                # Other nodes answer the same query within a few hundred ms (mDNS responders wait 20-120
-                # ms at random): take them too, they are the replicas a failover will need.
-                time.sleep(min(MDNS_SETTLE_SECONDS, wait))
-            for n in browser.nodes():
+        def covered(nodes: list) -> bool:
+            for n in nodes:
                 add(n.address, n.identity, n.held)
+            return not placement.missing(needed)
+
+        if browser.wait_for(covered, wait) is not None:
+            # Other nodes answer the same query within a few hundred ms (mDNS responders wait 20-120
+            # ms at random): take them too, they are the replicas a failover will need.
+            time.sleep(min(MDNS_SETTLE_SECONDS, wait))
+        for n in browser.nodes():
+            add(n.address, n.identity, n.held)
 
     missing = placement.missing(needed)
     if missing:
+        if browser is not None:
+            browser.close()
         for c in clients.values():
             c.close()
         if not clients:
@@ -455,4 +499,7 @@ def connect(
             ", ".join(sorted(by_header)),
         )
     log.info("swarm: %d nodes cover %d slabs", len(clients), len(needed))
-    return SwarmExperts(clients, placement, source, wire_dtype, timeout)
+    experts = SwarmExperts(clients, placement, source, wire_dtype, timeout, browser=browser, key=key)
+    if browser is not None:
+        experts.follow_mdns()  # what connect saw is the starting point for joins and leaves
+    return experts

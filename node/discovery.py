@@ -262,6 +262,7 @@ class NodeBrowser:
         self.identity = identity
         self._nodes: dict[str, DiscoveredNode] = {}
         self._cond = threading.Condition()
+        self.version = 0  # bumped on every node found or gone: a cheap "anything new?" for pollers
         self._zc = _zeroconf(interfaces)
         self._browser = ServiceBrowser(self._zc, SERVICE_TYPE, handlers=[self._on_change])
 
@@ -272,6 +273,7 @@ class NodeBrowser:
             with self._cond:
                 if self._nodes.pop(name, None) is not None:
                     log.info("node left: %s", name)
+                    self.version += 1
                 self._cond.notify_all()
             return
         info = zeroconf.get_service_info(service_type, name, timeout=3000)
@@ -284,6 +286,7 @@ class NodeBrowser:
             return
         with self._cond:
             self._nodes[name] = node
+            self.version += 1
             self._cond.notify_all()
         log.info("node found: %s at %s (%d slabs)", name, node.address, len(node.held))
 

@@ -327,3 +327,51 @@ def test_answer_survives_a_node_leaving_mid_generation(tmp_path, how):
         local.close()
         for n in nodes:
             n.stop()
+
+
+@pytest.mark.slow
+def test_nodes_joining_and_leaving_are_followed_by_mdns(tmp_path):
+    """After connect, mDNS keeps watching: a node that joins takes a share of the calls from the next layer
+    on; a node that leaves (stopped: it says goodbye) is dropped before any call to it can fail."""
+    import time
+
+    name = "qwen3moe-tiny"
+    shard_dir = tmp_path / "m.swarm"
+    shard_model(FIXTURES / name / "model-f32.gguf", shard_dir)
+    _, prompts = _prompts(name)
+    first = start_nodes(
+        [(shard_dir, ["--experts", "0-15"]), (shard_dir, ["--experts", "16-31"])], tmp_path / "a"
+    )
+    swarm = open_engine(shard_dir, mdns_interfaces=LOOPBACK, wait=10.0, device="cpu")
+    local = open_engine(shard_dir, local=True, device="cpu")
+    late: list = []
+    try:
+        expect = forward_one(local.model, prompts[0], local.model.new_state(), "cpu")
+        assert torch.equal(forward_one(swarm.model, prompts[0], swarm.model.new_state(), "cpu"), expect)
+        assert set(swarm.experts.calls_per_node) == {n.address for n in first}
+
+        late = start_nodes([(shard_dir, [])], tmp_path / "b")  # holds every expert
+        browser = swarm.experts.browser
+        assert browser is not None
+        assert browser.wait_for(lambda ns: late[0].address in {n.address for n in ns}, 10.0) is not None
+        before = swarm.experts.calls_per_node[late[0].address]
+        assert torch.equal(forward_one(swarm.model, prompts[1], swarm.model.new_state(), "cpu"),
+                           forward_one(local.model, prompts[1], local.model.new_state(), "cpu"))  # fmt: skip
+        assert swarm.experts.calls_per_node[late[0].address] > before, "the new node took a share"
+
+        gone = first[0]
+        gone.stop()  # SIGTERM: the node unregisters from mDNS on its way out
+        assert browser.wait_for(lambda ns: gone.address not in {n.address for n in ns}, 10.0) is not None
+        time.sleep(0.1)
+        calls_to_gone = swarm.experts.calls_per_node[gone.address]
+        assert torch.equal(forward_one(swarm.model, prompts[2], swarm.model.new_state(), "cpu"),
+                           forward_one(local.model, prompts[2], local.model.new_state(), "cpu"))  # fmt: skip
+        assert swarm.experts.calls_per_node[gone.address] == calls_to_gone, (
+            "no call went to the node that left"
+        )
+        assert swarm.experts.failovers == 0
+    finally:
+        swarm.close()
+        local.close()
+        for n in first + late:
+            n.stop()
