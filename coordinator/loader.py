@@ -167,9 +167,14 @@ def load_dense_tensors(
                     f"{path}: tensor {name} has shape {list(shape)}, the {arch} model built from the "
                     f"file's metadata expects {list(target.shape)}"
                 )
-        values = dequantize(t.data, t.tensor_type, shape).reshape(target.shape)
         with torch.no_grad():
-            target.data.copy_(values)
+            dest = target.data
+            if dest.device.type == "cpu" and dest.dtype == torch.float32 and dest.is_contiguous():
+                # Decoded straight into the parameter: no float32 temporary as big as the tensor (2 GB for
+                # the output head of a 248k vocabulary).
+                dequantize(t.data, t.tensor_type, shape, out=dest)
+            else:
+                dest.copy_(dequantize(t.data, t.tensor_type, shape).reshape(dest.shape))
         bar.update(int(t.n_bytes))
     bar.close()
     log.debug("%s: loaded %d tensors, left %d to the experts/MTP", path, len(names), skipped)
