@@ -7,6 +7,7 @@ Every other part of swarm reads GGUFs through these functions, so a bad file get
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,12 +33,24 @@ class GGUFError(UserError, ValueError):
 
 
 def open_gguf(path: str | Path) -> GGUFReader:
-    """Memory-map a GGUF file, turning every way it can be unreadable into one clear GGUFError."""
+    """Memory-map a GGUF file, turning every way it can be unreadable into one clear GGUFError.
+
+    Readers are shared: opening the same unchanged file again (same inode, size and mtime) returns the
+    reader already made. gguf's reader builds a Python object for every metadata string, so a 151k-token
+    vocabulary takes seconds to parse, and one `swarm run` on a GGUF looks at it three or four times
+    (identity, fingerprint, slabs, dense weights). Readers are read-only; callers must not modify them.
+    """
     path = Path(path)
     if not path.exists():
         raise GGUFError(f"{path}: no such file")
     if path.is_dir():
         raise GGUFError(f"{path}: is a directory, expected a .gguf file")
+    st = path.stat()
+    return _open_gguf(path, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _open_gguf(path: Path, inode: int, size: int, mtime_ns: int) -> GGUFReader:
     try:
         with path.open("rb") as f:
             magic = f.read(4)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -109,7 +110,8 @@ def test_demo_end_to_end_leaves_no_process_behind(tmp_path):
     assert "RANDOM" in proc.stdout
     assert "agreement: swarm and in-process logits are bit-identical" in proc.stdout
     assert "agreement after the loss: still bit-identical to in-process" in proc.stdout
-    assert "found 4 nodes by mDNS" in proc.stdout, "the replica too"
+    found = re.search(r"found (\d+) nodes by mDNS", proc.stdout)
+    assert found and int(found.group(1)) >= 4, "the replica too"
     assert "stopped 4 node processes" in proc.stdout
     leftovers = [
         p.pid

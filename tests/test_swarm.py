@@ -63,12 +63,13 @@ def _greedy(model, prompt: list[int], steps: int) -> tuple[list[int], torch.Tens
 @pytest.mark.slow
 @pytest.mark.parametrize("name", MODELS)
 def test_swarm_is_bit_identical_to_in_process(swarms, name):
-    shard_dir, _ = swarms[name]
+    shard_dir, nodes = swarms[name]
+    mine = {n.address for n in nodes}  # other runs' nodes of the same model may be on loopback too
     ref, prompts = _prompts(name)
     swarm = open_engine(shard_dir, mdns_interfaces=LOOPBACK, wait=10.0, device="cpu")
     local = open_engine(shard_dir, local=True, device="cpu")
     try:
-        assert len(swarm.experts.clients) == 3, "all three nodes found by mDNS"
+        assert mine <= set(swarm.experts.clients), "all three nodes found by mDNS"
         for i, tokens in enumerate(prompts):
             a = forward_one(swarm.model, tokens, swarm.model.new_state(), "cpu")
             b = forward_one(local.model, tokens, local.model.new_state(), "cpu")
@@ -80,7 +81,7 @@ def test_swarm_is_bit_identical_to_in_process(swarms, name):
         assert tokens_s == tokens_l == ref["llama_f32_greedy_0"].tolist()
         assert torch.equal(logits_s, logits_l)
         assert sum(swarm.experts.calls_per_node.values()) > 0
-        assert len(swarm.experts.calls_per_node) == 3, "every node got calls"
+        assert mine <= set(swarm.experts.calls_per_node), "every node got calls"
     finally:
         swarm.close()
         local.close()
@@ -117,7 +118,8 @@ def test_two_sequences_share_one_fan_out_per_layer(swarms):
         both = model(ids, [model.new_state(), model.new_state()], [len(prompts[0]), len(prompts[1])])
         calls = sum(swarm.experts.calls_per_node.values()) - before
         n_layers = len(model.blk)
-        assert calls <= 3 * n_layers, f"{calls} calls for {n_layers} layers x 3 nodes"
+        n_nodes = len(swarm.experts.clients)
+        assert calls <= n_nodes * n_layers, f"{calls} calls for {n_layers} layers x {n_nodes} nodes"
         torch.testing.assert_close(both, torch.cat(alone), rtol=0, atol=1e-5)
     finally:
         swarm.close()
@@ -266,7 +268,7 @@ def test_qwen36_35b_layer_shape_runs_through_four_nodes(tmp_path):
         tokens_l, logits_l = _greedy(local.model, prompt, 3)
         assert tokens_s == tokens_l
         assert torch.equal(logits_s, logits_l)
-        assert len(swarm.experts.calls_per_node) == 4, "every node got calls"
+        assert {n.address for n in nodes} <= set(swarm.experts.calls_per_node), "every node got calls"
         assert not swarm.experts.failovers
     finally:
         for e in (swarm, local):
@@ -348,7 +350,7 @@ def test_nodes_joining_and_leaving_are_followed_by_mdns(tmp_path):
     try:
         expect = forward_one(local.model, prompts[0], local.model.new_state(), "cpu")
         assert torch.equal(forward_one(swarm.model, prompts[0], swarm.model.new_state(), "cpu"), expect)
-        assert set(swarm.experts.calls_per_node) == {n.address for n in first}
+        assert {n.address for n in first} <= set(swarm.experts.calls_per_node)
 
         late = start_nodes([(shard_dir, [])], tmp_path / "b")  # holds every expert
         browser = swarm.experts.browser
