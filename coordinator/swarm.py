@@ -463,7 +463,7 @@ def connect(
     if mdns and placement.missing(needed):
         from swarm.node.discovery import browse
 
-        browser = browse(interfaces=interfaces, identity=identity)
+        browser = browse(interfaces=interfaces, identity=identity, key=key or "")
 
         def covered(nodes: list) -> bool:
             for n in nodes:

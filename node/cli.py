@@ -232,6 +232,7 @@ def run_node(args: argparse.Namespace) -> int:
             args.workers,
             str(store.device),
             source_sha256=loaded.source_sha256,
+            key=key,
         )
         try:
             advertiser = Advertiser(server.port, args.host, props, interfaces, args.name).start()

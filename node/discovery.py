@@ -18,6 +18,7 @@ with any address).
 from __future__ import annotations
 
 import base64
+import hashlib
 import ipaddress
 import logging
 import socket
@@ -85,6 +86,7 @@ class DiscoveredNode:
     workers: int
     device: str
     source_sha256: str = ""
+    key_id: str = ""  # key_id() of the node's swarm key; "" when it has none
 
     @property
     def identity(self) -> ModelIdentity:
@@ -95,6 +97,18 @@ class DiscoveredNode:
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
 
+def key_id(key: str | None) -> str:
+    """What a node's record says about its swarm key: a short domain-separated hash ("" for no key).
+
+    Two swarms of one model can share a network (two households, two teams); the coordinator takes only the
+    nodes of its own key instead of calling the others and being refused. The key itself crosses the LAN
+    in call metadata anyway (no TLS yet), so this hash gives nothing away that a listener lacks.
+    """
+    if not key:
+        return ""
+    return hashlib.sha256(b"swarm-key-id\0" + key.encode()).hexdigest()[:16]
+
+
 def node_properties(
     fingerprint: str,
     held: Iterable[SlabKey],
@@ -103,6 +117,7 @@ def node_properties(
     workers: int,
     device: str,
     source_sha256: str = "",
+    key: str | None = None,
 ) -> dict[str, str]:
     chunks = pack_slabs(held)
     props = {
@@ -116,6 +131,8 @@ def node_properties(
     }
     if source_sha256:
         props["src"] = source_sha256
+    if key:
+        props["kid"] = key_id(key)
     props.update({f"s{i}": c for i, c in enumerate(chunks)})
     return props
 
@@ -145,6 +162,7 @@ def parse_service(info: ServiceInfo) -> DiscoveredNode:
         workers=int(_text(props, "w", "0")),
         device=_text(props, "dev"),
         source_sha256=_text(props, "src"),
+        key_id=_text(props, "kid"),
     )
 
 
@@ -249,7 +267,8 @@ class NodeBrowser:
     """A live view of the nodes advertised on the chosen interfaces (None = all).
 
     `identity` keeps the nodes of that model (whether started on its GGUF or its shard directory);
-    `fingerprint` keeps only the nodes reporting exactly that fingerprint.
+    `fingerprint` keeps only the nodes reporting exactly that fingerprint; `key`, when not None, keeps only
+    the nodes of that swarm key ("" or a key: nodes without a key, or with that one).
     """
 
     def __init__(
@@ -257,9 +276,11 @@ class NodeBrowser:
         fingerprint: str | None = None,
         interfaces: Sequence[str] | None = None,
         identity: ModelIdentity | None = None,
+        key: str | None = None,
     ) -> None:
         self.fingerprint = fingerprint
         self.identity = identity
+        self.key_id = key_id(key) if key is not None else None
         self._nodes: dict[str, DiscoveredNode] = {}
         self._cond = threading.Condition()
         self.version = 0  # bumped on every node found or gone: a cheap "anything new?" for pollers
@@ -298,6 +319,8 @@ class NodeBrowser:
             found = [n for n in found if n.fingerprint == self.fingerprint]
         if self.identity is not None:
             found = [n for n in found if self.identity.match(n.identity) is not None]
+        if self.key_id is not None:
+            found = [n for n in found if n.key_id == self.key_id]
         return sorted(found, key=lambda n: (n.host, n.port))
 
     def wait_for(
@@ -330,6 +353,7 @@ def browse(
     fingerprint: str | None = None,
     interfaces: Sequence[str] | None = None,
     identity: ModelIdentity | None = None,
+    key: str | None = None,
 ) -> NodeBrowser:
     """Start browsing for swarm nodes; interfaces=["127.0.0.1"] keeps it on loopback."""
-    return NodeBrowser(fingerprint, interfaces, identity)
+    return NodeBrowser(fingerprint, interfaces, identity, key)

@@ -377,3 +377,31 @@ def test_nodes_joining_and_leaving_are_followed_by_mdns(tmp_path):
         local.close()
         for n in first + late:
             n.stop()
+
+
+@pytest.mark.slow
+def test_two_swarms_of_one_model_on_one_network_keep_to_their_keys(tmp_path):
+    """A keyed swarm and an open one, same model, same network: each coordinator takes only its own nodes
+    (instead of calling the others' and being refused)."""
+    import secrets
+
+    name = "qwen3moe-tiny"
+    shard_dir = tmp_path / "m.swarm"
+    shard_model(FIXTURES / name / "model-f32.gguf", shard_dir)
+    _, prompts = _prompts(name)
+    key = secrets.token_hex(8)
+    keyed, open_ = start_nodes([(shard_dir, ["--key", key]), (shard_dir, [])], tmp_path / "nodes")
+    engines = []
+    try:
+        for k, mine, other in ((key, keyed, open_), (None, open_, keyed)):
+            engine = open_engine(shard_dir, mdns_interfaces=LOOPBACK, wait=10.0, device="cpu", key=k)
+            engines.append(engine)
+            forward_one(engine.model, prompts[3], engine.model.new_state(), "cpu")
+            assert mine.address in engine.experts.clients
+            assert other.address not in engine.experts.clients
+            assert set(engine.experts.calls_per_node) <= set(engine.experts.clients)
+    finally:
+        for e in engines:
+            e.close()
+        keyed.stop()
+        open_.stop()
