@@ -443,6 +443,11 @@ def connect(
             info = client.info(timeout=min(wait, 10.0) if wait > 0 else 10.0)
         except NodeCallError as e:
             client.close()
+            if e.code == grpc.StatusCode.UNAUTHENTICATED:
+                raise UserError(
+                    f"peer {peer} refuses this swarm key; give the coordinator the key its nodes were started "
+                    "with (--key or SWARM_KEY)"
+                ) from None
             raise UserError(
                 f"peer {peer} does not answer ({e.code.name}); is `swarm node` running there?"
             ) from None

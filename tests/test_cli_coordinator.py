@@ -119,3 +119,26 @@ def test_demo_end_to_end_leaves_no_process_behind(tmp_path):
         if any(str(tmp_path) in part for part in (p.info["cmdline"] or []))
     ]
     assert not leftovers, f"processes left behind: {leftovers}"
+
+
+def test_a_peer_with_another_key_is_a_one_line_error(tmp_path, capsys):
+    from swarm.node.launch import start_nodes
+
+    (node,) = start_nodes([(QWEN3MOE, ["--no-mdns", "--key", "their-key"])], tmp_path)
+    try:
+        argv = [
+            "run",
+            str(QWEN3MOE),
+            "--no-mdns",
+            "--peer",
+            node.address,
+            "--key",
+            "our-key",
+            "--prompt",
+            "x",
+        ]
+        assert main(argv) == 2
+    finally:
+        node.stop()
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("swarm run: error: ") and "refuses this swarm key" in err and "\n" not in err, err
