@@ -100,10 +100,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_demo)
 
 
+def _status(text: str) -> None:
+    """A line about what is happening, for a person watching the terminal (not for pipes and logs)."""
+    if sys.stderr.isatty():
+        print(text, file=sys.stderr, flush=True)
+
+
 def _open(args: argparse.Namespace) -> Any:
     from swarm.coordinator.engine import open_engine
+    from swarm.coordinator.swarm import SwarmExperts
 
-    return open_engine(
+    where = "experts in this process" if args.local else "looking for nodes"
+    _status(f"swarm {args.command}: opening {args.model} ({where}) ...")
+    engine = open_engine(
         args.model,
         local=args.local,
         peers=tuple(args.peer),
@@ -116,6 +125,12 @@ def _open(args: argparse.Namespace) -> Any:
         timeout=args.timeout,
         progress=True,
     )
+    if isinstance(engine.experts, SwarmExperts):
+        n = len(engine.experts.clients)
+        _status(
+            f"swarm {args.command}: {n} node{'s' if n != 1 else ''} hold every expert; model on {engine.device}"
+        )
+    return engine
 
 
 def _sampling(args: argparse.Namespace, stop_ids: frozenset[int]) -> Any:

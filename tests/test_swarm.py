@@ -396,8 +396,9 @@ def test_two_swarms_of_one_model_on_one_network_keep_to_their_keys(tmp_path):
         for k, mine, other in ((key, keyed, open_), (None, open_, keyed)):
             engine = open_engine(shard_dir, mdns_interfaces=LOOPBACK, wait=10.0, device="cpu", key=k)
             engines.append(engine)
-            forward_one(engine.model, prompts[3], engine.model.new_state(), "cpu")
-            assert mine.address in engine.experts.clients
+            forward_one(engine.model, prompts[3], engine.model.new_state(), "cpu")  # no call refused
+            if k is not None:  # a fresh key: that node is the only one of its swarm
+                assert set(engine.experts.clients) == {mine.address}
             assert other.address not in engine.experts.clients
             assert set(engine.experts.calls_per_node) <= set(engine.experts.clients)
     finally:
