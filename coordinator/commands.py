@@ -127,9 +127,8 @@ def _open(args: argparse.Namespace) -> Any:
     )
     if isinstance(engine.experts, SwarmExperts):
         n = len(engine.experts.clients)
-        _status(
-            f"swarm {args.command}: {n} node{'s' if n != 1 else ''} hold every expert; model on {engine.device}"
-        )
+        nodes = "1 node holds" if n == 1 else f"{n} nodes hold"
+        _status(f"swarm {args.command}: {nodes} every expert; model on {engine.device}")
     return engine
 
 
