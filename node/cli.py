@@ -122,6 +122,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--ready-file", type=Path, default=None, help="write JSON (address, port, ...) here once serving"
     )
+    p.add_argument(
+        "--exit-with-parent",
+        action="store_true",
+        help="stop when the process that started this node is gone (for nodes that tools start: "
+        "swarm demo, tests, benchmarks; they must not outlive a launcher that was killed)",
+    )
     p.set_defaults(func=run_node)
 
 
@@ -145,6 +151,8 @@ def run_node(args: argparse.Namespace) -> int:
     from swarm.node.server import NodeServer
     from swarm.node.source import load_slabs, slab_progress
     from swarm.node.store import ExpertStore, default_memory_budget
+
+    parent = os.getppid() if args.exit_with_parent else None  # read first: it may go while slabs load
 
     if args.workers < 1:
         raise UserError("--workers must be at least 1")
@@ -243,7 +251,9 @@ def run_node(args: argparse.Namespace) -> int:
             )
     try:
         while not stop.wait(0.5):
-            pass
+            if parent is not None and os.getppid() != parent:
+                print("swarm node: the process that started this node is gone; stopping", file=sys.stderr)
+                break
     finally:
         if advertiser is not None:
             advertiser.close()  # goodbye first, so coordinators stop routing here before the port closes

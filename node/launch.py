@@ -104,6 +104,7 @@ def spawn_node(
         "0",
         "--ready-file",
         str(ready),
+        "--exit-with-parent",  # a launcher killed outright (OOM, SIGKILL) must not leave nodes behind
         *args,
     ]
     with open(log, "wb") as out:

@@ -411,3 +411,39 @@ def test_store_serves_other_experts_while_one_is_loading(monkeypatch):
         release.set()
         blocked.join(10)
     assert store.cache_stats().resident_experts == 2
+
+
+def test_nodes_do_not_outlive_a_launcher_that_was_killed(tmp_path):
+    """start_nodes' nodes stop when the process that started them dies without cleaning up (SIGKILL, OOM)."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    code = (
+        "import json, sys, time\n"
+        "from pathlib import Path\n"
+        "from swarm.node.launch import start_nodes\n"
+        f"nodes = start_nodes([({str(F32_GGUF)!r}, ['--no-mdns', '--experts', '0-3'])], Path({str(tmp_path)!r}))\n"
+        "print(json.dumps([n.pid for n in nodes]), flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    launcher = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        (pid,) = json.loads(launcher.stdout.readline())
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.2)
+        else:
+            os.kill(pid, signal.SIGKILL)
+            pytest.fail("the node outlived its killed launcher")
+    finally:
+        launcher.kill()

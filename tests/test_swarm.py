@@ -7,6 +7,8 @@ and its experts fail over to a replica.
 
 from __future__ import annotations
 
+import secrets
+
 import numpy as np
 import pytest
 import torch
@@ -24,6 +26,9 @@ from swarm.sharding.shard import shard_model
 from swarm.sharding.slabs import read_manifest, slabs_from_gguf, slabs_from_shard
 
 LOOPBACK = ["127.0.0.1"]
+# This run's swarm key: nodes of another test run on this machine (same fixture models, same fingerprints,
+# also on loopback mDNS) have another key, so coordinators here never take them.
+KEY = secrets.token_hex(8)
 MODELS = ["qwen3moe-tiny", "qwen2moe-tiny", "qwen35moe-tiny", "qwen3next-tiny"]
 
 
@@ -38,7 +43,7 @@ def swarms(tmp_path_factory):
         dirs[name] = d
         n = read_manifest(d).n_expert
         cuts = [0, n // 3, 2 * n // 3, n]
-        specs += [(d, ["--experts", f"{cuts[i]}-{cuts[i + 1] - 1}"]) for i in range(3)]
+        specs += [(d, ["--experts", f"{cuts[i]}-{cuts[i + 1] - 1}", "--key", KEY]) for i in range(3)]
     nodes = start_nodes(specs, work / "nodes")
     yield {name: (dirs[name], nodes[3 * i : 3 * i + 3]) for i, name in enumerate(MODELS)}
     for node in nodes:
@@ -66,7 +71,7 @@ def test_swarm_is_bit_identical_to_in_process(swarms, name):
     shard_dir, nodes = swarms[name]
     mine = {n.address for n in nodes}  # other runs' nodes of the same model may be on loopback too
     ref, prompts = _prompts(name)
-    swarm = open_engine(shard_dir, mdns_interfaces=LOOPBACK, wait=10.0, device="cpu")
+    swarm = open_engine(shard_dir, mdns_interfaces=LOOPBACK, wait=10.0, device="cpu", key=KEY)
     local = open_engine(shard_dir, local=True, device="cpu")
     try:
         assert mine <= set(swarm.experts.clients), "all three nodes found by mDNS"
@@ -91,7 +96,7 @@ def test_swarm_is_bit_identical_to_in_process(swarms, name):
 def test_f16_wire_matches_in_process_at_the_same_precision(swarms):
     shard_dir, _ = swarms["qwen3moe-tiny"]
     _, prompts = _prompts("qwen3moe-tiny")
-    swarm = open_engine(shard_dir, mdns_interfaces=LOOPBACK, wait=10.0, wire="f16", device="cpu")
+    swarm = open_engine(shard_dir, mdns_interfaces=LOOPBACK, wait=10.0, wire="f16", device="cpu", key=KEY)
     local = open_engine(shard_dir, local=True, wire="f16", device="cpu")
     f32 = open_engine(shard_dir, local=True, device="cpu")
     try:
@@ -109,7 +114,7 @@ def test_f16_wire_matches_in_process_at_the_same_precision(swarms):
 def test_two_sequences_share_one_fan_out_per_layer(swarms):
     shard_dir, _ = swarms["qwen3moe-tiny"]
     _, prompts = _prompts("qwen3moe-tiny")
-    swarm = open_engine(shard_dir, mdns_interfaces=LOOPBACK, wait=10.0, device="cpu")
+    swarm = open_engine(shard_dir, mdns_interfaces=LOOPBACK, wait=10.0, device="cpu", key=KEY)
     try:
         model = swarm.model
         alone = [forward_one(model, p, model.new_state(), "cpu") for p in prompts[:2]]
@@ -133,10 +138,10 @@ def test_a_dead_node_fails_over_to_a_replica(swarms, tmp_path):
     slabs, _ = slabs_from_shard(shard_dir)
     local = LocalExperts(ExpertStore(slabs))
     # a fourth node replicating everything, plus the three disjoint ones; then one of those dies
-    (replica,) = start_nodes([(shard_dir, ["--no-mdns"])], tmp_path)
+    (replica,) = start_nodes([(shard_dir, ["--no-mdns", "--key", KEY])], tmp_path)
     needed = sorted(slabs)
     backend = connect(needed, manifest.fingerprint, str(shard_dir), peers=[n.address for n in nodes] + [replica.address],
-                      mdns=False, timeout=10.0)  # fmt: skip
+                      mdns=False, timeout=10.0, key=KEY)  # fmt: skip
     backend.call_bytes = 3 * manifest.n_embd * 4  # 3 rows a call: the dead node's parts go as several calls
     try:
         engine = open_engine(shard_dir, local=True, device="cpu")
@@ -160,7 +165,7 @@ def test_a_dead_node_fails_over_to_a_replica(swarms, tmp_path):
 def test_a_long_prompt_goes_to_a_node_as_several_calls(swarms):
     shard_dir, _ = swarms["qwen3moe-tiny"]
     _, prompts = _prompts("qwen3moe-tiny")
-    swarm = open_engine(shard_dir, mdns_interfaces=LOOPBACK, wait=10.0, device="cpu")
+    swarm = open_engine(shard_dir, mdns_interfaces=LOOPBACK, wait=10.0, device="cpu", key=KEY)
     local = open_engine(shard_dir, local=True, device="cpu")
     try:
         d = swarm.model.cfg.n_embd
@@ -252,13 +257,30 @@ def test_qwen36_35b_layer_shape_runs_through_four_nodes(tmp_path):
     m = read_manifest(shard_dir)
     assert (m.arch, m.n_embd, m.n_expert, m.n_expert_used, m.n_ff_exp) == ("qwen35moe", 2048, 256, 8, 512)
     nodes = start_nodes(
-        [(shard_dir, ["--experts", f"{64 * i}-{64 * i + 63}", "--threads", "1"]) for i in range(4)],
+        [
+            (
+                shard_dir,
+                [
+                    "--experts",
+                    f"{64 * i}-{64 * i + 63}",
+                    "--threads",
+                    "1",
+                    "--key",
+                    KEY,
+                    "--memory",
+                    "256MiB",
+                ],
+            )
+            for i in range(4)
+        ],
         tmp_path / "nodes",
     )
     swarm = local = None
     try:
-        swarm = open_engine(shard_dir, mdns_interfaces=LOOPBACK, wait=10.0, device="cpu")
-        local = open_engine(shard_dir, local=True, device="cpu")
+        swarm = open_engine(shard_dir, mdns_interfaces=LOOPBACK, wait=10.0, device="cpu", key=KEY)
+        # Small expert budgets (here and on the nodes): a 12.6 MB float32 working copy per expert of this
+        # shape would otherwise add up to gigabytes per process; evicted experts decode to the same bits.
+        local = open_engine(shard_dir, local=True, device="cpu", memory_budget=256 << 20)
         cfg = swarm.model.cfg
         assert (cfg.n_head, cfg.n_head_kv, cfg.head_dim) == (16, 2, 256)
         assert (cfg.n_k_heads, cfg.n_v_heads, cfg.d_state, cfg.moe.n_ff_shared) == (16, 32, 128, 512)
@@ -342,9 +364,10 @@ def test_nodes_joining_and_leaving_are_followed_by_mdns(tmp_path):
     shard_model(FIXTURES / name / "model-f32.gguf", shard_dir)
     _, prompts = _prompts(name)
     first = start_nodes(
-        [(shard_dir, ["--experts", "0-15"]), (shard_dir, ["--experts", "16-31"])], tmp_path / "a"
+        [(shard_dir, ["--experts", "0-15", "--key", KEY]), (shard_dir, ["--experts", "16-31", "--key", KEY])],
+        tmp_path / "a",
     )
-    swarm = open_engine(shard_dir, mdns_interfaces=LOOPBACK, wait=10.0, device="cpu")
+    swarm = open_engine(shard_dir, mdns_interfaces=LOOPBACK, wait=10.0, device="cpu", key=KEY)
     local = open_engine(shard_dir, local=True, device="cpu")
     late: list = []
     try:
@@ -352,7 +375,7 @@ def test_nodes_joining_and_leaving_are_followed_by_mdns(tmp_path):
         assert torch.equal(forward_one(swarm.model, prompts[0], swarm.model.new_state(), "cpu"), expect)
         assert {n.address for n in first} <= set(swarm.experts.calls_per_node)
 
-        late = start_nodes([(shard_dir, [])], tmp_path / "b")  # holds every expert
+        late = start_nodes([(shard_dir, ["--key", KEY])], tmp_path / "b")  # holds every expert
         browser = swarm.experts.browser
         assert browser is not None
         assert browser.wait_for(lambda ns: late[0].address in {n.address for n in ns}, 10.0) is not None
