@@ -9,6 +9,7 @@ still bit for bit. Every process it started is stopped on the way out, Ctrl-C in
 
 from __future__ import annotations
 
+import secrets
 import shutil
 import signal
 import sys
@@ -127,7 +128,12 @@ def run_demo(
 
         ranges = split_experts(manifest.n_expert, min(n_nodes, manifest.n_expert))
         ranges.append(list(range(manifest.n_expert)))  # the replica: every expert once more
-        specs = [(shard_dir, ["--host", LOOPBACK, "--experts", format_ranges(r)]) for r in ranges]
+        # A key of its own: another demo running on this machine (same synthesized model, same fingerprint)
+        # keeps its nodes to itself.
+        key = secrets.token_hex(8)
+        specs = [
+            (shard_dir, ["--host", LOOPBACK, "--experts", format_ranges(r), "--key", key]) for r in ranges
+        ]
         t0 = time.perf_counter()
         nodes = start_nodes(specs, work / "nodes")
         _say(f"[3/6] started {len(nodes)} node processes in {time.perf_counter() - t0:.1f} s:")
@@ -137,7 +143,7 @@ def run_demo(
                  f"of every layer{role}")  # fmt: skip
 
         t0 = time.perf_counter()
-        swarm = open_engine(shard_dir, local=False, mdns_interfaces=[LOOPBACK], wait=10.0)
+        swarm = open_engine(shard_dir, local=False, mdns_interfaces=[LOOPBACK], wait=10.0, key=key)
         engines.append(swarm)
         _say(f"[4/6] found {len(swarm.experts.clients)} nodes by mDNS on {LOOPBACK} "
              f"in {time.perf_counter() - t0:.1f} s; every expert has a holder")  # fmt: skip
@@ -168,7 +174,7 @@ def run_demo(
 
         _say("\nwhat each node did:")
         for node in nodes[1:]:
-            client = NodeClient(node.address, fingerprint=manifest.fingerprint)
+            client = NodeClient(node.address, fingerprint=manifest.fingerprint, key=key)
             try:
                 s = client.stats()
                 _say(f"  {node.address}: {s.calls} calls, {s.rows} rows, busy {s.busy_seconds * 1e3:.0f} ms, "
