@@ -158,6 +158,7 @@ class _Call:
     address: str
     parts: list[Part]  # in the order of the call's rows
     call: ComputeCall
+    width: int  # D: the width of the rows sent, and of the answer expected
 
 
 def split_parts(parts: Sequence[Part], max_rows: int, unit: int = ROWS_PER_MATMUL) -> list[list[Part]]:
@@ -324,7 +325,7 @@ class SwarmExperts:
                 )
                 self.calls_per_node[address] += 1
                 self.rows_per_node[address] += int(part.shape[0])
-                calls.append(_Call(address, chunk, call))
+                calls.append(_Call(address, chunk, call, int(part.shape[1])))
         return calls
 
     def follow_mdns(self) -> None:
@@ -362,8 +363,20 @@ class SwarmExperts:
         return calls
 
     def observed(self, c: _Call) -> tuple[_Call, torch.Tensor]:
-        """(c, its rows), waiting for them, and the node's pace updated with how long they took."""
+        """(c, its rows), waiting for them, and the node's pace updated with how long they took.
+
+        An answer of the wrong shape (a buggy or mismatched node) fails like a broken call: INTERNAL, which
+        sends the rows to another holder instead of mixing garbage into the sum.
+        """
         result = c.call.result()
+        expect = (sum(p.rows for p in c.parts), c.width)
+        if tuple(result.shape) != expect:
+            raise NodeCallError(
+                c.address,
+                "Compute",
+                grpc.StatusCode.INTERNAL,
+                f"answered rows of shape {list(result.shape)} for a call of shape {list(expect)}",
+            )
         if c.call.seconds is not None:
             pace = c.call.seconds / max(1, sum(p.rows for p in c.parts))
             old = self._pace.get(c.address)

@@ -429,3 +429,36 @@ def test_two_swarms_of_one_model_on_one_network_keep_to_their_keys(tmp_path):
             e.close()
         keyed.stop()
         open_.stop()
+
+
+def test_a_node_answering_the_wrong_shape_is_failed_over(tmp_path):
+    """A node whose answers do not fit the call (a bug, another version) is treated as broken: its rows go to
+    another holder, and nothing of its answer reaches the sum."""
+    from swarm.node.server import NodeServer
+
+    class ShortStore(ExpertStore):
+        def compute(self, layer, expert_ids, counts, rows):  # one row short
+            return super().compute(layer, expert_ids, counts, rows)[:-1]
+
+    name = "qwen3moe-tiny"
+    shard_dir = tmp_path / "m.swarm"
+    shard_model(FIXTURES / name / "model-f32.gguf", shard_dir)
+    manifest = read_manifest(shard_dir)
+    slabs, _ = slabs_from_shard(shard_dir, verify=False)
+    _, prompts = _prompts(name)
+    bad = NodeServer(ShortStore(slabs), manifest.fingerprint).start()
+    good = NodeServer(ExpertStore(slabs), manifest.fingerprint).start()
+    backend = connect(sorted(slabs), manifest.fingerprint, str(shard_dir), peers=[bad.address, good.address],
+                      mdns=False)  # fmt: skip
+    try:
+        engine = open_engine(shard_dir, local=True, device="cpu")
+        expect = forward_one(engine.model, prompts[0], engine.model.new_state(), "cpu")
+        engine.model.set_experts(backend)
+        got = forward_one(engine.model, prompts[0], engine.model.new_state(), "cpu")
+        assert torch.equal(got, expect)
+        assert backend.failovers >= 1
+        assert bad.address not in backend.placement.addresses()
+    finally:
+        backend.close()
+        bad.stop(0)
+        good.stop(0)
