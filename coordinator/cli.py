@@ -17,6 +17,7 @@ COMMAND_MODULES = (
     "swarm.sharding.synth_cli",
     "swarm.node.cli",
     "swarm.coordinator.commands",
+    "swarm.coordinator.status",
 )
 
 

@@ -1,0 +1,138 @@
+"""`swarm status`: which nodes are out there, what they hold, what they have done, and whether a model is
+covered.
+
+    swarm status                    every node mDNS finds (any model), one line each
+    swarm status q36.swarm          the nodes of that model, and whether every expert has a holder
+
+Nodes are found as a coordinator finds them (mDNS, and --peer for those it does not reach) and asked for
+their Info and Stats over gRPC. With a model, the exit status says whether a coordinator could start on
+it now: 0 when every expert has a holder, 1 when some have none (they are named).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections import Counter
+from typing import Any
+
+from swarm.sharding.errors import UserError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "status",
+        help="the nodes of a swarm: what each holds and has done, and whether a model is covered",
+        description=(
+            "Lists the swarm nodes found by mDNS (and given with --peer): address, model, held slabs, device, "
+            "memory budget, calls served, cache hit rate. Given a model (GGUF or shard directory), lists only "
+            "its nodes and says whether every expert has a holder and how many replicas each has."
+        ),
+    )
+    p.add_argument("model", nargs="?", default=None, help="a GGUF or `swarm shard` directory (optional)")
+    p.add_argument(
+        "--peer", action="append", default=[], metavar="HOST:PORT", help="a node to ask (repeatable)"
+    )
+    p.add_argument("--no-mdns", action="store_true", help="do not look for nodes by mDNS; use --peer only")
+    p.add_argument(
+        "--mdns-interface",
+        action="append",
+        default=None,
+        metavar="ADDR",
+        help="interface address to browse mDNS on (repeatable; default all)",
+    )
+    p.add_argument("--wait", type=float, default=2.0, help="seconds to listen for nodes")
+    p.add_argument("--key", default=os.environ.get("SWARM_KEY"), help="swarm key (default: $SWARM_KEY)")
+    p.set_defaults(func=cmd_status)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from swarm.coordinator.engine import model_identity
+    from swarm.coordinator.swarm import describe_missing
+    from swarm.node.client import NodeCallError, NodeClient
+    from swarm.node.discovery import browse
+
+    identity, needed = model_identity(args.model) if args.model else (None, [])
+    addresses: list[str] = list(dict.fromkeys(args.peer))
+    if not args.no_mdns:
+        with browse(interfaces=args.mdns_interface, identity=identity, key=args.key or "") as browser:
+            browser.wait_for(lambda _nodes: False, args.wait)  # listen the whole time: count every answer
+            addresses += [n.address for n in browser.nodes() if n.address not in addresses]
+    if not addresses:
+        where = "given with --peer" if args.no_mdns else f"found by mDNS in {args.wait:g} s"
+        raise UserError(
+            f"no swarm nodes {where}" + (f" for {args.model}" if args.model else "")
+            + "; start one with `swarm node MODEL --experts 0-7`, or give --peer host:port"
+            + ("" if args.key else " (nodes started with a swarm key show only with that --key)")
+        )  # fmt: skip
+
+    holders: Counter[tuple[int, int]] = Counter()
+    rows: list[list[str]] = []
+    for address in addresses:
+        client = NodeClient(address, key=args.key)
+        try:
+            info = client.info(timeout=5.0)
+            stats = client.stats(timeout=5.0)
+        except NodeCallError as e:
+            rows.append([address, "-", f"not answering: {e.code.name}", "", "", "", "", ""])
+            continue
+        finally:
+            client.close()
+        if identity is not None and identity.match(info.identity) is None:
+            continue  # a static peer of another model
+        holders.update(info.held)
+        lookups = stats.cache_hits + stats.cache_misses
+        rows.append(
+            [
+                address,
+                info.fingerprint[:12],
+                _held(info.held),
+                info.device,
+                _size(info.memory_budget_bytes),
+                f"{stats.calls:,}",
+                f"{100 * stats.cache_hits / lookups:.0f}%" if lookups else "-",
+                f"{stats.busy_seconds:.1f}s / {stats.uptime_seconds:.0f}s",
+            ]
+        )
+    _table(
+        ["node", "model", "holds (layers:experts)", "device", "memory", "calls", "cache hits", "busy / up"],
+        rows,
+    )
+    if identity is None:
+        return 0
+    missing: dict[int, list[int]] = {}
+    for layer, expert in needed:
+        if not holders[(layer, expert)]:
+            missing.setdefault(layer, []).append(expert)
+    if missing:
+        print(f"\nnot covered: {describe_missing(missing, args.model)}")
+        return 1
+    replicas = Counter(holders[k] for k in needed)
+    spread = ", ".join(f"{n} with {k} holder{'s' if k > 1 else ''}" for k, n in sorted(replicas.items()))
+    print(f"\nevery expert of {args.model} has a holder: {len(needed)} slabs, {spread}")
+    return 0
+
+
+def _held(keys: Any) -> str:
+    from swarm.node.cli import describe_held
+
+    text = describe_held(keys)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _size(n: int) -> str:
+    if not n:
+        return "unlimited"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _table(header: list[str], rows: list[list[str]]) -> None:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    for r in [header, *rows]:
+        print("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
+    sys.stdout.flush()

@@ -1,0 +1,43 @@
+"""`swarm status` against real node processes on loopback: what each holds, and whether a model is covered."""
+
+from __future__ import annotations
+
+import secrets
+
+from conftest import FIXTURES
+
+from swarm.coordinator.cli import main
+from swarm.node.launch import start_nodes
+from swarm.sharding.shard import shard_model
+
+
+def test_status_lists_the_nodes_and_names_what_no_node_holds(tmp_path, capsys):
+    shard_dir = tmp_path / "m.swarm"
+    shard_model(FIXTURES / "qwen3moe-tiny" / "model-f32.gguf", shard_dir)  # 4 layers x 32 experts
+    key = secrets.token_hex(8)  # this test's swarm: nobody else's nodes on loopback
+    argv = ["status", str(shard_dir), "--mdns-interface", "127.0.0.1", "--key", key, "--wait", "1.5"]
+    nodes = start_nodes(
+        [(shard_dir, ["--experts", "0-15", "--key", key]), (shard_dir, ["--experts", "8-23", "--key", key])],
+        tmp_path / "a",
+    )
+    try:
+        assert main(argv) == 1
+        out = capsys.readouterr().out
+        for n in nodes:
+            assert n.address in out
+        assert "0-3:0-15" in out and "0-3:8-23" in out
+        assert "not covered" in out and "experts 24-31" in out
+
+        nodes += start_nodes([(shard_dir, ["--experts", "24-31", "--key", key])], tmp_path / "b")
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        assert "has a holder: 128 slabs, 96 with 1 holder, 32 with 2 holders" in out, out
+    finally:
+        for n in nodes:
+            n.stop()
+
+
+def test_no_nodes_is_a_one_line_error(capsys):
+    assert main(["status", "--no-mdns"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("swarm status: error: no swarm nodes") and "\n" not in err
