@@ -11,10 +11,8 @@ from swarm.coordinator.openmp import set_wait_policy
 from swarm.sharding.errors import UserError
 
 
-def add_swarm_args(p: argparse.ArgumentParser) -> None:
-    """Where the experts are computed: here (--local) or on nodes found by mDNS / given as peers."""
-    g = p.add_argument_group("swarm")
-    g.add_argument("--local", action="store_true", help="compute the experts in this process (no nodes)")
+def add_discovery_args(g: Any, wait: float, wait_help: str) -> None:
+    """How nodes are found: mDNS (on which interfaces, for how long), static peers, the swarm key."""
     g.add_argument(
         "--peer", action="append", default=[], metavar="HOST:PORT", help="a node to use (repeatable)"
     )
@@ -26,12 +24,19 @@ def add_swarm_args(p: argparse.ArgumentParser) -> None:
         metavar="ADDR",
         help="interface address to browse mDNS on (repeatable; default all)",
     )
-    g.add_argument("--wait", type=float, default=3.0, help="seconds to wait for nodes to cover every expert")
+    g.add_argument("--wait", type=float, default=wait, help=wait_help)
+    g.add_argument("--key", default=os.environ.get("SWARM_KEY"), help="swarm key (default: $SWARM_KEY)")
+
+
+def add_swarm_args(p: argparse.ArgumentParser) -> None:
+    """Where the experts are computed: here (--local) or on nodes found by mDNS / given as peers."""
+    g = p.add_argument_group("swarm")
+    g.add_argument("--local", action="store_true", help="compute the experts in this process (no nodes)")
+    add_discovery_args(g, 3.0, "seconds to wait for nodes to cover every expert")
     g.add_argument(
         "--wire", choices=["f32", "f16", "bf16"], default="f32", help="precision of rows on the wire"
     )
     g.add_argument("--timeout", type=float, default=30.0, help="seconds before a node call fails over")
-    g.add_argument("--key", default=os.environ.get("SWARM_KEY"), help="swarm key (default: $SWARM_KEY)")
     g.add_argument(
         "--device", default=None, help="torch device for the dense path (default: cuda if present)"
     )

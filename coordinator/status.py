@@ -12,11 +12,11 @@ it now: 0 when every expert has a holder, 1 when some have none (they are named)
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections import Counter
 from typing import Any
 
+from swarm.coordinator.commands import add_discovery_args
 from swarm.sharding.errors import UserError
 
 
@@ -31,19 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         ),
     )
     p.add_argument("model", nargs="?", default=None, help="a GGUF or `swarm shard` directory (optional)")
-    p.add_argument(
-        "--peer", action="append", default=[], metavar="HOST:PORT", help="a node to ask (repeatable)"
-    )
-    p.add_argument("--no-mdns", action="store_true", help="do not look for nodes by mDNS; use --peer only")
-    p.add_argument(
-        "--mdns-interface",
-        action="append",
-        default=None,
-        metavar="ADDR",
-        help="interface address to browse mDNS on (repeatable; default all)",
-    )
-    p.add_argument("--wait", type=float, default=2.0, help="seconds to listen for nodes")
-    p.add_argument("--key", default=os.environ.get("SWARM_KEY"), help="swarm key (default: $SWARM_KEY)")
+    add_discovery_args(p, 2.0, "seconds to listen for nodes")
     p.set_defaults(func=cmd_status)
 
 
