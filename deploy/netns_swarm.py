@@ -1,0 +1,183 @@
+"""A multi-host swarm on one Linux machine: every node in a network namespace of its own.
+
+    sudo python deploy/netns_swarm.py q36.swarm --nodes 3 --rate 100mbit -- --prompt "Hello" --max-tokens 16
+
+Builds a bridge (10.77.0.1/24 on the host side) and, per node, a namespace `swarm-TAG-nI` joined to it
+by a veth pair (10.77.0.1I/24), optionally shaped with a token bucket (`--rate`, tc tbf: the bandwidth of a
+phone on Wi-Fi), starts `swarm node DIR --host 10.77.0.1I` inside it with a disjoint expert range (plus
+`--replicas` nodes holding everything), and runs `swarm run DIR --mdns-interface 10.77.0.1 ARGS...` on the
+host. So discovery is real multicast mDNS across interfaces, and every expert call crosses a veth link:
+what loopback tests cannot show. Everything it creates is removed on the way out, Ctrl-C included.
+Needs root (or CAP_NET_ADMIN) and iproute2; `tc netem` (latency) is not needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Net:
+    """The names and addresses of one rig; `tag` keeps two rigs on one machine apart."""
+
+    tag: str = "0"
+    subnet: str = "10.77.0"  # the first three octets of a /24
+
+    @property
+    def bridge(self) -> str:
+        return f"swbr{self.tag}"
+
+    @property
+    def host_ip(self) -> str:
+        return f"{self.subnet}.1"
+
+    def ns(self, i: int) -> str:
+        return f"swarm-{self.tag}-n{i}"
+
+    def veth(self, i: int) -> str:
+        return f"swv{self.tag}x{i}"  # at most 15 characters: keep tags short
+
+    def ip(self, i: int) -> str:
+        return f"{self.subnet}.{10 + i}"
+
+
+def sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, check=check, capture_output=True, text=True)
+
+
+def build_network(net: Net, n: int, rate: str | None) -> None:
+    sh("ip", "link", "add", net.bridge, "type", "bridge")
+    # No IGMP querier on this bridge: with snooping on, it would drop the mDNS multicast between ports.
+    sh("ip", "link", "set", net.bridge, "type", "bridge", "mcast_snooping", "0")
+    sh("ip", "addr", "add", f"{net.host_ip}/24", "dev", net.bridge)
+    sh("ip", "link", "set", net.bridge, "up")
+    for i in range(n):
+        ns, host_end = net.ns(i), net.veth(i)
+        sh("ip", "netns", "add", ns)
+        sh("ip", "link", "add", host_end, "type", "veth", "peer", "name", "eth0", "netns", ns)
+        sh("ip", "link", "set", host_end, "master", net.bridge)
+        sh("ip", "link", "set", host_end, "up")
+        sh("ip", "-n", ns, "addr", "add", f"{net.ip(i)}/24", "dev", "eth0")
+        sh("ip", "-n", ns, "link", "set", "eth0", "up")
+        sh("ip", "-n", ns, "link", "set", "lo", "up")
+        sh("ip", "-n", ns, "route", "add", "224.0.0.0/4", "dev", "eth0")
+        if rate:  # both directions: what reaches the node and what it sends back
+            tbf = ("root", "tbf", "rate", rate, "burst", "64kb", "latency", "100ms")
+            sh("tc", "qdisc", "add", "dev", host_end, *tbf)
+            sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", *tbf)
+
+
+def tear_down(net: Net, n: int) -> None:
+    for i in range(n):
+        sh("ip", "netns", "del", net.ns(i), check=False)
+        sh("ip", "link", "del", net.veth(i), check=False)
+    sh("ip", "link", "del", net.bridge, check=False)
+
+
+def start_node(
+    net: Net, i: int, model: str, experts: str, workdir: Path, extra: list[str]
+) -> subprocess.Popen[bytes]:
+    ready = workdir / f"node{i}.ready.json"
+    log = open(workdir / f"node{i}.log", "wb")  # noqa: SIM115 - open for the node's lifetime
+    cmd = ["ip", "netns", "exec", net.ns(i), sys.executable, "-m", "swarm.coordinator.cli", "node", model,
+           "--host", net.ip(i), "--port", "0", "--experts", experts, "--threads", "1", "--ready-file",
+           str(ready), *extra]  # fmt: skip
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+
+def wait_ready(workdir: Path, n: int, procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for i in range(n):
+        ready = workdir / f"node{i}.ready.json"
+        while not ready.exists():
+            if procs[i].poll() is not None:
+                log = (workdir / f"node{i}.log").read_text(errors="replace")[-2000:]
+                raise SystemExit(f"node {i} exited ({procs[i].returncode}):\n{log}")
+            if time.monotonic() > deadline:
+                raise SystemExit(f"node {i} not serving after {timeout:.0f} s")
+            time.sleep(0.1)
+        json.loads(ready.read_text())
+
+
+def expert_ranges(n_expert: int, n: int) -> list[str]:
+    bounds = [round(i * n_expert / n) for i in range(n + 1)]
+    return [f"{bounds[i]}-{bounds[i + 1] - 1}" for i in range(n)]
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", help="a `swarm shard` directory")
+    p.add_argument("--nodes", type=int, default=3, help="nodes with disjoint expert ranges")
+    p.add_argument("--replicas", type=int, default=0, help="extra nodes holding every expert")
+    p.add_argument("--rate", default=None, help="bandwidth of each node's link, e.g. 100mbit (tc tbf)")
+    p.add_argument("--key", default=None, help="swarm key for the nodes and the coordinator")
+    p.add_argument("--keep-logs", type=Path, default=None, help="copy the node logs here at the end")
+    p.add_argument("--tag", default="0", help="a short name for this rig (1-4 characters), to run several")
+    p.add_argument("--subnet", default="10.77.0", help="first three octets of the rig's /24")
+    p.epilog = "Everything after -- goes to `swarm run`."
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args = p.parse_args(argv[:cut])
+    run_args = argv[cut + 1 :]
+    if os.geteuid() != 0:
+        print("netns_swarm: needs root (network namespaces, veth, tc)", file=sys.stderr)
+        return 2
+    if not 1 <= len(args.tag) <= 4 or not args.tag.isalnum():
+        print("netns_swarm: --tag must be 1-4 letters or digits", file=sys.stderr)
+        return 2
+    net = Net(args.tag, args.subnet)
+    manifest = json.loads((Path(args.model) / "manifest.json").read_text())
+    total = args.nodes + args.replicas
+    ranges = (
+        expert_ranges(int(manifest["n_expert"]), args.nodes)
+        + [f"0-{manifest['n_expert'] - 1}"] * args.replicas
+    )
+    key_args = ["--key", args.key] if args.key else []
+    workdir = Path(tempfile.mkdtemp(prefix="netns-swarm-"))
+    procs: list[subprocess.Popen[bytes]] = []
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        tear_down(net, total)  # leftovers of a run that was killed
+        build_network(net, total, args.rate)
+        procs = [start_node(net, i, args.model, r, workdir, key_args) for i, r in enumerate(ranges)]
+        wait_ready(workdir, total, procs, timeout=120)
+        for i, r in enumerate(ranges):
+            print(f"node {i}: namespace {net.ns(i)}, {net.ip(i)}, experts {r}", file=sys.stderr)
+        cmd = [sys.executable, "-m", "swarm.coordinator.cli", "run", args.model, "--mdns-interface", net.host_ip,
+               "--wait", "10", *key_args, *run_args]  # fmt: skip
+        return subprocess.run(cmd).returncode
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        tear_down(net, total)
+        if args.keep_logs:
+            args.keep_logs.mkdir(parents=True, exist_ok=True)
+            for f in workdir.glob("*.log"):
+                shutil.copy(f, args.keep_logs / f.name)
+        shutil.rmtree(workdir, ignore_errors=True)
+        signal.signal(signal.SIGTERM, previous)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
