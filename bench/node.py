@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import logging
 import platform
-import re
 import statistics
 import sys
 import tempfile
@@ -28,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from _doc import replace_section
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import quantize
 
@@ -41,8 +41,6 @@ from swarm.sharding.synth import preset, synthesize
 
 log = logging.getLogger("bench.node")
 
-ROOT = Path(__file__).resolve().parent.parent
-DOC = ROOT / "docs" / "BENCHMARKS.md"
 SECTION = "node"
 EXPERTS_PER_CALL = 8
 EXPERT_D, EXPERT_F = 2048, 512
@@ -342,13 +340,7 @@ def render(
 
 
 def write_section(text: str) -> None:
-    DOC.parent.mkdir(parents=True, exist_ok=True)
-    old = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
-    pattern = re.compile(rf"<!-- bench:{SECTION} -->.*?<!-- /bench:{SECTION} -->", re.S)
-    new = (
-        pattern.sub(lambda _m: text, old) if pattern.search(old) else old.rstrip("\n") + "\n\n" + text + "\n"
-    )
-    DOC.write_text(new)
+    replace_section(SECTION, text)
 
 
 def main(argv: list[str] | None = None) -> int:

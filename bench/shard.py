@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import re
 import shutil
 import statistics
 import subprocess
@@ -23,8 +22,9 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+from _doc import replace_section
+
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = ROOT / "docs" / "BENCHMARKS.md"
 SWARM = [sys.executable, "-m", "swarm.coordinator.cli"]
 HASH_ONLY = (
     "import hashlib, mmap, sys\n"
@@ -180,14 +180,7 @@ def render(r: dict[str, object], command: str) -> str:
 
 
 def write_section(text: str) -> None:
-    begin, end = "<!-- bench:shard -->", "<!-- /bench:shard -->"
-    doc = DOCS.read_text() if DOCS.exists() else "# Benchmarks\n"
-    block = f"{begin}\n{text}\n{end}"
-    if begin in doc and end in doc:
-        doc = re.sub(re.escape(begin) + r".*?" + re.escape(end), lambda _: block, doc, flags=re.S)
-    else:
-        doc = doc.rstrip("\n") + "\n\n" + block + "\n"
-    DOCS.write_text(doc)
+    replace_section("shard", text)
 
 
 def main() -> int:
