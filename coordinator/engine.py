@@ -19,6 +19,7 @@ from swarm.coordinator.models.layers import DecoderModel
 from swarm.coordinator.swarm import SwarmExperts, connect
 from swarm.coordinator.tokenizer import GGUFTokenizer
 from swarm.node.identity import ModelIdentity, identity_of
+from swarm.node.kernels import NATIVE, Numerics
 from swarm.node.source import load_slabs, slab_progress
 from swarm.node.store import ExpertStore, default_memory_budget
 from swarm.sharding.errors import UserError
@@ -39,6 +40,7 @@ class Engine:
     device: torch.device
     source: str
     fingerprint: str
+    numerics: Numerics = NATIVE
 
     def close(self) -> None:
         if isinstance(self.experts, SwarmExperts):
@@ -74,9 +76,12 @@ def open_engine(
     timeout: float = 30.0,
     memory_budget: int | None = None,
     progress: bool = False,
+    numerics: Numerics = NATIVE,
 ) -> Engine:
     """The model at `path` with its experts computed here (`local`) or by the swarm's nodes.
-    `progress`: progress bars on stderr (only when it is a terminal) while slabs and weights load."""
+    `progress`: progress bars on stderr (only when it is a terminal) while slabs and weights load.
+    `numerics`: native (every weight multiplied in its file type with ggml's kernels, llama.cpp's numerics)
+    or exact (float32 on weights dequantized exactly); nodes are asked for the same."""
     dev = torch.device(device) if device else default_device()
     wire_dtype = WIRE_DTYPES[wire]
     experts: LocalExperts | SwarmExperts
@@ -86,7 +91,7 @@ def open_engine(
         if loaded.problems:
             raise UserError(f"{path}: some expert slabs cannot be used: " + "; ".join(loaded.problems[:5]))
         budget = default_memory_budget() if memory_budget is None else memory_budget
-        experts = LocalExperts(ExpertStore(loaded.slabs, dev, budget), wire_dtype)
+        experts = LocalExperts(ExpertStore(loaded.slabs, dev, budget), wire_dtype, numerics)
         fingerprint = loaded.fingerprint
     else:
         identity, needed = model_identity(path)
@@ -102,12 +107,13 @@ def open_engine(
             key=key,
             wire_dtype=wire_dtype,
             timeout=timeout,
+            numerics=numerics,
         )
     try:
-        model, meta = load_model(path, experts, dev, progress=progress)
+        model, meta = load_model(path, experts, dev, progress=progress, numerics=numerics)
         tokenizer = GGUFTokenizer(meta)
     except BaseException:
         if isinstance(experts, SwarmExperts):
             experts.close()
         raise
-    return Engine(model, meta, tokenizer, experts, dev, str(path), fingerprint)
+    return Engine(model, meta, tokenizer, experts, dev, str(path), fingerprint, numerics)

@@ -14,6 +14,7 @@ from typing import Protocol
 
 import torch
 
+from swarm.node.kernels import NATIVE, Numerics
 from swarm.node.store import ExpertStore
 
 
@@ -76,16 +77,20 @@ class LocalExperts:
     """In-process backend: the node's own compute on slabs loaded here. The embedded default and the oracle.
 
     `wire_dtype` rounds rows and outputs as the swarm's wire would, so that local and swarm results
-    can be compared bit for bit at the same wire precision.
+    can be compared bit for bit at the same wire precision; `numerics` is what a Compute call carries.
     """
 
-    def __init__(self, store: ExpertStore, wire_dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, store: ExpertStore, wire_dtype: torch.dtype = torch.float32, numerics: Numerics = NATIVE
+    ) -> None:
         self.store = store
         self.wire_dtype = wire_dtype
+        self.numerics = numerics
 
     def start(self, layer: int, x: torch.Tensor, ids: torch.Tensor) -> PendingExperts:
         t, k = ids.shape
         groups = group_expert_major(ids)
         rows = groups.pack(x, k).to(self.wire_dtype)
-        out = self.store.compute(layer, groups.expert_ids, groups.counts, rows).to(self.wire_dtype)
+        out = self.store.compute(layer, groups.expert_ids, groups.counts, rows, self.numerics)
+        out = out.to(self.wire_dtype)
         return _Done(groups.unpack(out.to(device=x.device, dtype=torch.float32), t, k))

@@ -1,8 +1,12 @@
 """Build a model from a GGUF (or a `swarm shard` directory's dense.gguf): config, modules, dense weights.
 
-Every non-expert tensor is dequantized to float32 and loaded by name: the GGUF name of a parameter
-is its module path with the segments of "transparent" modules (class attribute GGUF_TRANSPARENT,
-e.g. the block's `moe`) dropped. Loading is strict: a tensor the model needs and the file lacks, or
+Every non-expert tensor is loaded by name: the GGUF name of a parameter is its module path with the
+segments of "transparent" modules (class attribute GGUF_TRANSPARENT, e.g. the block's `moe`) dropped.
+Matrices (every Linear: projections, shared expert, router, output head) stay as the file stores them:
+on the CPU ggml multiplies them in place in the memory map (native numerics), or as float32 copies
+dequantized exactly (exact numerics); on a GPU they are copied there as float16/bfloat16 (native) or
+float32 (exact). `token_embd` stays in the memory map, rows decoded per lookup. The small rest (norms,
+biases, convolution and decay vectors) is dequantized into float32 parameters. Loading is strict: a tensor the model needs and the file lacks, or
 one the file has and the model does not use, is an error naming it. Expert tensors (`*_exps`) are
 left to the expert backend; MTP blocks (`nextn_predict_layers`) are not part of the main pass.
 """
@@ -24,8 +28,18 @@ from tqdm import tqdm
 
 from swarm.coordinator.experts import ExpertBackend
 from swarm.coordinator.models import get_arch
-from swarm.coordinator.models.layers import DecoderModel, PackedEmbedding, n_main_layers
+from swarm.coordinator.models.layers import (
+    DecoderModel,
+    GGMLMatrix,
+    Linear,
+    Matrix,
+    PackedEmbedding,
+    TorchMatrix,
+    n_main_layers,
+)
+from swarm.node import kernels
 from swarm.node.dequant import dequantize
+from swarm.node.kernels import NATIVE, Numerics
 from swarm.sharding.gguf_io import (
     EXPERT_TENSOR_RE,
     GGUFError,
@@ -64,9 +78,11 @@ def load_model(
     experts: ExpertBackend,
     device: str | torch.device | None = None,
     progress: bool = False,
+    numerics: Numerics = NATIVE,
 ) -> tuple[DecoderModel, dict[str, Any]]:
     """(model on `device`, every metadata key of the file). device: cuda when present, else cpu.
-    `progress`: a progress bar on stderr (when it is a terminal) while the dense weights load."""
+    `progress`: a progress bar on stderr (when it is a terminal) while the dense weights load.
+    `numerics`: native (matrices multiplied in their file types) or exact (float32)."""
     gguf_path = resolve_gguf(path)
     device = torch.device(device) if device is not None else default_device()
     reader = open_gguf(gguf_path)
@@ -81,25 +97,48 @@ def load_model(
         cfg = refine(cfg, [t.name for t in reader.tensors])
     with torch.device(device):
         model = arch.Model(cfg, experts)
-    load_dense_tensors(model, reader, meta, gguf_path, progress)
+    load_dense_tensors(model, reader, meta, gguf_path, progress, numerics)
     model.eval()
     log.info("loaded %s (%s) on %s", gguf_path, meta[Keys.General.ARCHITECTURE], device)
     return model, meta
 
 
+def _gguf_name(key: str, transparent: set[str]) -> str:
+    path, kept = "", []
+    for seg in key.split("."):
+        path = f"{path}.{seg}" if path else seg
+        if path not in transparent:
+            kept.append(seg)
+    return ".".join(kept)
+
+
 def gguf_names(model: nn.Module) -> dict[str, str]:
-    """state_dict key -> GGUF tensor name, dropping the path segments of transparent modules."""
+    """state_dict key -> GGUF tensor name, dropping the path segments of transparent modules (token_embd,
+    which the loader maps, aside)."""
     transparent = {name for name, mod in model.named_modules() if getattr(mod, "GGUF_TRANSPARENT", False)}
-    names: dict[str, str] = {}
-    for key in model.state_dict():
-        path, kept = "", []
-        for seg in key.split("."):
-            path = f"{path}.{seg}" if path else seg
-            if path not in transparent:
-                kept.append(seg)
-        names[key] = ".".join(kept)
+    names = {key: _gguf_name(key, transparent) for key in model.state_dict() if key != TOKEN_EMBD}
     assert len(set(names.values())) == len(names), "two parameters map to one GGUF name"
     return names
+
+
+def linear_names(model: nn.Module) -> dict[str, Linear]:
+    """GGUF tensor name of each Linear's matrix ("<path>.weight") -> the Linear."""
+    transparent = {name for name, mod in model.named_modules() if getattr(mod, "GGUF_TRANSPARENT", False)}
+    return {
+        _gguf_name(name + ".weight", transparent): mod
+        for name, mod in model.named_modules()
+        if isinstance(mod, Linear)
+    }
+
+
+def make_matrix(t: ReaderTensor, shape: tuple[int, int], device: torch.device, numerics: Numerics) -> Matrix:
+    """A Linear's matrix [out, in] from a file tensor, in the form `numerics` multiplies on `device`."""
+    if device.type == "cpu":
+        return GGMLMatrix(kernels.stored_weight(t.data, t.tensor_type, shape, numerics, t.name))
+    w = dequantize(t.data, t.tensor_type, shape)
+    if numerics == NATIVE:  # compact on the GPU: the file's own bf16, else f16
+        w = w.to(torch.bfloat16 if t.tensor_type == GGMLQuantizationType.BF16 else torch.float16)
+    return TorchMatrix(w.to(device))
 
 
 def main_pass_tensor(name: str, n_main: int) -> bool:
@@ -111,23 +150,26 @@ def main_pass_tensor(name: str, n_main: int) -> bool:
 
 
 def load_dense_tensors(
-    model: nn.Module, reader: GGUFReader, meta: dict[str, Any], path: Path, progress: bool = False
+    model: nn.Module,
+    reader: GGUFReader,
+    meta: dict[str, Any],
+    path: Path,
+    progress: bool = False,
+    numerics: Numerics = NATIVE,
 ) -> None:
     arch = meta[Keys.General.ARCHITECTURE]
     n_main = n_main_layers(meta, arch)
     file_tensors = {t.name: t for t in reader.tensors if main_pass_tensor(t.name, n_main)}
     skipped = len(reader.tensors) - len(file_tensors)
     names = gguf_names(model)
-    wanted = set(names.values())
+    linears = linear_names(model)
+    wanted = set(names.values()) | set(linears) | {TOKEN_EMBD}
 
     # Tied embeddings: without an output matrix the head reuses token_embd, as llama.cpp does.
     aliases = {}
     if "output.weight" in wanted and "output.weight" not in file_tensors and TOKEN_EMBD in file_tensors:
         aliases["output.weight"] = TOKEN_EMBD
         log.info("%s: no output.weight; the output head reuses token_embd.weight", path)
-
-    if pack_token_embd(model, file_tensors, aliases):  # loaded now: nothing to copy below
-        names = {k: v for k, v in names.items() if v != TOKEN_EMBD}
 
     missing = sorted(n for n in wanted if n not in file_tensors and n not in aliases)
     if missing:
@@ -144,8 +186,10 @@ def load_dense_tensors(
             + f" that the {arch} model does not use; the file does not match its architecture"
         )
 
+    pack_token_embd(model, file_tensors[TOKEN_EMBD], path)
     state = model.state_dict(keep_vars=True)
-    total = sum(int(file_tensors[aliases.get(n, n)].n_bytes) for n in names.values())
+    device = model.output_norm.weight.device
+    total = sum(int(file_tensors[aliases.get(n, n)].n_bytes) for n in [*names.values(), *linears])
     bar = tqdm(
         total=total,
         unit="B",
@@ -156,17 +200,16 @@ def load_dense_tensors(
         disable=None if progress else True,  # None: only on a terminal
         leave=False,
     )
+    for name, lin in linears.items():
+        t = file_tensors[aliases.get(name, name)]
+        _check_shape(path, arch, name, torch_shape(t), (lin.d_out, lin.d_in))
+        lin.matrix = make_matrix(t, (lin.d_out, lin.d_in), device, numerics)
+        bar.update(int(t.n_bytes))
     for key, name in names.items():
         t = file_tensors[aliases.get(name, name)]
         target = state[key]
         shape = torch_shape(t)
-        if tuple(target.shape) != shape:
-            # {D} and {D, 1} are the same vector; anything else is a different model.
-            if _squeezed(tuple(target.shape)) != _squeezed(shape):
-                raise GGUFError(
-                    f"{path}: tensor {name} has shape {list(shape)}, the {arch} model built from the "
-                    f"file's metadata expects {list(target.shape)}"
-                )
+        _check_shape(path, arch, name, shape, tuple(target.shape))
         with torch.no_grad():
             dest = target.data
             if dest.device.type == "cpu" and dest.dtype == torch.float32 and dest.is_contiguous():
@@ -180,25 +223,28 @@ def load_dense_tensors(
     log.debug("%s: loaded %d tensors, left %d to the experts/MTP", path, len(names), skipped)
 
 
-def pack_token_embd(model: nn.Module, file_tensors: dict[str, ReaderTensor], aliases: dict[str, str]) -> bool:
-    """Give the model a PackedEmbedding over the file's own token_embd rows when the table is not float32
-    and the output head does not reuse it (a tied head needs the float32 matrix anyway)."""
-    t = file_tensors.get(TOKEN_EMBD)
-    embd = getattr(model, "token_embd", None)
-    if t is None or t.tensor_type == GGMLQuantizationType.F32 or TOKEN_EMBD in aliases.values():
-        return False
-    if not isinstance(embd, nn.Embedding) or torch_shape(t) != tuple(embd.weight.shape):
-        return False  # the shape check below names the mismatch
-    n_vocab, n_embd = embd.weight.shape
+def pack_token_embd(model: nn.Module, t: ReaderTensor, path: Path) -> None:
+    """Give the model a PackedEmbedding over the file's own token_embd rows (whatever their type: nothing
+    is copied; a tied output head multiplies the same bytes)."""
+    embd = model.token_embd
+    n_vocab, n_embd = embd.num_embeddings, embd.embedding_dim
+    _check_shape(path, "model", TOKEN_EMBD, torch_shape(t), (n_vocab, n_embd))
     qtype = t.tensor_type
 
     def decode(rows: np.ndarray, shape: tuple[int, int]) -> torch.Tensor:
         return dequantize(rows, qtype, shape)
 
-    model.token_embd = PackedEmbedding(
-        np.asarray(t.data).reshape(n_vocab, -1), n_embd, decode, embd.weight.device
-    )
-    return True
+    device = model.output_norm.weight.device
+    model.token_embd = PackedEmbedding(np.asarray(t.data).reshape(n_vocab, -1), n_embd, decode, device)
+
+
+def _check_shape(path: Path, arch: str, name: str, shape: tuple[int, ...], want: tuple[int, ...]) -> None:
+    # {D} and {D, 1} are the same vector; anything else is a different model.
+    if shape != want and _squeezed(shape) != _squeezed(want):
+        raise GGUFError(
+            f"{path}: tensor {name} has shape {list(shape)}, the {arch} model built from the "
+            f"file's metadata expects {list(want)}"
+        )
 
 
 def _squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:

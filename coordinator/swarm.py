@@ -27,6 +27,7 @@ import torch
 from swarm.coordinator.experts import ExpertMajor, PendingExperts, group_expert_major
 from swarm.node.client import ComputeCall, NodeCallError, NodeClient, wait_calls
 from swarm.node.identity import Match, ModelIdentity
+from swarm.node.kernels import NATIVE, Numerics
 from swarm.node.store import ROWS_PER_MATMUL
 from swarm.sharding.errors import UserError
 from swarm.sharding.ranges import format_ranges
@@ -266,11 +267,13 @@ class SwarmExperts:
         call_bytes: int = CALL_BYTES,
         browser: NodeBrowser | None = None,
         key: str | None = None,
+        numerics: Numerics = NATIVE,
     ) -> None:
         self.clients = clients
         self.placement = placement
         self.source = source
         self.wire_dtype = wire_dtype
+        self.numerics = numerics  # sent with every call: nodes compute as the in-process backend would
         self.timeout = timeout
         self.call_bytes = call_bytes
         self.calls_per_node: Counter[str] = Counter()
@@ -322,6 +325,7 @@ class SwarmExperts:
                     [p.rows for p in chunk],
                     part,
                     self.timeout,
+                    numerics=self.numerics,
                 )
                 self.calls_per_node[address] += 1
                 self.rows_per_node[address] += int(part.shape[0])
@@ -430,6 +434,7 @@ def connect(
     key: str | None = None,
     wire_dtype: torch.dtype = torch.float32,
     timeout: float = 30.0,
+    numerics: Numerics = NATIVE,
 ) -> SwarmExperts:
     """Find nodes (static peers, then mDNS until every needed slab has a holder or `wait` s pass).
 
@@ -517,7 +522,9 @@ def connect(
             ", ".join(sorted(by_header)),
         )
     log.info("swarm: %d nodes cover %d slabs", len(clients), len(needed))
-    experts = SwarmExperts(clients, placement, source, wire_dtype, timeout, browser=browser, key=key)
+    experts = SwarmExperts(
+        clients, placement, source, wire_dtype, timeout, browser=browser, key=key, numerics=numerics
+    )
     if browser is not None:
         experts.follow_mdns()  # what connect saw is the starting point for joins and leaves
     return experts

@@ -161,11 +161,19 @@ class NodeClient:
         rows: torch.Tensor,
         timeout: float | None = None,
         out_dtype: torch.dtype | None = None,
+        numerics: str = "native",
     ) -> ComputeCall:
         """Start computing rows [sum(counts), D] (packed expert-major) of `layer`; outputs come in rows' dtype
-        unless `out_dtype` says otherwise."""
+        unless `out_dtype` says otherwise. `numerics`: native (ggml on the stored quant types) or exact."""
         request = compute_request(
-            layer, expert_ids, counts, rows, self.fingerprint, out_dtype, protocol_version=PROTOCOL_VERSION
+            layer,
+            expert_ids,
+            counts,
+            rows,
+            self.fingerprint,
+            out_dtype,
+            protocol_version=PROTOCOL_VERSION,
+            numerics=numerics,
         )
         future = self._calls.submit(self._stub.Compute, request, timeout=timeout, metadata=self._metadata)
         return ComputeCall(self.address, future)
@@ -178,8 +186,9 @@ class NodeClient:
         rows: torch.Tensor,
         timeout: float | None = None,
         out_dtype: torch.dtype | None = None,
+        numerics: str = "native",
     ) -> torch.Tensor:
-        return self.compute_async(layer, expert_ids, counts, rows, timeout, out_dtype).result()
+        return self.compute_async(layer, expert_ids, counts, rows, timeout, out_dtype, numerics).result()
 
     def info(self, timeout: float | None = 10.0) -> NodeInfo:
         try:

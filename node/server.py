@@ -30,7 +30,14 @@ from swarm.proto.channel import (
     SERVICE_NAME,
     SWARM_KEY_METADATA,
 )
-from swarm.proto.codec import CodecError, decode_tensor, dtype_from_proto, encode_tensor, held_to_proto
+from swarm.proto.codec import (
+    CodecError,
+    decode_tensor,
+    dtype_from_proto,
+    encode_tensor,
+    held_to_proto,
+    numerics_from_proto,
+)
 from swarm.sharding.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -158,7 +165,8 @@ class ExpertServicer(pb_grpc.ExpertNodeServicer):
             self._check_model(request)
             rows = decode_tensor(request.rows, "rows")
             out_dtype = dtype_from_proto(request.out_dtype) if request.out_dtype else rows.dtype
-            out = self.store.compute(request.layer, expert_ids, counts, rows)
+            numerics = numerics_from_proto(request.numerics)
+            out = self.store.compute(request.layer, expert_ids, counts, rows, numerics)  # type: ignore[arg-type]
             reply = pb.ComputeReply(rows=encode_tensor(out.to(out_dtype)))
             ok = True
             return reply

@@ -1,11 +1,16 @@
 """Expert slabs held by one node (or in-process by the coordinator) and the SwiGLU compute over them.
 
 Dimension letters: N rows, D model width, F expert width.
-The quantized slab bytes stay memory-mapped; dequantized float32 working copies are made on first use
-and kept under a byte budget, least recently used first out. A call that needs an evicted expert
-dequantizes it again. The store is shared by concurrent calls: one lock guards only the cache
-bookkeeping, each expert has its own loading lock (two calls needing the same cold expert dequantize
-it once), and the matmuls run outside any lock.
+The quantized slab bytes stay memory-mapped. In the native numerics (the default) ggml multiplies them as
+they are (swarm.node.kernels): nothing else is kept, so what is resident is the slab pages in use. The
+exact numerics multiplies float32 working copies, dequantized on first use and kept under a byte budget,
+least recently used first out (a call that needs an evicted expert dequantizes it again); so does a slab
+type that ggml has no kernel for, whatever the call asks. The store is shared by concurrent calls: one
+lock guards only the cache bookkeeping, each expert has its own loading lock (two calls needing the same
+cold expert dequantize it once), and the matmuls run outside any lock.
+
+A whole call (every expert it names, one layer) is one ggml graph, and each row's result depends only on
+that row and its expert's weights: the same on a node as in process, alone or beside other sequences.
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from swarm.node import kernels
 from swarm.node.dequant import dequantize
+from swarm.node.kernels import EXACT, FFN, NATIVE, NUMERICS, Numerics, Weight
 from swarm.sharding.ranges import format_ranges
 from swarm.sharding.slabs import SlabKey, SlabTensor
 
@@ -29,11 +36,8 @@ log = logging.getLogger(__name__)
 GATE, UP, DOWN, GATE_UP = "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_up_exps"
 
 
-# An expert's rows are multiplied in blocks of at most this many, counted from the first row a call gives
-# for it. A BLAS kernel may round a row differently depending on how many rows share its matmul, so a
-# coordinator that has to cut one expert's rows over several calls cuts at multiples of this: the rows then
-# meet the same matmuls on a node as in process, and the bits agree. (The bound also caps the [rows, 2F]
-# intermediate of a long prefill.)
+# A coordinator that has to cut one expert's rows over several calls cuts at multiples of this. ggml's rows
+# are independent, so any cut gives the same bits; the unit only keeps the pieces of a long prefill even.
 ROWS_PER_MATMUL = 1024
 
 
@@ -88,6 +92,15 @@ class ExpertWeights:
         ts = (self.gate_up, self.down, self.gate_up_bias, self.down_bias)
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
+    def ffn(self) -> FFN:
+        """These float32 weights for ggml's F32 kernel (CPU only)."""
+        return FFN(
+            down=Weight.of_float(self.down),
+            gate_up=Weight.of_float(self.gate_up),
+            gate_bias=self.gate_up_bias,
+            down_bias=self.down_bias,
+        )
+
 
 def _load(s: SlabTensor, device: torch.device) -> torch.Tensor:
     return dequantize(s.data, s.qtype, s.shape).to(device)
@@ -117,8 +130,32 @@ def dequantize_expert(parts: dict[str, SlabTensor], device: torch.device | str =
     return ExpertWeights(gate_up.contiguous(), _load(parts[DOWN], device).contiguous(), gu_bias, down_bias)
 
 
+def native_ffn(parts: dict[str, SlabTensor]) -> FFN | None:
+    """One expert's slabs as ggml multiplies them in place; None when a part's type has no ggml kernel."""
+    for s in parts.values():
+        if not s.kind.endswith(".bias") and not kernels.has_kernel(s.qtype):
+            kernels.warn_no_kernel(int(s.qtype), f"expert slab {s.kind}")
+            return None
+
+    def w(kind: str) -> Weight | None:
+        s = parts.get(kind)
+        return Weight.of_bytes(s.data, s.qtype, s.shape) if s is not None else None
+
+    def bias(kind: str) -> torch.Tensor | None:
+        s = parts.get(kind + ".bias")
+        return dequantize(s.data, s.qtype, s.shape).contiguous() if s is not None else None
+
+    down = w(DOWN)
+    assert down is not None
+    if GATE_UP in parts:
+        return FFN(down=down, gate_up=w(GATE_UP), gate_bias=bias(GATE_UP), down_bias=bias(DOWN))
+    return FFN(
+        down=down, gate=w(GATE), up=w(UP), gate_bias=bias(GATE), up_bias=bias(UP), down_bias=bias(DOWN)
+    )
+
+
 def swiglu(w: ExpertWeights, x: torch.Tensor) -> torch.Tensor:
-    """down(silu(gate x) * up x) for rows x [N, D] -> [N, D], in float32."""
+    """down(silu(gate x) * up x) for rows x [N, D] -> [N, D], in float32, with torch (exact on a GPU)."""
     h = F.linear(x, w.gate_up, w.gate_up_bias)  # [N, 2F]
     gate, up = h.chunk(2, dim=-1)
     return F.linear(F.silu(gate) * up, w.down, w.down_bias)
@@ -156,8 +193,9 @@ class CacheStats:
 
 
 def default_memory_budget() -> int:
-    """Half of this machine's physical memory: dequantized float32 experts are 4-8x their quantized size, and
-    a node that holds 64 experts of every layer of a 35B model would otherwise outgrow a laptop's RAM."""
+    """Half of this machine's physical memory, for exact-numerics working copies: dequantized float32
+    experts are 4-8x their quantized size, and a node that holds 64 experts of every layer of a 35B model
+    would otherwise outgrow a laptop's RAM. (Native calls keep no copies.)"""
     try:
         return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) // 2
     except (ValueError, OSError, AttributeError):
@@ -167,9 +205,10 @@ def default_memory_budget() -> int:
 class ExpertStore:
     """The slabs one process holds, computing any of them on request.
 
-    `memory_budget` bounds the bytes of dequantized working copies (None or 0: unlimited). The expert a
-    call is computing is never evicted under it, so a budget smaller than one expert still works (one
-    expert resident at a time).
+    `memory_budget` bounds the bytes of dequantized float32 working copies, which only exact calls (and
+    slab types without a ggml kernel) make (None or 0: unlimited). The experts a call is computing stay
+    alive until it ends, so a budget smaller than one expert still works. `device`: where exact calls
+    compute (a GPU runs them with torch); native calls always run ggml's CPU kernels.
     """
 
     def __init__(
@@ -194,6 +233,7 @@ class ExpertStore:
         self._lock = threading.Lock()  # guards _cache, _bytes and the counters only
         self._load_locks = {key: threading.Lock() for key in slabs}
         self._cache: OrderedDict[SlabKey, ExpertWeights] = OrderedDict()
+        self._native: dict[SlabKey, FFN | None] = {}  # metadata only: views of the slab bytes
         self._bytes = 0
         self._hits = self._misses = self._evictions = 0
 
@@ -269,19 +309,52 @@ class ExpertStore:
         if missing:
             raise MissingSlabs(layer, missing, self.layers())
 
+    def ffn(self, layer: int, expert: int, numerics: Numerics = NATIVE) -> FFN:
+        """One expert as ggml multiplies it: its slab bytes (native) or its float32 working copy (exact,
+        or a slab type without a ggml kernel)."""
+        key = (layer, expert)
+        if key not in self.slabs:
+            raise MissingSlabs(layer, [expert], self.layers())
+        if numerics == NATIVE:
+            if key not in self._native:
+                self._native[key] = native_ffn(self.slabs[key])
+            f = self._native[key]
+            if f is not None:
+                return f
+        return self.weights(layer, expert).ffn()
+
     def compute(
-        self, layer: int, expert_ids: Sequence[int], counts: Sequence[int], rows: torch.Tensor
+        self,
+        layer: int,
+        expert_ids: Sequence[int],
+        counts: Sequence[int],
+        rows: torch.Tensor,
+        numerics: Numerics = NATIVE,
     ) -> torch.Tensor:
         """Rows packed expert-major (counts[i] rows for expert_ids[i]) -> outputs [N, D] float32 in the same order."""
         self.check(layer, expert_ids, counts, rows)
+        if numerics not in NUMERICS:
+            raise BadCall(f"unknown numerics {numerics!r}; use one of {', '.join(NUMERICS)}")
+        if numerics == EXACT and self.device.type != "cpu":
+            return self._compute_torch(layer, expert_ids, counts, rows)
+        x = rows.to("cpu", torch.float32).contiguous()
+        out = torch.empty_like(x)
+        blocks, start = [], 0
+        for expert, n in zip(expert_ids, counts, strict=True):
+            if n:
+                blocks.append((self.ffn(layer, expert, numerics), start, n))
+            start += n
+        kernels.ffn_rows(blocks, x, out)
+        return out
+
+    def _compute_torch(
+        self, layer: int, expert_ids: Sequence[int], counts: Sequence[int], rows: torch.Tensor
+    ) -> torch.Tensor:
         x = rows.to(self.device, torch.float32)
         out = torch.empty_like(x)
         start = 0
         for expert, n in zip(expert_ids, counts, strict=True):
             if n:
-                w = self.weights(layer, expert)
-                for a in range(start, start + n, ROWS_PER_MATMUL):
-                    b = min(a + ROWS_PER_MATMUL, start + n)
-                    out[a:b] = swiglu(w, x[a:b])
+                out[start : start + n] = swiglu(self.weights(layer, expert), x[start : start + n])
             start += n
         return out

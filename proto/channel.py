@@ -6,7 +6,8 @@ Both ends build their channels and servers from CHANNEL_OPTIONS so the limits ca
 from __future__ import annotations
 
 # Bumped when a change to expert.proto or its meaning breaks older peers.
-PROTOCOL_VERSION = 1
+# 2: ComputeRequest.numerics (native ggml kernels vs exact float32); a node of version 1 computes float32 only.
+PROTOCOL_VERSION = 2
 
 # The largest message either end sends or accepts. A Compute call carries rows [N, D] in and out, so
 # this bounds N*D*itemsize: 64 MiB is 8192 rows of D=2048 in f32 (16384 in f16/bf16). A coordinator

@@ -84,6 +84,7 @@ def compute_request(
     fingerprint: str = "",
     out_dtype: torch.dtype | None = None,
     protocol_version: int = 0,
+    numerics: str = "native",
 ) -> pb.ComputeRequest:
     """The one place a Compute request is built: rows [sum(counts), D] packed expert-major."""
     return pb.ComputeRequest(
@@ -94,7 +95,27 @@ def compute_request(
         counts=[int(c) for c in counts],
         rows=encode_tensor(rows),
         out_dtype=dtype_to_proto(out_dtype) if out_dtype is not None else pb.DTYPE_UNSPECIFIED,
+        numerics=numerics_to_proto(numerics),
     )
+
+
+_NUMERICS = {"native": pb.NATIVE, "exact": pb.EXACT}
+
+
+def numerics_to_proto(name: str) -> int:
+    if name not in _NUMERICS:
+        raise CodecError(f"unknown numerics {name!r}; use native or exact")
+    return _NUMERICS[name]
+
+
+def numerics_from_proto(value: int) -> str:
+    """The numerics a call asks for; unspecified means native (the default)."""
+    if value == pb.NUMERICS_UNSPECIFIED:
+        return "native"
+    for name, code in _NUMERICS.items():
+        if code == value:
+            return name
+    raise CodecError(f"unknown numerics {value}; this node knows native (1) and exact (2)")
 
 
 # ---- held slab sets ------------------------------------------------------------------------------

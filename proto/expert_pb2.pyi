@@ -13,10 +13,19 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     F32: _ClassVar[DType]
     F16: _ClassVar[DType]
     BF16: _ClassVar[DType]
+
+class Numerics(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    NUMERICS_UNSPECIFIED: _ClassVar[Numerics]
+    NATIVE: _ClassVar[Numerics]
+    EXACT: _ClassVar[Numerics]
 DTYPE_UNSPECIFIED: DType
 F32: DType
 F16: DType
 BF16: DType
+NUMERICS_UNSPECIFIED: Numerics
+NATIVE: Numerics
+EXACT: Numerics
 
 class Tensor(_message.Message):
     __slots__ = ("dtype", "shape", "data")
@@ -29,7 +38,7 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ComputeRequest(_message.Message):
-    __slots__ = ("fingerprint", "protocol_version", "layer", "expert_ids", "counts", "rows", "out_dtype")
+    __slots__ = ("fingerprint", "protocol_version", "layer", "expert_ids", "counts", "rows", "out_dtype", "numerics")
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +46,7 @@ class ComputeRequest(_message.Message):
     COUNTS_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     OUT_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NUMERICS_FIELD_NUMBER: _ClassVar[int]
     fingerprint: str
     protocol_version: int
     layer: int
@@ -44,7 +54,8 @@ class ComputeRequest(_message.Message):
     counts: _containers.RepeatedScalarFieldContainer[int]
     rows: Tensor
     out_dtype: DType
-    def __init__(self, fingerprint: _Optional[str] = ..., protocol_version: _Optional[int] = ..., layer: _Optional[int] = ..., expert_ids: _Optional[_Iterable[int]] = ..., counts: _Optional[_Iterable[int]] = ..., rows: _Optional[_Union[Tensor, _Mapping]] = ..., out_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+    numerics: Numerics
+    def __init__(self, fingerprint: _Optional[str] = ..., protocol_version: _Optional[int] = ..., layer: _Optional[int] = ..., expert_ids: _Optional[_Iterable[int]] = ..., counts: _Optional[_Iterable[int]] = ..., rows: _Optional[_Union[Tensor, _Mapping]] = ..., out_dtype: _Optional[_Union[DType, str]] = ..., numerics: _Optional[_Union[Numerics, str]] = ...) -> None: ...
 
 class ComputeReply(_message.Message):
     __slots__ = ("rows",)

@@ -37,26 +37,34 @@ N_GREEDY = 16
 # float32 rounding (~1e-5 on these logits); a real mistake moves logits by 1e-2 or more.
 ATOL_SELF = 1e-4
 
-# (fixture dir, GGUF file, reference prefixes to match). For BF16 / quantized files the references
-# are the engines run on the exactly dequantized weights, as the fixtures' README prescribes.
+# (fixture dir, GGUF file, reference prefixes to match, numerics). For BF16 / quantized files the
+# references are the engines run on the exactly dequantized weights, as the fixtures' README prescribes:
+# the exact numerics. (F32 files multiply the same float32 bytes in both numerics; the native numerics on
+# the other files is judged against llama.cpp's own kernels in test_native.py.)
 VARIANTS = {
-    "qwen35moe-f32": ("qwen35moe-tiny", "model-f32.gguf", ("hf", "llama_f32")),
-    "qwen3next-f32": ("qwen3next-tiny", "model-f32.gguf", ("hf", "llama_f32")),
-    "qwen35moe-bf16": ("qwen35moe-tiny", "model-bf16.gguf", ("hfdq_bf16", "llama_bf16_deq")),
-    "qwen35moe-q8_0": ("qwen35moe-quant", "model-q8_0.gguf", ("hfdq_q8_0", "llama_q8_0_deq")),
-    "qwen35moe-q4_k_m": ("qwen35moe-quant", "model-q4_k_m.gguf", ("hfdq_q4_k_m", "llama_q4_k_m_deq")),
+    "qwen35moe-f32": ("qwen35moe-tiny", "model-f32.gguf", ("hf", "llama_f32"), "native"),
+    "qwen3next-f32": ("qwen3next-tiny", "model-f32.gguf", ("hf", "llama_f32"), "native"),
+    "qwen35moe-bf16": ("qwen35moe-tiny", "model-bf16.gguf", ("hfdq_bf16", "llama_bf16_deq"), "exact"),
+    "qwen35moe-q8_0": ("qwen35moe-quant", "model-q8_0.gguf", ("hfdq_q8_0", "llama_q8_0_deq"), "exact"),
+    "qwen35moe-q4_k_m": (
+        "qwen35moe-quant",
+        "model-q4_k_m.gguf",
+        ("hfdq_q4_k_m", "llama_q4_k_m_deq"),
+        "exact",
+    ),
 }
 
 
-def load(path: Path) -> DecoderModel:
-    model, _ = load_model(path, LocalExperts(ExpertStore(slabs_from_gguf(path))), device="cpu")
+def load(path: Path, numerics: str = "native") -> DecoderModel:
+    experts = LocalExperts(ExpertStore(slabs_from_gguf(path)), numerics=numerics)
+    model, _ = load_model(path, experts, device="cpu", numerics=numerics)
     return model
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def variant(request: pytest.FixtureRequest) -> tuple[DecoderModel, Any, tuple[str, ...]]:
-    d, f, refs = VARIANTS[request.param]
-    return load(FIXTURES / d / f), np.load(FIXTURES / d / "reference.npz"), refs
+    d, f, refs, numerics = VARIANTS[request.param]
+    return load(FIXTURES / d / f, numerics), np.load(FIXTURES / d / "reference.npz"), refs
 
 
 def tokens(ref: Any, i: int) -> torch.Tensor:
@@ -260,7 +268,11 @@ def test_a_non_float32_token_table_stays_packed_and_looks_up_gguf_values(model_d
     assert torch.equal(model.token_embd(ids), expected[ids])
 
 
-def test_a_float32_token_table_is_an_ordinary_embedding() -> None:
+def test_a_float32_token_table_stays_in_the_file_too() -> None:
+    """Even a float32 table is looked up in the file's memory map: no copy of the vocabulary."""
     path = FIXTURES / "qwen35moe-tiny" / "model-f32.gguf"
     model, _ = load_model(path, LocalExperts(ExpertStore({})), device="cpu")
-    assert isinstance(model.token_embd, torch.nn.Embedding)
+    assert isinstance(model.token_embd, PackedEmbedding)
+    table = next(t for t in open_gguf(path).tensors if t.name == "token_embd.weight")
+    ids = torch.tensor([3, 0, 700])
+    assert torch.equal(model.token_embd(ids), torch.from_numpy(np.array(table.data))[ids])

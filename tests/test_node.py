@@ -30,7 +30,7 @@ from swarm.node.client import NodeCallError, NodeClient
 from swarm.node.launch import start_nodes, stop_nodes
 from swarm.proto import expert_pb2 as pb
 from swarm.proto import expert_pb2_grpc as pb_grpc
-from swarm.proto.channel import MAX_MESSAGE_BYTES
+from swarm.proto.channel import MAX_MESSAGE_BYTES, PROTOCOL_VERSION
 from swarm.proto.codec import compute_request
 from swarm.sharding.manifest import read_manifest
 from swarm.sharding.shard import shard_model
@@ -247,7 +247,7 @@ def test_info_describes_the_node(nodes, clients, models):
     reader = GGUFReader(Q4KM_GGUF)
     header = Q4KM_GGUF.read_bytes()[: reader.data_offset]
     assert info.fingerprint == nodes["q4km"].fingerprint == hashlib.sha256(header).hexdigest()
-    assert (info.hidden_size, info.protocol_version, info.device, info.workers) == (256, 1, "cpu", 4)
+    assert (info.hidden_size, info.protocol_version, info.device, info.workers) == (256, PROTOCOL_VERSION, "cpu", 4)
     assert clients["q8_0"].info().fingerprint == read_manifest(models["q8_0_shard"]).fingerprint
     assert clients["q4km"].health()
 

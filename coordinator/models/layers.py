@@ -22,10 +22,12 @@ from typing import Any, ClassVar, Protocol
 import numpy as np
 import torch
 import torch.nn.functional as F
-from gguf import Keys
+from gguf import GGMLQuantizationType, Keys
 from torch import nn
 
 from swarm.coordinator.experts import ExpertBackend
+from swarm.node import kernels
+from swarm.node.dequant import dequantize
 from swarm.sharding.gguf_io import GGUFError
 
 # llama.cpp clamps the sum of the selected routing weights before renormalising (build_moe_ffn).
@@ -48,16 +50,63 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
+class TorchMatrix:
+    """A weight [out, in] as a torch tensor on a GPU (float16 for the native numerics, float32 for exact)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(self.weight.dtype), self.weight).float()
+
+    def dense(self) -> torch.Tensor:
+        return self.weight.float()
+
+
+class GGMLMatrix:
+    """A weight [out, in] multiplied by ggml's CPU kernels where it lies (a view of the GGUF's memory map in
+    its file type for the native numerics; a float32 copy for exact). See swarm.node.kernels."""
+
+    def __init__(self, weight: kernels.Weight) -> None:
+        self.weight = weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.linear([self.weight], x.reshape(-1, x.shape[-1]))[0].view(*x.shape[:-1], -1)
+
+    def dense(self) -> torch.Tensor:
+        w = self.weight
+        if w.qtype == int(GGMLQuantizationType.F32):
+            return torch.from_numpy(np.array(w.keep, dtype=np.float32)).view(w.rows, w.cols)
+        return dequantize(np.asarray(w.keep), GGMLQuantizationType(w.qtype), (w.rows, w.cols))
+
+
+Matrix = TorchMatrix | GGMLMatrix
+
+
 class Linear(nn.Module):
-    """A GGUF matrix {in, out}: weight [out, in], optional bias [out]."""
+    """A GGUF matrix {in, out}: weight [out, in] as the loader sets it (a Matrix: multiplied as the file
+    stores it, see swarm.node.kernels), optional bias [out] (float32)."""
 
     def __init__(self, d_in: int, d_out: int, bias: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(d_out, d_in), requires_grad=False)
+        self.d_in, self.d_out = d_in, d_out
+        self.matrix: Matrix | None = None  # the loader's: not a parameter, never a float32 copy
         self.bias = nn.Parameter(torch.empty(d_out), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        assert self.matrix is not None, "Linear used before the loader set its matrix"
+        y = self.matrix(x)
+        return y if self.bias is None else y + self.bias
+
+
+def project(x: torch.Tensor, *linears: Linear) -> list[torch.Tensor]:
+    """x [N, I] through several Linears of the same input: one ggml graph when they all run on ggml (a
+    decode step's projections are small, and each graph has a fixed cost), else one by one."""
+    mats = [lin.matrix for lin in linears]
+    if len(mats) > 1 and all(isinstance(m, GGMLMatrix) for m in mats):
+        outs = kernels.linear([m.weight for m in mats], x)  # type: ignore[union-attr]
+        return [y if lin.bias is None else y + lin.bias for y, lin in zip(outs, linears, strict=True)]
+    return [lin(x) for lin in linears]
 
 
 @dataclass(frozen=True)
@@ -113,19 +162,20 @@ class MoE(nn.Module):
         return routed if shared is None else routed + shared
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor | None:
-        if self.ffn_gate_shexp is None or self.ffn_up_shexp is None or self.ffn_down_shexp is None:
+        gate, up, down = self.ffn_gate_shexp, self.ffn_up_shexp, self.ffn_down_shexp
+        if gate is None or up is None or down is None:
             return None
-        y = self.ffn_down_shexp(F.silu(self.ffn_gate_shexp(x)) * self.ffn_up_shexp(x))
+        mats = (gate.matrix, up.matrix, down.matrix)
+        if all(isinstance(m, GGMLMatrix) for m in mats):
+            # the same SwiGLU graph as a routed expert on a node
+            g, u, d = (m.weight for m in mats)  # type: ignore[union-attr]
+            y = kernels.ffn(kernels.FFN(down=d, gate=g, up=u), x)
+        else:
+            y = down(F.silu(gate(x)) * up(x))
         if self.ffn_gate_inp_shexp is not None:
             y = y * torch.sigmoid(self.ffn_gate_inp_shexp(x))
         return y
 
-    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: object, **kwargs: object) -> None:
-        # GGUF stores ffn_gate_inp_shexp as a vector {D} (or {D, 1}); the module holds it as [1, D].
-        key = prefix + "ffn_gate_inp_shexp.weight"
-        if key in state_dict and state_dict[key].dim() == 1:
-            state_dict[key] = state_dict[key].unsqueeze(0)
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -310,12 +360,12 @@ class DecoderModel(nn.Module):
     and its MoE over all N tokens at once: one expert fan-out per layer for the whole batch.
     """
 
-    token_embd: nn.Embedding | PackedEmbedding  # the loader packs a non-float32 table
+    token_embd: nn.Embedding | PackedEmbedding  # the loader's PackedEmbedding over the file's table
 
     def __init__(self, n_vocab: int, n_embd: int, eps: float) -> None:
         super().__init__()
-        # An explicit (uninitialised) weight skips nn.Embedding's random init: the loader overwrites it.
-        self.token_embd = nn.Embedding(n_vocab, n_embd, _weight=torch.empty(n_vocab, n_embd))
+        # A placeholder without memory (meta device): the loader puts the file's own table here.
+        self.token_embd = nn.Embedding(n_vocab, n_embd, device="meta")
         self.token_embd.weight.requires_grad_(False)
         self.blk = nn.ModuleList()
         self.output_norm = RMSNorm(n_embd, eps)

@@ -1,0 +1,348 @@
+"""Matrix products on GGUF weights as they are stored, with ggml's CPU kernels (the ones llama.cpp runs).
+
+Dimension letters: N rows (tokens or token-expert pairs), I input width, O output width, F expert width.
+
+Two numerics, one code path:
+- `native` (the default): every weight stays in its file type (Q4_K, Q8_0, BF16, ...) and ggml multiplies
+  the stored blocks, quantizing each activation row to the type its kernel pairs with (Q8_K for K-quants,
+  Q8_0/Q8_1 for the legacy quants, BF16 for BF16, ...). These are llama.cpp's numerics.
+- `exact`: float32 weights (dequantized once, bit-identical to gguf-py) times float32 activations with
+  ggml's F32 kernel: the oracle that matches transformers.
+
+ggml is taken through ggml-python (its package builds ggml from source, with the build's SIMD level: AVX2,
+AVX-512, NEON). ggml is built without llamafile's tinyBLAS, so every output element is one `vec_dot` of a
+weight row and an activation row, and each activation row is quantized on its own: a row's result does
+not depend on how many rows share the matmul, which other sequences are in the step, or which process on
+the same CPU computes it. (A different SIMD level rounds differently, so a swarm mixing AVX2 and AVX-512
+nodes agrees to rounding, not to the bit.)
+
+Weights are multiplied where they lie (a view of the GGUF or slab memory map): nothing is copied. One
+process runs one ggml graph at a time on its thread budget (`set_threads`), and ggml's OpenMP threads are
+torch's (the one libgomp in the process), so the two pools never fight over the cores.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+log = logging.getLogger(__name__)
+
+Numerics = Literal["native", "exact"]
+NATIVE: Numerics = "native"
+EXACT: Numerics = "exact"
+NUMERICS: tuple[Numerics, ...] = (NATIVE, EXACT)
+
+_F32 = int(GGMLQuantizationType.F32)
+
+# ggml is loaded on first use: `import ggml` loads the shared libraries, which a process that never
+# multiplies (swarm inspect, shard) should not pay for.
+_ggml = None
+_load_lock = threading.Lock()
+_compute_lock = threading.Lock()  # one graph at a time per process: one thread budget
+_threads = 0  # 0: torch's thread count
+_warned: set[int] = set()
+
+
+def ggml_lib():  # noqa: ANN201 - the ggml-python module
+    global _ggml
+    if _ggml is None:
+        with _load_lock:
+            if _ggml is None:
+                import ggml
+
+                ggml.ggml_cpu_init()
+                _ggml = ggml
+    return _ggml
+
+
+def set_threads(n: int) -> None:
+    """Threads for every ggml graph of this process (and torch's, the same OpenMP pool)."""
+    global _threads
+    if n < 1:
+        raise ValueError(f"thread count must be at least 1, got {n}")
+    _threads = n
+    torch.set_num_threads(n)
+
+
+def threads() -> int:
+    return _threads or torch.get_num_threads()
+
+
+def has_kernel(qtype: int) -> bool:
+    """Whether ggml's CPU backend multiplies this type as stored."""
+    g = ggml_lib()
+    if not 0 <= int(qtype) < g.GGML_TYPE_COUNT:
+        return False
+    traits = g.ggml_get_type_traits_cpu(int(qtype))
+    if not traits or not ctypes.cast(traits.contents.vec_dot, ctypes.c_void_p).value:
+        return False
+    vdt = traits.contents.vec_dot_type
+    if vdt == int(qtype):
+        return True
+    pair = g.ggml_get_type_traits_cpu(vdt)
+    return bool(pair) and bool(ctypes.cast(pair.contents.from_float, ctypes.c_void_p).value)
+
+
+def warn_no_kernel(qtype: int, what: str) -> None:
+    """Say once per type that it falls back to the exact path."""
+    if qtype in _warned:
+        return
+    _warned.add(qtype)
+    name = GGMLQuantizationType(qtype).name if qtype in GGMLQuantizationType._value2member_map_ else qtype
+    log.warning(
+        "ggml has no CPU kernel for %s (%s): multiplied as dequantized float32 (the exact path) instead",
+        name,
+        what,
+    )
+
+
+@dataclass(frozen=True)
+class Weight:
+    """A matrix [O, I] in a ggml type at a fixed address: a view of a file's bytes or a float32 tensor.
+
+    `keep` holds whatever owns the memory (a memory-mapped numpy array, a torch tensor), so the address
+    stays valid as long as the Weight lives.
+    """
+
+    qtype: int
+    rows: int  # O
+    cols: int  # I
+    ptr: int
+    nbytes: int
+    keep: object
+
+    @classmethod
+    def of_bytes(cls, data: np.ndarray, qtype: int, shape: Sequence[int]) -> Weight:
+        """The stored bytes of a GGUF tensor (torch-order `shape` [O, I] or [O, ..., I] flattened to 2-D)."""
+        qtype = int(qtype)
+        cols = int(shape[-1])
+        rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+        block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+        if cols % block:
+            raise ValueError(f"rows of {cols} values are not whole {block}-value blocks")
+        want = rows * (cols // block) * type_size
+        arr = np.asarray(data)
+        if arr.nbytes != want:
+            raise ValueError(f"{arr.nbytes} bytes for a [{rows}, {cols}] matrix of type {qtype}; want {want}")
+        if not arr.flags.c_contiguous:
+            arr = np.ascontiguousarray(arr)
+        return cls(qtype, rows, cols, arr.ctypes.data, want, arr)
+
+    @classmethod
+    def of_float(cls, w: torch.Tensor) -> Weight:
+        """A float32 matrix [O, I] (CPU, contiguous) for the exact path."""
+        if w.dtype != torch.float32 or w.device.type != "cpu" or not w.is_contiguous() or w.dim() != 2:
+            raise ValueError("Weight.of_float takes a contiguous 2-D float32 CPU tensor")
+        return cls(_F32, int(w.shape[0]), int(w.shape[1]), w.data_ptr(), w.numel() * 4, w)
+
+
+class _Buffers(threading.local):
+    """Per-thread scratch, reused across graphs: the ggml context pool and the work buffer."""
+
+    def __init__(self) -> None:
+        self.ctx_mem = np.empty(0, dtype=np.uint8)
+        self.work = np.empty(0, dtype=np.uint8)
+
+    def get_ctx(self, n: int) -> np.ndarray:
+        if self.ctx_mem.nbytes < n:
+            self.ctx_mem = np.empty(max(n, 2 * self.ctx_mem.nbytes), dtype=np.uint8)
+        return self.ctx_mem
+
+    def get_work(self, n: int) -> np.ndarray:
+        if self.work.nbytes < n:
+            self.work = np.empty(max(n, 2 * self.work.nbytes), dtype=np.uint8)
+        return self.work
+
+
+_buffers = _Buffers()
+_GRAPH_NODES = 2048  # ggml's default graph size; a node call of 256 experts builds ~5 nodes each
+
+
+class Graph:
+    """One ggml graph over torch inputs and outputs, built and computed once.
+
+    Inputs and outputs are torch float32 CPU tensors used in place (their data pointers); weights are
+    used where they lie. Intermediates live in a per-thread scratch pool sized by `scratch_bytes`.
+    """
+
+    def __init__(self, scratch_bytes: int, n_tensors: int) -> None:
+        g = self.g = ggml_lib()
+        size = scratch_bytes + (n_tensors + 8) * g.ggml_tensor_overhead() + g.ggml_graph_overhead() + 4096
+        mem = _buffers.get_ctx(size)
+        params = g.ggml_init_params(mem_size=mem.nbytes, mem_buffer=mem.ctypes.data, no_alloc=False)
+        self.ctx = g.ggml_init(params)
+        if not self.ctx:
+            raise MemoryError("ggml_init failed")
+        self._keep: list[object] = []
+        self.outputs: list[object] = []
+
+    def __enter__(self) -> Graph:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.g.ggml_free(self.ctx)
+
+    def _placed(self, qtype: int, cols: int, rows: int, ptr: int, keep: object) -> object:
+        g = self.g
+        g.ggml_set_no_alloc(self.ctx, True)
+        t = g.ggml_new_tensor_2d(self.ctx, qtype, cols, rows)
+        g.ggml_set_no_alloc(self.ctx, False)
+        t.contents.data = ptr
+        self._keep.append(keep)
+        return t
+
+    def weight(self, w: Weight) -> object:
+        return self._placed(w.qtype, w.cols, w.rows, w.ptr, w.keep)
+
+    def input(self, x: torch.Tensor) -> object:
+        """x [N, I] float32 contiguous CPU."""
+        assert x.dtype == torch.float32 and x.is_contiguous() and x.dim() == 2
+        return self._placed(_F32, int(x.shape[1]), int(x.shape[0]), x.data_ptr(), x)
+
+    def mul_mat(self, w: object, x: object) -> object:
+        return self.g.ggml_mul_mat(self.ctx, w, x)  # [N, O]
+
+    def swiglu(self, gate: object, up: object | None = None) -> object:
+        """silu(gate) * up; with one tensor [N, 2F], its first F columns are the gate."""
+        if up is None:
+            return self.g.ggml_swiglu(self.ctx, gate)
+        return self.g.ggml_swiglu_split(self.ctx, gate, up)
+
+    def add_row(self, x: object, bias: torch.Tensor) -> object:
+        """x [N, O] + bias [O] (broadcast over rows)."""
+        b = self._placed(_F32, int(bias.numel()), 1, bias.data_ptr(), bias)
+        return self.g.ggml_add(self.ctx, x, b)
+
+    def output(self, t: object, out: torch.Tensor) -> None:
+        """Compute t into `out` (a float32 contiguous CPU tensor of t's shape): ggml writes there directly."""
+        assert out.dtype == torch.float32 and out.is_contiguous()
+        c = t.contents
+        if c.ne[0] * c.ne[1] != out.numel():
+            raise ValueError(f"output of {out.numel()} values for a [{c.ne[1]}, {c.ne[0]}] result")
+        # The result was allocated in the scratch pool; point it at `out` instead (it is computed last).
+        c.data = out.data_ptr()
+        self._keep.append(out)
+        self.outputs.append(t)
+
+    def compute(self) -> None:
+        g = self.g
+        graph = g.ggml_new_graph_custom(self.ctx, _GRAPH_NODES, False)
+        for t in self.outputs:
+            g.ggml_build_forward_expand(graph, t)
+        with _compute_lock:
+            plan = g.ggml_graph_plan(graph, threads(), None)
+            if plan.work_size:
+                work = _buffers.get_work(plan.work_size)
+                plan.work_data = work.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+            status = g.ggml_graph_compute(graph, ctypes.byref(plan))
+        if status != 0:
+            raise RuntimeError(f"ggml graph compute failed (status {status})")
+
+
+def _f32_rows(x: torch.Tensor) -> torch.Tensor:
+    return x.to(device="cpu", dtype=torch.float32).contiguous()
+
+
+def linear(weights: Sequence[Weight], x: torch.Tensor) -> list[torch.Tensor]:
+    """x [N, I] times each of several matrices [O_j, I] of the same input: one graph, outputs [N, O_j]."""
+    x = _f32_rows(x)
+    n = int(x.shape[0])
+    outs = [torch.empty(n, w.rows, dtype=torch.float32) for w in weights]
+    # the scratch holds each product before it is pointed at its output, plus quantized activations
+    scratch = sum(4 * n * w.rows + 64 for w in weights)
+    with Graph(scratch, 2 * len(weights) + 1) as gr:
+        xt = gr.input(x)
+        for w, out in zip(weights, outs, strict=True):
+            gr.output(gr.mul_mat(gr.weight(w), xt), out)
+        gr.compute()
+    return outs
+
+
+@dataclass(frozen=True)
+class FFN:
+    """One SwiGLU feed-forward net: down(silu(gate x) * up x), gate and up stored apart or fused [2F, I]."""
+
+    down: Weight  # [I, F]
+    gate: Weight | None = None  # [F, I]
+    up: Weight | None = None  # [F, I]
+    gate_up: Weight | None = None  # [2F, I], gate rows first
+    gate_bias: torch.Tensor | None = None  # [F] (or [2F] with gate_up)
+    up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
+
+    @property
+    def width(self) -> int:
+        return self.down.cols  # F
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.nbytes for w in (self.down, self.gate, self.up, self.gate_up) if w is not None)
+
+
+def ffn_rows(blocks: Sequence[tuple[FFN, int, int]], x: torch.Tensor, out: torch.Tensor) -> None:
+    """For each (ffn, start, n): out[start:start+n] = ffn(x[start:start+n]); one graph for all of them.
+
+    x, out [N, D] float32 contiguous CPU. This is a node's whole Compute call (every expert it was sent
+    for one layer) and the coordinator's shared expert.
+    """
+    blocks = [(f, a, n) for f, a, n in blocks if n]
+    if not blocks:
+        return
+    d = int(x.shape[1])
+    scratch = sum(4 * n * (3 * f.width) + 4 * n * d + 256 for f, _, n in blocks)
+    with Graph(scratch, 12 * len(blocks) + 2) as gr:
+        for f, a, n in blocks:
+            xt = gr.input(x[a : a + n])
+            if f.gate_up is not None:
+                h = gr.mul_mat(gr.weight(f.gate_up), xt)  # [n, 2F]
+                if f.gate_bias is not None:
+                    h = gr.add_row(h, f.gate_bias)
+                h = gr.swiglu(h)
+            else:
+                assert f.gate is not None and f.up is not None
+                gate = gr.mul_mat(gr.weight(f.gate), xt)  # [n, F]
+                up = gr.mul_mat(gr.weight(f.up), xt)
+                if f.gate_bias is not None:
+                    gate = gr.add_row(gate, f.gate_bias)
+                if f.up_bias is not None:
+                    up = gr.add_row(up, f.up_bias)
+                h = gr.swiglu(gate, up)  # [n, F]
+            y = gr.mul_mat(gr.weight(f.down), h)  # [n, D]
+            if f.down_bias is not None:
+                y = gr.add_row(y, f.down_bias)
+            gr.output(y, out[a : a + n])
+        gr.compute()
+
+
+def ffn(f: FFN, x: torch.Tensor) -> torch.Tensor:
+    """One FFN over rows x [N, D] -> [N, D] float32."""
+    x = _f32_rows(x)
+    out = torch.empty_like(x)
+    ffn_rows([(f, 0, int(x.shape[0]))], x, out)
+    return out
+
+
+def stored_weight(
+    data: np.ndarray, qtype: int, shape: Sequence[int], numerics: Numerics, what: str = "a weight"
+) -> Weight:
+    """The Weight a matrix is multiplied as: its stored bytes (native, or any float32 tensor), else a float32
+    copy dequantized bit-identically to gguf-py (exact, or a type ggml has no kernel for)."""
+    qtype = int(qtype)
+    if qtype == _F32 or (numerics == NATIVE and has_kernel(qtype)):
+        return Weight.of_bytes(data, qtype, shape)
+    if numerics == NATIVE:
+        warn_no_kernel(qtype, what)
+    from swarm.node.dequant import dequantize
+
+    cols = int(shape[-1])
+    rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+    return Weight.of_float(dequantize(data, GGMLQuantizationType(qtype), (rows, cols)).contiguous())
