@@ -40,6 +40,33 @@ def add_swarm_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--device", default=None, help="torch device for the dense path (default: cuda if present)"
     )
+    add_numerics_args(g)
+
+
+def add_numerics_args(g: Any) -> None:
+    """How weights are multiplied (--exact) and on how many threads."""
+    g.add_argument(
+        "--exact",
+        action="store_true",
+        help="float32 math on exactly dequantized weights (the oracle that matches transformers; slower "
+        "and float32-sized); default: every weight in its file type with ggml's kernels, as llama.cpp does",
+    )
+    g.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="compute threads of this process, shared by torch and ggml (default: one per core)",
+    )
+
+
+def apply_threads(threads: int | None) -> None:
+    if threads is None:
+        return
+    if threads < 1:
+        raise UserError("--threads must be at least 1")
+    from swarm.node.kernels import set_threads
+
+    set_threads(threads)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -102,6 +129,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--workdir", default=None, help="keep the model and logs here (default: a temp dir, removed)"
     )
+    add_numerics_args(p)
     p.set_defaults(func=cmd_demo)
 
 
@@ -117,6 +145,7 @@ def _open(args: argparse.Namespace) -> Any:
 
     where = "experts in this process" if args.local else "looking for nodes"
     _status(f"swarm {args.command}: opening {args.model} ({where}) ...")
+    apply_threads(args.threads)
     engine = open_engine(
         args.model,
         local=args.local,
@@ -129,6 +158,7 @@ def _open(args: argparse.Namespace) -> Any:
         key=args.key,
         timeout=args.timeout,
         progress=True,
+        numerics="exact" if args.exact else "native",
     )
     if isinstance(engine.experts, SwarmExperts):
         n = len(engine.experts.clients)
@@ -315,6 +345,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     set_wait_policy(experts_remote=True)  # its nodes share this machine
     from swarm.coordinator.demo import run_demo
 
+    apply_threads(args.threads)
     return run_demo(
         like=args.like,
         experts_type=args.experts_type,
@@ -322,4 +353,5 @@ def cmd_demo(args: argparse.Namespace) -> int:
         prompt=args.prompt,
         max_tokens=args.max_tokens,
         workdir=args.workdir,
+        numerics="exact" if args.exact else "native",
     )

@@ -89,6 +89,7 @@ def run_demo(
     prompt: str = "Explain what a mixture of experts is.",
     max_tokens: int = 24,
     workdir: str | None = None,
+    numerics: str = "native",
 ) -> int:
     from swarm.coordinator.commands import prompt_ids, report, stream_answer
     from swarm.coordinator.engine import open_engine
@@ -143,7 +144,9 @@ def run_demo(
                  f"of every layer{role}")  # fmt: skip
 
         t0 = time.perf_counter()
-        swarm = open_engine(shard_dir, local=False, mdns_interfaces=[LOOPBACK], wait=10.0, key=key)
+        swarm = open_engine(
+            shard_dir, local=False, mdns_interfaces=[LOOPBACK], wait=10.0, key=key, numerics=numerics
+        )
         engines.append(swarm)
         _say(f"[4/6] found {len(swarm.experts.clients)} nodes by mDNS on {LOOPBACK} "
              f"in {time.perf_counter() - t0:.1f} s; every expert has a holder")  # fmt: skip
@@ -155,8 +158,9 @@ def run_demo(
         generated, stats = stream_answer(swarm, ids, params)
         report(swarm, stats, sys.stdout)
 
-        _say("\nchecking against the in-process path (the node's compute code on slabs loaded here) ...")
-        local = open_engine(shard_dir, local=True)
+        _say(f"\nchecking against the in-process path (the node's compute code on slabs loaded here, {numerics} "
+             "numerics) ...")  # fmt: skip
+        local = open_engine(shard_dir, local=True, numerics=numerics)
         engines.append(local)
         steps = len(generated) - 1
         swarm_tokens, swarm_logits = greedy_trace(swarm.model, ids, steps, swarm.device)

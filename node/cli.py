@@ -92,8 +92,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--memory",
         default=None,
-        help="budget for dequantized working copies, e.g. 4GiB, 0 for unlimited (default: half the RAM); "
-        "quantized slabs stay memory-mapped either way",
+        help="budget for the float32 working copies that exact-numerics calls (swarm run --exact) and slab "
+        "types without a ggml kernel need, e.g. 4GiB, 0 for unlimited (default: half the RAM). Native calls "
+        "(the default) keep no copies: they multiply the memory-mapped slabs, whose pages the OS keeps "
+        "resident while they are used and can drop under pressure",
     )
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "mps"), help="where to compute")
     p.add_argument("--workers", type=int, default=8, help="calls served concurrently")
@@ -101,7 +103,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--threads",
         type=int,
         default=None,
-        help="torch threads per call (default: torch's, one per core); 1 can be much faster on a busy device",
+        help="compute threads (ggml's and torch's, one pool; default: one per core); on a machine that other "
+        "busy processes share (loopback test rigs), 1 can be much faster",
     )
     p.add_argument("--name", default=None, help="name to advertise (default: swarm-node-HOST-PORT-xxxxxx)")
     p.add_argument(

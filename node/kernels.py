@@ -346,3 +346,27 @@ def stored_weight(
     cols = int(shape[-1])
     rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
     return Weight.of_float(dequantize(data, GGMLQuantizationType(qtype), (rows, cols)).contiguous())
+
+
+_UNARY = ("sigmoid", "silu", "softplus", "exp")
+
+
+def unary(op: str, x: torch.Tensor) -> torch.Tensor:
+    """sigmoid / silu / softplus / exp of x (any shape, float32 result), by ggml, one row of the last dim at a time.
+
+    torch's vectorized kernels compute the last few elements of a tensor (and of each thread's share) with
+    scalar code that rounds differently, so the same row can come out differently in a batch of another
+    size. ggml's row loop puts every element at the same place in its row whatever the batch: one row's
+    result never depends on the others. (Elementwise ops that round once, like + and *, and per-row
+    reductions, are position-free in torch too.)
+    """
+    if op not in _UNARY:
+        raise ValueError(f"unary op {op!r} is not one of {_UNARY}")
+    shape = x.shape
+    x2 = _f32_rows(x.reshape(-1, shape[-1]) if x.dim() else x.reshape(1, 1))
+    out = torch.empty_like(x2)
+    with Graph(4 * x2.numel() + 64, 3) as gr:
+        t = gr.input(x2)
+        gr.output(getattr(gr.g, f"ggml_{op}")(gr.ctx, t), out)
+        gr.compute()
+    return out.view(shape)

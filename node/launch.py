@@ -89,7 +89,11 @@ class LocalNode:
 def spawn_node(
     source: str | Path, args: Sequence[str], workdir: Path, name: str, env: dict[str, str] | None = None
 ) -> LocalNode:
-    """Start one node process (not waiting for it); its ready file and log live in workdir."""
+    """Start one node process (not waiting for it); its ready file and log live in workdir.
+
+    Unless `args` says otherwise the node computes on one thread: the nodes a tool starts share this
+    machine's cores with each other and with the launcher, and ggml's threads wait for each other at every
+    matmul, which on an oversubscribed machine costs a scheduler slice each time."""
     workdir.mkdir(parents=True, exist_ok=True)
     ready = workdir / f"{name}.ready.json"
     log = workdir / f"{name}.log"
@@ -105,6 +109,7 @@ def spawn_node(
         "--ready-file",
         str(ready),
         "--exit-with-parent",  # a launcher killed outright (OOM, SIGKILL) must not leave nodes behind
+        *([] if "--threads" in args else ["--threads", "1"]),
         *args,
     ]
     with open(log, "wb") as out:

@@ -247,7 +247,12 @@ def test_info_describes_the_node(nodes, clients, models):
     reader = GGUFReader(Q4KM_GGUF)
     header = Q4KM_GGUF.read_bytes()[: reader.data_offset]
     assert info.fingerprint == nodes["q4km"].fingerprint == hashlib.sha256(header).hexdigest()
-    assert (info.hidden_size, info.protocol_version, info.device, info.workers) == (256, PROTOCOL_VERSION, "cpu", 4)
+    assert (info.hidden_size, info.protocol_version, info.device, info.workers) == (
+        256,
+        PROTOCOL_VERSION,
+        "cpu",
+        4,
+    )
     assert clients["q8_0"].info().fingerprint == read_manifest(models["q8_0_shard"]).fingerprint
     assert clients["q4km"].health()
 

@@ -30,6 +30,9 @@ LOOPBACK = ["127.0.0.1"]
 # also on loopback mDNS) have another key, so coordinators here never take them.
 KEY = secrets.token_hex(8)
 MODELS = ["qwen3moe-tiny", "qwen2moe-tiny", "qwen35moe-tiny", "qwen3next-tiny"]
+# A quantized model too (Q4_K/Q6_K experts, Q4_K/Q5_K/Q6_K/Q8_0 dense): there the two numerics differ.
+QUANT = "qwen35moe-quant"
+FILES = {**{name: "model-f32.gguf" for name in MODELS}, QUANT: "model-q4_k_m.gguf"}
 
 
 @pytest.fixture(scope="module")
@@ -37,15 +40,15 @@ def swarms(tmp_path_factory):
     """Per model: a shard dir and 3 nodes holding disjoint expert ranges (all started at once)."""
     work = tmp_path_factory.mktemp("swarm")
     dirs, specs = {}, []
-    for name in MODELS:
+    for name in FILES:
         d = work / f"{name}.swarm"
-        shard_model(FIXTURES / name / "model-f32.gguf", d)
+        shard_model(FIXTURES / name / FILES[name], d)
         dirs[name] = d
         n = read_manifest(d).n_expert
         cuts = [0, n // 3, 2 * n // 3, n]
         specs += [(d, ["--experts", f"{cuts[i]}-{cuts[i + 1] - 1}", "--key", KEY]) for i in range(3)]
     nodes = start_nodes(specs, work / "nodes")
-    yield {name: (dirs[name], nodes[3 * i : 3 * i + 3]) for i, name in enumerate(MODELS)}
+    yield {name: (dirs[name], nodes[3 * i : 3 * i + 3]) for i, name in enumerate(FILES)}
     for node in nodes:
         node.stop()
 
@@ -111,10 +114,16 @@ def test_f16_wire_matches_in_process_at_the_same_precision(swarms):
 
 
 @pytest.mark.slow
-def test_two_sequences_share_one_fan_out_per_layer(swarms):
-    shard_dir, _ = swarms["qwen3moe-tiny"]
-    _, prompts = _prompts("qwen3moe-tiny")
-    swarm = open_engine(shard_dir, mdns_interfaces=LOOPBACK, wait=10.0, device="cpu", key=KEY)
+@pytest.mark.parametrize(
+    ("name", "numerics"), [("qwen3moe-tiny", "native"), (QUANT, "native"), (QUANT, "exact")]
+)
+def test_two_sequences_share_one_fan_out_per_layer(swarms, name, numerics):
+    """Two sequences in one step: one fan-out per layer, and each sequence's logits are its bits alone."""
+    shard_dir, _ = swarms[name]
+    _, prompts = _prompts(name)
+    swarm = open_engine(
+        shard_dir, mdns_interfaces=LOOPBACK, wait=10.0, device="cpu", key=KEY, numerics=numerics
+    )
     try:
         model = swarm.model
         alone = [forward_one(model, p, model.new_state(), "cpu") for p in prompts[:2]]
@@ -125,9 +134,49 @@ def test_two_sequences_share_one_fan_out_per_layer(swarms):
         n_layers = len(model.blk)
         n_nodes = len(swarm.experts.clients)
         assert calls <= n_nodes * n_layers, f"{calls} calls for {n_layers} layers x {n_nodes} nodes"
-        torch.testing.assert_close(both, torch.cat(alone), rtol=0, atol=1e-5)
+        assert torch.equal(both, torch.cat(alone)), (
+            f"max |diff| {float((both - torch.cat(alone)).abs().max()):.3g}"
+        )
+        # decode: a step carrying one token of each sequence equals each sequence's own step
+        states = [model.new_state(), model.new_state()]
+        model(ids, states, [len(prompts[0]), len(prompts[1])])
+        step = model(torch.tensor([5, 9]), states, [1, 1])
+        for j, (p, t) in enumerate(zip(prompts[:2], (5, 9), strict=True)):
+            s = model.new_state()
+            model.run(p, s)
+            assert torch.equal(step[j], model.run([t], s)[0]), f"decode of sequence {j} differs"
     finally:
         swarm.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("numerics", ["native", "exact"])
+def test_quantized_swarm_is_bit_identical_to_in_process_in_both_numerics(swarms, numerics):
+    """Q4_K/Q6_K slabs on 3 nodes: native (ggml on the stored blocks) and exact agree with in-process bit
+    for bit, and the two numerics really differ."""
+    shard_dir, nodes = swarms[QUANT]
+    ref, prompts = _prompts(QUANT)
+    kw = {"device": "cpu", "numerics": numerics}
+    swarm = open_engine(shard_dir, mdns_interfaces=LOOPBACK, wait=10.0, key=KEY, **kw)
+    local = open_engine(shard_dir, local=True, **kw)
+    try:
+        assert {n.address for n in nodes} <= set(swarm.experts.clients)
+        for i, tokens in enumerate(prompts):
+            a = forward_one(swarm.model, tokens, swarm.model.new_state(), "cpu")
+            b = forward_one(local.model, tokens, local.model.new_state(), "cpu")
+            assert torch.equal(a, b), f"prompt {i}: max |diff| {float((a - b).abs().max()):.3g}"
+        tokens_s, logits_s = _greedy(swarm.model, prompts[2], 8)
+        tokens_l, logits_l = _greedy(local.model, prompts[2], 8)
+        assert tokens_s == tokens_l and torch.equal(logits_s, logits_l)
+        if numerics == "exact":
+            assert_logits_close(
+                a, ref["llama_q4_k_m_deq_logits_3"], "exact swarm vs llama.cpp on dequantized"
+            )
+        else:
+            assert not torch.allclose(a, torch.from_numpy(ref["llama_q4_k_m_deq_logits_3"]), atol=1e-4)
+    finally:
+        swarm.close()
+        local.close()
 
 
 @pytest.mark.slow

@@ -43,6 +43,7 @@ from swarm.coordinator.models.layers import (
     n_vocab_of,
     rope,
 )
+from swarm.node import kernels
 from swarm.sharding.gguf_io import GGUFError
 
 logger = logging.getLogger(__name__)
@@ -252,7 +253,7 @@ class GatedAttention(nn.Module):
         q = rope(q, batch.positions, c.n_rot, c.rope_base)
         k = rope(k, batch.positions, c.n_rot, c.rope_base)
         o = attend(q, k, v, batch, caches).reshape(n, c.n_head * c.head_dim)  # [N, H*Dh]
-        return self.attn_output(o * torch.sigmoid(gate))
+        return self.attn_output(o * kernels.unary("sigmoid", gate))
 
 
 @dataclass
@@ -320,8 +321,8 @@ class GatedDeltaNet(nn.Module):
         c, n = self.cfg, x.shape[0]
         hv, ds = c.n_v_heads, c.d_state
         mixed, z, b, a = self.project(x)
-        beta = torch.sigmoid(b)  # [N, Hv]
-        g = F.softplus(a + self.ssm_dt.bias) * self.ssm_a  # [N, Hv] log of the per-step decay
+        beta = kernels.unary("sigmoid", b)  # [N, Hv]
+        g = kernels.unary("softplus", a + self.ssm_dt.bias) * self.ssm_a  # [N, Hv] log of the per-step decay
 
         for st in states:
             if st.conv is None or st.ssm is None:
@@ -338,7 +339,7 @@ class GatedDeltaNet(nn.Module):
                     )
                 ]
             )
-        o = self.ssm_norm(o) * F.silu(z.view(n, hv, ds))  # [N, Hv, Dv]
+        o = self.ssm_norm(o) * kernels.unary("silu", z.view(n, hv, ds))  # [N, Hv, Dv]
         return self.ssm_out(o.reshape(n, hv * ds))
 
     def _sequence(
@@ -362,7 +363,7 @@ class GatedDeltaNet(nn.Module):
         prev = convs[0].unsqueeze(0) if len(convs) == 1 else torch.stack(convs)  # [B, C, Kc-1]
         inp = torch.cat([prev, mixed.unsqueeze(-1)], dim=-1)  # [B, C, Kc]
         conv = (inp * self.ssm_conv1d.weight).sum(-1)  # [B, C]
-        q, k, v = self._qkv(F.silu(conv).unsqueeze(1))  # [B, Hv, 1, Dk]
+        q, k, v = self._qkv(kernels.unary("silu", conv).unsqueeze(1))  # [B, Hv, 1, Dk]
         s = ssms[0].unsqueeze(0) if len(ssms) == 1 else torch.stack(ssms)  # [B, Hv, Dk, Dv]
         o, s = gated_delta_recurrent(q, k, v, g.unsqueeze(-1), beta.unsqueeze(-1), s)
         for i, st in enumerate(states):
@@ -436,7 +437,7 @@ def gated_delta_recurrent(
     Per step: S <- S * exp(g_t); delta = (v_t - S^T k_t) * beta_t; S <- S + k_t delta^T; o_t = S^T q_t.
     Returns (o [..., T, Dv], final S).
     """
-    decay = torch.exp(g)[..., None, None]  # [..., T, 1, 1]
+    decay = kernels.unary("exp", g)[..., None, None]  # [..., T, 1, 1]; ggml's: the same for B rows or one
     s = state * decay[..., 0, :, :]  # a private copy: later steps update it in place
     outs = []
     for t in range(q.shape[-2]):

@@ -15,6 +15,7 @@ sequence, every MoE layer sees all N tokens: one expert fan-out per layer for th
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
@@ -173,9 +174,8 @@ class MoE(nn.Module):
         else:
             y = down(F.silu(gate(x)) * up(x))
         if self.ffn_gate_inp_shexp is not None:
-            y = y * torch.sigmoid(self.ffn_gate_inp_shexp(x))
+            y = y * kernels.unary("sigmoid", self.ffn_gate_inp_shexp(x))
         return y
-
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -188,16 +188,43 @@ def rope(x: torch.Tensor, positions: torch.Tensor, n_rot: int, base: float) -> t
     """NeoX rotary embedding on the first n_rot dims of every head; the rest pass through.
 
     x [T, H, hd], positions [T] (absolute, int) -> [T, H, hd]. Dim i pairs with i + n_rot/2 (the
-    two halves of the rotated part), frequency base^(-2i/n_rot). Angles are computed in float64 so
-    that the phase stays exact at long positions; the rotation itself runs in x's dtype.
+    two halves of the rotated part), frequency base^(-2i/n_rot). The rotation runs in x's dtype on
+    cos/sin tables computed in float64 (the phase stays exact at long positions).
     """
     half = n_rot // 2
-    inv_freq = base ** (-torch.arange(half, dtype=torch.float64, device=x.device) * 2.0 / n_rot)  # [R/2]
-    angles = positions.to(device=x.device, dtype=torch.float64)[:, None] * inv_freq[None, :]  # [T, R/2]
-    cos = angles.cos().to(x.dtype)[:, None, :]  # [T, 1, R/2]
-    sin = angles.sin().to(x.dtype)[:, None, :]
+    cos, sin = rope_tables(positions, n_rot, base)  # [T, R/2] float32
+    cos = cos.to(device=x.device, dtype=x.dtype)[:, None, :]  # [T, 1, R/2]
+    sin = sin.to(device=x.device, dtype=x.dtype)[:, None, :]
     x1, x2, rest = x[..., :half], x[..., half:n_rot], x[..., n_rot:]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
+
+
+ROPE_BLOCK = 64  # positions per cached table block
+
+
+def rope_tables(positions: torch.Tensor, n_rot: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [T, R/2] of every position's angles, from fixed blocks of ROPE_BLOCK positions.
+
+    Each block is always computed by one call of one shape, so a position's values are the same whatever
+    else is in the batch (a vectorized cos rounds its last elements differently from the rest).
+    """
+    pos = positions.to("cpu", torch.long)
+    blocks = torch.div(pos, ROPE_BLOCK, rounding_mode="floor")
+    ids = sorted(set(blocks.tolist()))
+    cos_t = torch.cat([_rope_block(n_rot, float(base), b)[0] for b in ids])
+    sin_t = torch.cat([_rope_block(n_rot, float(base), b)[1] for b in ids])
+    where = {b: i for i, b in enumerate(ids)}
+    rows = torch.tensor([where[b] for b in blocks.tolist()], dtype=torch.long) * ROPE_BLOCK + pos % ROPE_BLOCK
+    return cos_t[rows], sin_t[rows]
+
+
+@functools.lru_cache(maxsize=1024)
+def _rope_block(n_rot: int, base: float, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    half = n_rot // 2
+    inv_freq = base ** (-torch.arange(half, dtype=torch.float64) * 2.0 / n_rot)  # [R/2]
+    pos = torch.arange(block * ROPE_BLOCK, (block + 1) * ROPE_BLOCK, dtype=torch.float64)
+    angles = pos[:, None] * inv_freq[None, :]  # [B, R/2]
+    return angles.cos().float(), angles.sin().float()
 
 
 # Queries per chunk are capped so that one chunk's scores [H, chunk, S] stay near 2^25 floats (128 MiB).
