@@ -17,6 +17,7 @@ from swarm.node.discovery import (
     unpack_slabs,
 )
 from swarm.node.launch import start_nodes
+from swarm.proto.channel import PROTOCOL_VERSION
 
 LOOPBACK = ["127.0.0.1"]
 GGUF = FIXTURES / "qwen35moe-quant" / "model-q4_k_m.gguf"
@@ -61,7 +62,7 @@ def test_advertised_record_roundtrips_through_a_browser():
             123456,
             3,
             "cpu",
-            1,
+            PROTOCOL_VERSION,
         )
 
 

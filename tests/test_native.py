@@ -1,0 +1,132 @@
+"""The native numerics (every weight multiplied in its file type by ggml's kernels) against llama.cpp's own.
+
+llama.cpp quantizes the activations inside its BF16/quantized matmuls, so on these files it sits about 8e-3
+(mean KL) from exact math; the native numerics computes what it computes. The criterion is the issue's:
+mean KL(llama.cpp || ours) <= 1e-4 over every position of every prompt, top-1 agreement >= 0.99. The
+residue comes from llama.cpp's repacked GEMM kernels (it interleaves Q4_0/Q4_K/IQ4_NL rows for prompt
+batches), which sum in another order than the row-by-row kernels a swarm must use to keep each row
+independent of the batch.
+
+References: the fixtures' `llama_<q>_*` (tests/fixtures/README.md) and our own llama.cpp references on
+more quant types (tests/fixtures/llama-refs/README.md, made with llama-quantize and llama.cpp at the
+fixtures' commit). Decode is checked with llama.cpp's greedy tokens fed back (teacher forcing), so both
+engines see the same inputs at every step.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import FIXTURES
+from reference import as_f64, log_softmax
+
+from swarm.coordinator.experts import LocalExperts
+from swarm.coordinator.loader import load_model
+from swarm.coordinator.models.layers import DecoderModel
+from swarm.node.store import ExpertStore
+from swarm.sharding.slabs import slabs_from_gguf
+
+MAX_MEAN_KL = 1e-4
+MIN_TOP1 = 0.99
+N_PROMPTS = 4
+REFS = FIXTURES / "llama-refs"
+
+# name -> (GGUF, reference npz, key prefix of llama.cpp's arrays in it)
+VARIANTS: dict[str, tuple[Path, Path, str]] = {
+    "qwen35moe-tiny-bf16": (
+        FIXTURES / "qwen35moe-tiny" / "model-bf16.gguf",
+        FIXTURES / "qwen35moe-tiny" / "reference.npz",
+        "llama_bf16",
+    ),
+    "qwen35moe-quant-q8_0": (
+        FIXTURES / "qwen35moe-quant" / "model-q8_0.gguf",
+        FIXTURES / "qwen35moe-quant" / "reference.npz",
+        "llama_q8_0",
+    ),
+    "qwen35moe-quant-q4_k_m": (
+        FIXTURES / "qwen35moe-quant" / "model-q4_k_m.gguf",
+        FIXTURES / "qwen35moe-quant" / "reference.npz",
+        "llama_q4_k_m",
+    ),
+    **{p.stem: (p.with_suffix(".gguf"), p, "llama") for p in sorted(REFS.glob("*.npz"))},
+}
+
+
+def load_native(path: Path) -> DecoderModel:
+    experts = LocalExperts(ExpertStore(slabs_from_gguf(path)), numerics="native")
+    model, _ = load_model(path, experts, device="cpu", numerics="native")
+    return model
+
+
+def kl_rows(ref: np.ndarray, ours: np.ndarray) -> np.ndarray:
+    """KL(p_ref || p_ours) of every row, float64."""
+    lp, lq = log_softmax(as_f64(ref)), log_softmax(as_f64(ours))
+    return (np.exp(lp) * (lp - lq)).sum(axis=-1)
+
+
+def agreement(model: DecoderModel, ref: np.lib.npyio.NpzFile, prefix: str) -> dict[str, float]:
+    """Prefill logits at every position, teacher-forced decode logits and our own greedy tokens, each
+    against llama.cpp's: mean KL, top-1 agreement and how many of its 16 greedy tokens we reproduce."""
+    kls, top1, dkls, dtop1, greedy_same, greedy_all = [], [], [], [], 0, 0
+    for i in range(N_PROMPTS):
+        prompt = ref[f"tokens_{i}"].tolist()
+        want = ref[f"{prefix}_logits_{i}"]
+        state = model.new_state()
+        got = model.run(prompt, state).numpy()
+        kls.append(kl_rows(want, got))
+        top1.append(got.argmax(-1) == want.argmax(-1))
+        # decode, fed llama.cpp's own greedy tokens: row j follows token j
+        forced = ref[f"{prefix}_greedy_{i}"].tolist()
+        rows = np.stack([model.run([t], state)[0].numpy() for t in forced])
+        dwant = ref[f"{prefix}_greedy_logits_{i}"]
+        dkls.append(kl_rows(dwant, rows))
+        dtop1.append(rows.argmax(-1) == dwant.argmax(-1))
+        # free-running greedy from the prompt
+        state = model.new_state()
+        last = model.run(prompt, state)[-1]
+        ours = []
+        for _ in forced:
+            ours.append(int(last.argmax()))
+            last = model.run([ours[-1]], state)[0]
+        same = next((j for j, (a, b) in enumerate(zip(ours, forced, strict=True)) if a != b), len(forced))
+        greedy_same += same
+        greedy_all += len(forced)
+    return {
+        "prefill_kl": float(np.concatenate(kls).mean()),
+        "prefill_top1": float(np.concatenate(top1).mean()),
+        "decode_kl": float(np.concatenate(dkls).mean()),
+        "decode_top1": float(np.concatenate(dtop1).mean()),
+        "greedy_prefix": greedy_same,
+        "greedy_total": greedy_all,
+    }
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_native_numerics_match_llama_cpp_kernels(name: str, record_property: pytest.RecordProperty) -> None:
+    gguf, npz, prefix = VARIANTS[name]
+    a = agreement(load_native(gguf), np.load(npz), prefix)
+    for k, v in a.items():
+        record_property(k, v)
+    assert a["prefill_kl"] <= MAX_MEAN_KL, f"{name}: prefill mean KL {a['prefill_kl']:.3g} ({a})"
+    assert a["prefill_top1"] >= MIN_TOP1, f"{name}: prefill top-1 {a['prefill_top1']:.3f} ({a})"
+    assert a["decode_kl"] <= MAX_MEAN_KL, f"{name}: decode mean KL {a['decode_kl']:.3g} ({a})"
+    assert a["decode_top1"] >= MIN_TOP1, f"{name}: decode top-1 {a['decode_top1']:.3f} ({a})"
+
+
+def test_native_differs_from_exact_on_quantized_weights() -> None:
+    """The two numerics are really two: llama.cpp's kernels round the activations, exact math does not."""
+    path = FIXTURES / "qwen35moe-quant" / "model-q4_k_m.gguf"
+    ref = np.load(FIXTURES / "qwen35moe-quant" / "reference.npz")
+    native = load_native(path)
+    experts = LocalExperts(ExpertStore(slabs_from_gguf(path)), numerics="exact")
+    exact, _ = load_model(path, experts, device="cpu", numerics="exact")
+    prompt = ref["tokens_0"].tolist()
+    a = native.run(prompt, native.new_state())
+    b = exact.run(prompt, exact.new_state())
+    assert float(kl_rows(b.numpy(), a.numpy()).mean()) > 10 * MAX_MEAN_KL
+    deq = ref["llama_q4_k_m_deq_logits_0"]
+    assert float(kl_rows(deq, b.numpy()).mean()) < 1e-8  # exact is llama.cpp on the dequantized weights
+    assert torch.isfinite(a).all()
