@@ -26,7 +26,8 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -147,7 +148,7 @@ class Weight:
 
 
 class _Buffers(threading.local):
-    """Per-thread scratch, reused across graphs: the ggml context pool and the work buffer."""
+    """Per-thread scratch for one-off graphs, reused across them: the ggml context pool and the work buffer."""
 
     def __init__(self) -> None:
         self.ctx_mem = np.empty(0, dtype=np.uint8)
@@ -165,49 +166,74 @@ class _Buffers(threading.local):
 
 
 _buffers = _Buffers()
-_GRAPH_NODES = 2048  # ggml's default graph size; a node call of 256 experts builds ~5 nodes each
 
 
 class Graph:
-    """One ggml graph over torch inputs and outputs, built and computed once.
+    """One ggml graph over torch inputs and outputs: built once, run once or (kept in a GraphCache) again.
 
-    Inputs and outputs are torch float32 CPU tensors used in place (their data pointers); weights are
-    used where they lie. Intermediates live in a per-thread scratch pool sized by `scratch_bytes`.
+    Inputs and outputs are slots: torch float32 CPU tensors whose data pointers are set on each run, so
+    ggml reads and writes them in place. Weights are used where they lie. Intermediates live in the
+    graph's own memory (a kept graph) or in a per-thread scratch pool (a one-off graph).
     """
 
-    def __init__(self, scratch_bytes: int, n_tensors: int) -> None:
+    def __init__(self, scratch_bytes: int, n_tensors: int, keep: bool = False) -> None:
         g = self.g = ggml_lib()
-        size = scratch_bytes + (n_tensors + 8) * g.ggml_tensor_overhead() + g.ggml_graph_overhead() + 4096
-        mem = _buffers.get_ctx(size)
-        params = g.ggml_init_params(mem_size=mem.nbytes, mem_buffer=mem.ctypes.data, no_alloc=False)
+        self.n_nodes = max(16, 2 * n_tensors)
+        size = (
+            scratch_bytes
+            + (n_tensors + 8) * g.ggml_tensor_overhead()
+            + g.ggml_graph_overhead_custom(self.n_nodes, False)
+            + 4096
+        )
+        self.kept = keep
+        self.mem = np.empty(size, dtype=np.uint8) if keep else _buffers.get_ctx(size)
+        params = g.ggml_init_params(mem_size=self.mem.nbytes, mem_buffer=self.mem.ctypes.data, no_alloc=False)
         self.ctx = g.ggml_init(params)
         if not self.ctx:
             raise MemoryError("ggml_init failed")
-        self._keep: list[object] = []
-        self.outputs: list[object] = []
+        self._weights: list[object] = []  # what owns the weights' memory, for as long as the graph lives
+        self.inputs: list[tuple[object, int]] = []  # (tensor, values)
+        self.outputs: list[tuple[object, int]] = []
+        self.graph: object = None
+        self.plan: object = None
+        self.plan_threads = 0
+        self.work = np.empty(0, dtype=np.uint8)
 
-    def __enter__(self) -> Graph:
-        return self
+    def free(self) -> None:
+        if self.ctx:
+            ctx, self.ctx = self.ctx, None
+            self.g.ggml_free(ctx)
 
-    def __exit__(self, *exc: object) -> None:
-        self.g.ggml_free(self.ctx)
+    def __del__(self) -> None:
+        if getattr(self.g, "ggml_free", None) is not None:  # at interpreter exit ggml may be gone first
+            self.free()
 
-    def _placed(self, qtype: int, cols: int, rows: int, ptr: int, keep: object) -> object:
+    def _placed(self, qtype: int, cols: int, rows: int) -> object:
         g = self.g
         g.ggml_set_no_alloc(self.ctx, True)
         t = g.ggml_new_tensor_2d(self.ctx, qtype, cols, rows)
         g.ggml_set_no_alloc(self.ctx, False)
-        t.contents.data = ptr
-        self._keep.append(keep)
         return t
 
     def weight(self, w: Weight) -> object:
-        return self._placed(w.qtype, w.cols, w.rows, w.ptr, w.keep)
+        t = self._placed(w.qtype, w.cols, w.rows)
+        t.contents.data = w.ptr
+        self._weights.append(w.keep)
+        return t
 
-    def input(self, x: torch.Tensor) -> object:
-        """x [N, I] float32 contiguous CPU."""
-        assert x.dtype == torch.float32 and x.is_contiguous() and x.dim() == 2
-        return self._placed(_F32, int(x.shape[1]), int(x.shape[0]), x.data_ptr(), x)
+    def input(self, rows: int, cols: int) -> object:
+        """An input slot [rows, cols] float32."""
+        t = self._placed(_F32, cols, rows)
+        self.inputs.append((t, rows * cols))
+        return t
+
+    def constant(self, x: torch.Tensor) -> object:
+        """A float32 tensor that stays the same on every run (a bias), held by the graph."""
+        x = _f32_rows(x.reshape(1, -1) if x.dim() == 1 else x)
+        t = self._placed(_F32, int(x.shape[1]), int(x.shape[0]))
+        t.contents.data = x.data_ptr()
+        self._weights.append(x)
+        return t
 
     def mul_mat(self, w: object, x: object) -> object:
         return self.g.ggml_mul_mat(self.ctx, w, x)  # [N, O]
@@ -220,37 +246,94 @@ class Graph:
 
     def add_row(self, x: object, bias: torch.Tensor) -> object:
         """x [N, O] + bias [O] (broadcast over rows)."""
-        b = self._placed(_F32, int(bias.numel()), 1, bias.data_ptr(), bias)
-        return self.g.ggml_add(self.ctx, x, b)
+        return self.g.ggml_add(self.ctx, x, self.constant(bias))
 
-    def output(self, t: object, out: torch.Tensor) -> None:
-        """Compute t into `out` (a float32 contiguous CPU tensor of t's shape): ggml writes there directly."""
-        assert out.dtype == torch.float32 and out.is_contiguous()
+    def output(self, t: object) -> None:
+        """An output slot: t is computed into the tensor given for it on each run."""
         c = t.contents
-        if c.ne[0] * c.ne[1] != out.numel():
-            raise ValueError(f"output of {out.numel()} values for a [{c.ne[1]}, {c.ne[0]}] result")
-        # The result was allocated in the scratch pool; point it at `out` instead (it is computed last).
-        c.data = out.data_ptr()
-        self._keep.append(out)
-        self.outputs.append(t)
+        self.outputs.append((t, int(c.ne[0] * c.ne[1])))
 
-    def compute(self) -> None:
+    def build(self) -> Graph:
         g = self.g
-        graph = g.ggml_new_graph_custom(self.ctx, _GRAPH_NODES, False)
-        for t in self.outputs:
-            g.ggml_build_forward_expand(graph, t)
+        self.graph = g.ggml_new_graph_custom(self.ctx, self.n_nodes, False)
+        for t, _ in self.outputs:
+            g.ggml_build_forward_expand(self.graph, t)
+        return self
+
+    def run(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
+        """Compute with these inputs and outputs (float32, contiguous, CPU; one per slot, in order)."""
+        assert len(inputs) == len(self.inputs) and len(outputs) == len(self.outputs)
+        for (t, n), x in zip(self.inputs, inputs, strict=True):
+            if x.numel() != n or x.dtype != torch.float32 or not x.is_contiguous():
+                raise ValueError(f"input of {x.numel()} {x.dtype} values for a slot of {n} float32")
+            t.contents.data = x.data_ptr()
+        for (t, n), y in zip(self.outputs, outputs, strict=True):
+            if y.numel() != n or y.dtype != torch.float32 or not y.is_contiguous():
+                raise ValueError(f"output of {y.numel()} {y.dtype} values for a slot of {n} float32")
+            # ggml allocated the result in the graph's memory; point it at `y` instead (it is computed last)
+            t.contents.data = y.data_ptr()
+        g = self.g
         with _compute_lock:
-            plan = g.ggml_graph_plan(graph, threads(), None)
-            if plan.work_size:
-                work = _buffers.get_work(plan.work_size)
-                plan.work_data = work.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
-            status = g.ggml_graph_compute(graph, ctypes.byref(plan))
+            n_threads = threads()
+            if self.plan is None or self.plan_threads != n_threads:
+                self.plan = g.ggml_graph_plan(self.graph, n_threads, None)
+                self.plan_threads = n_threads
+                if self.plan.work_size:
+                    self.work = (
+                        np.empty(self.plan.work_size, dtype=np.uint8)
+                        if self.kept
+                        else _buffers.get_work(self.plan.work_size)
+                    )
+                    self.plan.work_data = self.work.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+            status = g.ggml_graph_compute(self.graph, ctypes.byref(self.plan))
         if status != 0:
             raise RuntimeError(f"ggml graph compute failed (status {status})")
 
 
+class GraphCache:
+    """Graphs kept for calls that repeat with the same weights and shapes (a decode step's dense matmuls):
+    a kept graph runs without being built again. Least recently used first out."""
+
+    def __init__(self, size: int = 512) -> None:
+        self.size = size
+        self._graphs: OrderedDict[tuple, Graph] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple) -> Graph | None:
+        with self._lock:
+            gr = self._graphs.get(key)
+            if gr is not None:
+                self._graphs.move_to_end(key)
+            return gr
+
+    def put(self, key: tuple, gr: Graph) -> None:
+        with self._lock:
+            self._graphs[key] = gr
+            while len(self._graphs) > self.size:
+                self._graphs.popitem(last=False)[1].free()
+
+
+# Rows up to which a dense call's graph is kept: decode steps (one token per sequence) repeat exactly.
+KEEP_ROWS = 16
+_cache = GraphCache()
+
+
 def _f32_rows(x: torch.Tensor) -> torch.Tensor:
     return x.to(device="cpu", dtype=torch.float32).contiguous()
+
+
+def _run(key: tuple | None, build: Callable[[bool], Graph], inputs: list, outputs: list) -> None:
+    """Run the kept graph for `key`, or build one (and keep it when `key` is given)."""
+    gr = _cache.get(key) if key is not None else None
+    if gr is None:
+        gr = build(key is not None).build()
+        if key is not None:
+            _cache.put(key, gr)
+    try:
+        gr.run(inputs, outputs)
+    finally:
+        if key is None:
+            gr.free()
 
 
 def linear(weights: Sequence[Weight], x: torch.Tensor) -> list[torch.Tensor]:
@@ -258,13 +341,17 @@ def linear(weights: Sequence[Weight], x: torch.Tensor) -> list[torch.Tensor]:
     x = _f32_rows(x)
     n = int(x.shape[0])
     outs = [torch.empty(n, w.rows, dtype=torch.float32) for w in weights]
-    # the scratch holds each product before it is pointed at its output, plus quantized activations
-    scratch = sum(4 * n * w.rows + 64 for w in weights)
-    with Graph(scratch, 2 * len(weights) + 1) as gr:
-        xt = gr.input(x)
-        for w, out in zip(weights, outs, strict=True):
-            gr.output(gr.mul_mat(gr.weight(w), xt), out)
-        gr.compute()
+
+    def build(keep: bool) -> Graph:
+        # the graph's memory holds each product before it is pointed at its output, and quantized activations
+        gr = Graph(sum(4 * n * w.rows + 64 for w in weights), 2 * len(weights) + 1, keep)
+        xt = gr.input(n, int(x.shape[1]))
+        for w in weights:
+            gr.output(gr.mul_mat(gr.weight(w), xt))
+        return gr
+
+    key = ("linear", n, *(w.ptr for w in weights)) if n <= KEEP_ROWS else None
+    _run(key, build, [x], outs)
     return outs
 
 
@@ -288,47 +375,69 @@ class FFN:
     def nbytes(self) -> int:
         return sum(w.nbytes for w in (self.down, self.gate, self.up, self.gate_up) if w is not None)
 
+    @property
+    def key(self) -> tuple[int, ...]:
+        """What this FFN multiplies: the addresses of its weights and biases."""
+        ws = (self.down, self.gate, self.up, self.gate_up)
+        bs = (self.gate_bias, self.up_bias, self.down_bias)
+        return (
+            *(w.ptr if w is not None else 0 for w in ws),
+            *(b.data_ptr() if b is not None else 0 for b in bs),
+        )
 
-def ffn_rows(blocks: Sequence[tuple[FFN, int, int]], x: torch.Tensor, out: torch.Tensor) -> None:
+    def add_to(self, gr: Graph, xt: object) -> object:
+        """This FFN over the rows of graph tensor xt: its output tensor."""
+        if self.gate_up is not None:
+            h = gr.mul_mat(gr.weight(self.gate_up), xt)  # [n, 2F]
+            if self.gate_bias is not None:
+                h = gr.add_row(h, self.gate_bias)
+            h = gr.swiglu(h)
+        else:
+            assert self.gate is not None and self.up is not None
+            gate = gr.mul_mat(gr.weight(self.gate), xt)  # [n, F]
+            up = gr.mul_mat(gr.weight(self.up), xt)
+            if self.gate_bias is not None:
+                gate = gr.add_row(gate, self.gate_bias)
+            if self.up_bias is not None:
+                up = gr.add_row(up, self.up_bias)
+            h = gr.swiglu(gate, up)  # [n, F]
+        y = gr.mul_mat(gr.weight(self.down), h)  # [n, D]
+        if self.down_bias is not None:
+            y = gr.add_row(y, self.down_bias)
+        return y
+
+
+def ffn_rows(
+    blocks: Sequence[tuple[FFN, int, int]], x: torch.Tensor, out: torch.Tensor, keep: bool = False
+) -> None:
     """For each (ffn, start, n): out[start:start+n] = ffn(x[start:start+n]); one graph for all of them.
 
     x, out [N, D] float32 contiguous CPU. This is a node's whole Compute call (every expert it was sent
-    for one layer) and the coordinator's shared expert.
+    for one layer) and the coordinator's shared expert (`keep`: the graph is kept for the next step).
     """
     blocks = [(f, a, n) for f, a, n in blocks if n]
     if not blocks:
         return
     d = int(x.shape[1])
-    scratch = sum(4 * n * (3 * f.width) + 4 * n * d + 256 for f, _, n in blocks)
-    with Graph(scratch, 12 * len(blocks) + 2) as gr:
-        for f, a, n in blocks:
-            xt = gr.input(x[a : a + n])
-            if f.gate_up is not None:
-                h = gr.mul_mat(gr.weight(f.gate_up), xt)  # [n, 2F]
-                if f.gate_bias is not None:
-                    h = gr.add_row(h, f.gate_bias)
-                h = gr.swiglu(h)
-            else:
-                assert f.gate is not None and f.up is not None
-                gate = gr.mul_mat(gr.weight(f.gate), xt)  # [n, F]
-                up = gr.mul_mat(gr.weight(f.up), xt)
-                if f.gate_bias is not None:
-                    gate = gr.add_row(gate, f.gate_bias)
-                if f.up_bias is not None:
-                    up = gr.add_row(up, f.up_bias)
-                h = gr.swiglu(gate, up)  # [n, F]
-            y = gr.mul_mat(gr.weight(f.down), h)  # [n, D]
-            if f.down_bias is not None:
-                y = gr.add_row(y, f.down_bias)
-            gr.output(y, out[a : a + n])
-        gr.compute()
+
+    def build(kept: bool) -> Graph:
+        scratch = sum(4 * n * (3 * f.width) + 4 * n * d + 256 for f, _, n in blocks)
+        gr = Graph(scratch, 12 * len(blocks) + 2, kept)
+        for f, _, n in blocks:
+            gr.output(f.add_to(gr, gr.input(n, d)))
+        return gr
+
+    key = None
+    if keep and sum(n for _, _, n in blocks) <= KEEP_ROWS:
+        key = ("ffn", *((f.key, n) for f, _, n in blocks))
+    _run(key, build, [x[a : a + n] for _, a, n in blocks], [out[a : a + n] for _, a, n in blocks])
 
 
-def ffn(f: FFN, x: torch.Tensor) -> torch.Tensor:
+def ffn(f: FFN, x: torch.Tensor, keep: bool = False) -> torch.Tensor:
     """One FFN over rows x [N, D] -> [N, D] float32."""
     x = _f32_rows(x)
     out = torch.empty_like(x)
-    ffn_rows([(f, 0, int(x.shape[0]))], x, out)
+    ffn_rows([(f, 0, int(x.shape[0]))], x, out, keep)
     return out
 
 
@@ -367,9 +476,13 @@ def unary(op: str, x: torch.Tensor) -> torch.Tensor:
         return {"sigmoid": torch.sigmoid, "silu": F.silu, "softplus": F.softplus, "exp": torch.exp}[op](x)
     shape = x.shape
     x2 = _f32_rows(x.reshape(-1, shape[-1]) if x.dim() else x.reshape(1, 1))
+    rows, cols = int(x2.shape[0]), int(x2.shape[1])
     out = torch.empty_like(x2)
-    with Graph(4 * x2.numel() + 64, 3) as gr:
-        t = gr.input(x2)
-        gr.output(getattr(gr.g, f"ggml_{op}")(gr.ctx, t), out)
-        gr.compute()
+
+    def build(keep: bool) -> Graph:
+        gr = Graph(4 * x2.numel() + 64, 3, keep)
+        gr.output(getattr(gr.g, f"ggml_{op}")(gr.ctx, gr.input(rows, cols)))
+        return gr
+
+    _run(("unary", op, rows, cols) if rows <= KEEP_ROWS else None, build, [x2], [out])
     return out.view(shape)

@@ -41,6 +41,7 @@ from swarm.coordinator.models.layers import (
     meta_float,
     meta_int,
     n_vocab_of,
+    project,
     rope,
 )
 from swarm.node import kernels
@@ -245,11 +246,12 @@ class GatedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: Batch, caches: list[KVCache]) -> torch.Tensor:
         c, n = self.cfg, x.shape[0]
-        qg = self.attn_q(x).view(n, c.n_head, 2, c.head_dim)
+        qg, kx, vx = project(x, self.attn_q, self.attn_k, self.attn_v)
+        qg = qg.view(n, c.n_head, 2, c.head_dim)
         q = self.attn_q_norm(qg[:, :, 0])  # [N, H, Dh]
         gate = qg[:, :, 1].reshape(n, c.n_head * c.head_dim)  # [N, H*Dh]
-        k = self.attn_k_norm(self.attn_k(x).view(n, c.n_head_kv, c.head_dim))  # [N, Hkv, Dh]
-        v = self.attn_v(x).view(n, c.n_head_kv, c.head_dim)  # [N, Hkv, Dh]
+        k = self.attn_k_norm(kx.view(n, c.n_head_kv, c.head_dim))  # [N, Hkv, Dh]
+        v = vx.view(n, c.n_head_kv, c.head_dim)  # [N, Hkv, Dh]
         q = rope(q, batch.positions, c.n_rot, c.rope_base)
         k = rope(k, batch.positions, c.n_rot, c.rope_base)
         o = attend(q, k, v, batch, caches).reshape(n, c.n_head * c.head_dim)  # [N, H*Dh]
@@ -302,19 +304,23 @@ class GatedDeltaNet(nn.Module):
         c, n = self.cfg, x.shape[0]
         hk, hv, ds = c.n_k_heads, c.n_v_heads, c.d_state
         r = hv // hk
+        # every projection of x in one ggml graph
+        qkvz = [self.ssm_in] if c.fused_qkvz else [self.attn_qkv, self.attn_gate]
+        ba = [self.ssm_ba] if c.fused_ba else [self.ssm_beta, self.ssm_alpha]
+        outs = project(x, *qkvz, *ba)  # type: ignore[arg-type]
         if c.fused_qkvz:
             # HF's in_proj_qkvz, interleaved per key head as [q (Dk), k (Dk), v (r*Dv), z (r*Dv)].
-            per = self.ssm_in(x).view(n, hk, 2 * ds + 2 * r * ds)
+            per = outs[0].view(n, hk, 2 * ds + 2 * r * ds)
             q, k, v, z = per.split([ds, ds, r * ds, r * ds], dim=-1)
             mixed = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
             z = z.reshape(n, hv * ds)
         else:
-            mixed, z = self.attn_qkv(x), self.attn_gate(x)
+            mixed, z = outs[0], outs[1]
         if c.fused_ba:
-            ba = self.ssm_ba(x).view(n, hk, 2, r)  # per key head [b (r), a (r)]
-            b, a = ba[:, :, 0].reshape(n, hv), ba[:, :, 1].reshape(n, hv)
+            ba_out = outs[-1].view(n, hk, 2, r)  # per key head [b (r), a (r)]
+            b, a = ba_out[:, :, 0].reshape(n, hv), ba_out[:, :, 1].reshape(n, hv)
         else:
-            b, a = self.ssm_beta(x), self.ssm_alpha(x)
+            b, a = outs[-2], outs[-1]
         return mixed, z, b, a
 
     def forward(self, x: torch.Tensor, batch: Batch, states: list[DeltaNetState]) -> torch.Tensor:

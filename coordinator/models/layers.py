@@ -170,7 +170,7 @@ class MoE(nn.Module):
         if all(isinstance(m, GGMLMatrix) for m in mats):
             # the same SwiGLU graph as a routed expert on a node
             g, u, d = (m.weight for m in mats)  # type: ignore[union-attr]
-            y = kernels.ffn(kernels.FFN(down=d, gate=g, up=u), x)
+            y = kernels.ffn(kernels.FFN(down=d, gate=g, up=u), x, keep=True)
         else:
             y = down(F.silu(gate(x)) * up(x))
         if self.ffn_gate_inp_shexp is not None:

@@ -28,6 +28,7 @@ from swarm.coordinator.models.layers import (
     meta_int,
     n_main_layers,
     n_vocab_of,
+    project,
     rope,
 )
 
@@ -130,9 +131,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: Batch, caches: list[KVCache]) -> torch.Tensor:
         c, n = self.cfg, x.shape[0]
-        q = self.attn_q_norm(self.attn_q(x).view(n, c.n_head, c.head_dim))  # [N, H, hd]
-        k = self.attn_k_norm(self.attn_k(x).view(n, c.n_head_kv, c.head_dim))  # [N, Hkv, hd]
-        v = self.attn_v(x).view(n, c.n_head_kv, c.head_dim)  # [N, Hkv, hd]
+        qx, kx, vx = project(x, self.attn_q, self.attn_k, self.attn_v)
+        q = self.attn_q_norm(qx.view(n, c.n_head, c.head_dim))  # [N, H, hd]
+        k = self.attn_k_norm(kx.view(n, c.n_head_kv, c.head_dim))  # [N, Hkv, hd]
+        v = vx.view(n, c.n_head_kv, c.head_dim)  # [N, Hkv, hd]
         q = rope(q, batch.positions, c.n_rot, c.rope_base)
         k = rope(k, batch.positions, c.n_rot, c.rope_base)
         o = attend(q, k, v, batch, caches)  # [N, H, hd]
