@@ -1,6 +1,7 @@
 """Decode and prefill tokens/s: in-process experts vs loopback swarm nodes (vs llama.cpp, vs llama.cpp RPC).
 
-Two models, both `swarm synth` with the real layer shape and 4 layers, Q4_K experts:
+Two models, both `swarm synth` with the real layer shape and 4 layers, Q4_K experts, Q8_0 dense (like the
+real UD files):
   --model qwen3moe   qwen3-30b-a3b preset (D 2048, E 128, K 8, F 768): in-process vs 4 loopback nodes (issue 4)
   --model qwen35moe  qwen3.6-35b-a3b preset (D 2048, E 256, K 8, F 512, shared 512, hybrid attention):
                      in-process, 4 loopback nodes, llama.cpp (llama-bench, same GGUF, same threads) and
@@ -9,10 +10,11 @@ Two models, both `swarm synth` with the real layer shape and 4 layers, Q4_K expe
     .venv/bin/python bench/decode.py --model qwen35moe [--reps 3] [--prompt-tokens 64] [--decode-tokens 32] \
         [--llama-bench /work/llamacpp-build/build/bin/llama-bench] [--rpc-server .../ggml-rpc-server]
 
-Every repetition runs every configuration once, in a rotating order, each from a fresh start (the float32
-working copies of one model's experts fill 10-13 GB; two copies at once would not fit this machine), with an
-untimed warm-up pass of the same prompt and greedy decode first, so that every expert the timed pass touches
-is already dequantized. Medians over the repetitions; ratios against the in-process run.
+Every repetition runs every configuration once, in a rotating order, each from a cold start the way a user
+meets `swarm run`: a fresh process opens the model (and the nodes start) and the timed prefill and decode
+follow at once, with no warm-up pass (llama-bench does its own warm-up). The default numerics computes on the
+stored quant blocks; the `--exact` configurations (float32 working copies, dequantized as experts are first
+met) run beside them. Medians over the repetitions; ratios against the in-process run.
 
 For the swarm, where one decode step's time goes, all measured: dispatch (route output packed, encoded and
 sent: SwarmExperts.start), blocked wait (the model waiting for node replies: SwarmExperts.wait_seconds), the
@@ -51,10 +53,11 @@ import torch
 from swarm.coordinator.engine import Engine, open_engine
 from swarm.coordinator.experts import PendingExperts
 from swarm.coordinator.generate import GenerationStats, forward_one
-from swarm.coordinator.openmp import wait_policy_env
 from swarm.coordinator.swarm import SwarmExperts
 from swarm.node.client import NodeClient
+from swarm.node.kernels import set_threads
 from swarm.node.launch import LocalNode, start_nodes, stop_nodes
+from swarm.node.openmp import wait_policy_env
 from swarm.sharding.ranges import format_ranges
 from swarm.sharding.shard import shard_model
 from swarm.sharding.slabs import read_manifest
@@ -96,9 +99,9 @@ class Run:
 
 def prepare(model: str, layers: int, workdir: Path) -> tuple[Path, Path]:
     """The synthesized GGUF and its shard directory (reused when already in workdir: synth is deterministic)."""
-    spec = preset(MODELS[model]["preset"], n_layers=layers, experts_type="Q4_K")
-    gguf = workdir / f"{model}-{layers}l-q4k.gguf"
-    shard_dir = workdir / f"{model}-{layers}l-q4k.swarm"
+    spec = preset(MODELS[model]["preset"], n_layers=layers, experts_type="Q4_K", dense_type="Q8_0")
+    gguf = workdir / f"{model}-{layers}l-q4k-q80.gguf"
+    shard_dir = workdir / f"{model}-{layers}l-q4k-q80.swarm"
     if not gguf.exists():
         log.info("synthesizing %s ...", gguf.name)
         synthesize(gguf, spec)
@@ -216,19 +219,16 @@ def timed_pass(
 
 
 def run_engine(engine: Engine, n_prompt: int, n_decode: int, clients: Sequence[NodeClient] = ()) -> Run:
+    """The first prefill and decode of a freshly opened engine: what `swarm run` reports."""
     backend = TimedBackend(engine.experts)
     engine.model.set_experts(backend)
     ids = prompt_tokens(engine, n_prompt)
-    warm = timed_pass(engine, ids, n_decode, backend, clients)  # dequantizes every expert the pass touches
-    run = timed_pass(engine, ids, n_decode, backend, clients)
-    if warm.tokens != run.tokens:
-        raise RuntimeError("two greedy passes of the same prompt gave different tokens")
-    return run
+    return timed_pass(engine, ids, n_decode, backend, clients)
 
 
-def run_inprocess(shard_dir: Path, n_prompt: int, n_decode: int, threads: int) -> Run:
-    torch.set_num_threads(threads)
-    engine = open_engine(shard_dir, local=True, device="cpu")
+def run_inprocess(shard_dir: Path, n_prompt: int, n_decode: int, threads: int, numerics: str) -> Run:
+    set_threads(threads)
+    engine = open_engine(shard_dir, local=True, device="cpu", numerics=numerics)
     try:
         return run_engine(engine, n_prompt, n_decode)
     finally:
@@ -255,8 +255,9 @@ def run_swarm(
     n_decode: int,
     workdir: Path,
     threads: int,
+    numerics: str,
 ) -> Run:
-    torch.set_num_threads(threads)
+    set_threads(threads)
     n_expert = read_manifest(shard_dir).n_expert
     specs = [
         (
@@ -277,7 +278,9 @@ def run_swarm(
     engine = None
     clients: list[NodeClient] = []
     try:
-        engine = open_engine(shard_dir, local=False, mdns_interfaces=[LOOPBACK], wait=20.0, device="cpu")
+        engine = open_engine(
+            shard_dir, local=False, mdns_interfaces=[LOOPBACK], wait=20.0, device="cpu", numerics=numerics
+        )
         assert isinstance(engine.experts, SwarmExperts)
         if len(engine.experts.clients) != n_nodes:
             raise RuntimeError(f"found {len(engine.experts.clients)} nodes by mDNS, started {n_nodes}")
@@ -393,7 +396,7 @@ def render(
 ) -> str:
     model = args.model
     m = MODELS[model]
-    spec = preset(m["preset"], n_layers=args.layers, experts_type="Q4_K")
+    spec = preset(m["preset"], n_layers=args.layers, experts_type="Q4_K", dense_type="Q8_0")
     section = f"decode-{model}"
     base = results.get("in-process", [])
     names = {
@@ -401,6 +404,8 @@ def render(
         "swarm": f"swarm, {args.nodes} loopback nodes",
         "llama.cpp": f"llama.cpp (llama-bench, {args.threads} threads)",
         "llama.cpp-rpc": f"llama.cpp RPC, {args.rpc_servers} local rpc-servers",
+        "in-process-exact": "in-process experts, `--exact`",
+        "swarm-exact": f"swarm, {args.nodes} loopback nodes, `--exact`",
     }
     lines = [
         f"<!-- bench:{section} -->",
@@ -416,8 +421,8 @@ def render(
         + f", Q4_K experts, {spec.dense_type} dense, vocab {spec.n_vocab} (random weights).  ",
         f"Workload: a fixed {args.prompt_tokens}-token prompt, then {args.decode_tokens} greedy tokens "
         f"(decode tokens/s counts the {args.decode_tokens - 1} steps after the token prefill gives). "
-        f"{args.reps} repetitions; each runs every configuration once, in a rotating order, from a fresh start "
-        "with an untimed warm-up pass; medians. Nodes: "
+        f"{args.reps} repetitions; each runs every configuration once, in a rotating order, from a cold start "
+        "(a fresh process opens the model; no warm-up pass), timed as `swarm run` times it; medians. Nodes: "
         f"`--threads {args.node_threads}` each, disjoint expert ranges, found by mDNS on 127.0.0.1, f32 wire.",
         "",
         "| configuration | prefill tok/s | decode tok/s | prefill vs in-process | decode vs in-process | "
@@ -444,22 +449,22 @@ def render(
         lines += [
             "",
             f"llama.cpp: {llama_ver}, built from the source vendored in the llama-cpp-python 0.3.36 sdist "
-            "(`cmake -DGGML_RPC=ON -DLLAMA_CURL=OFF`, CPU backend, -march=native); llama-bench's pp test feeds "
+            "(CPU backend, -march=native, OpenMP, llamafile tinyBLAS and weight repacking on, its defaults); "
+            "llama-bench's pp test feeds "
             f"{args.prompt_tokens} tokens, its tg test decodes {args.decode_tokens} tokens from an empty context "
             "(ours decodes after the prompt, so it attends over 64 more positions; at 4 layers with 1 "
             "full-attention layer that is a small part of a step). RPC: `llama-bench --rpc ... -ngl 99` puts "
             "the layers on the rpc-servers (llama.cpp splits by layer, not by expert); "
             f"each rpc-server runs `-t {args.rpc_threads}`.",
             "",
-            "Building it (outside the repo; nothing of it is committed):",
+            "Building it (outside the repo; nothing of it is committed; 8 min on these 2 cores):",
             "",
             "```",
-            "pip download --no-binary :all: --no-deps llama-cpp-python==0.3.36 -d /work/llamacpp-build",
-            "cd /work/llamacpp-build && tar xzf llama_cpp_python-0.3.36.tar.gz",
-            "cmake -S llama_cpp_python-0.3.36/vendor/llama.cpp -B build -G Ninja -DCMAKE_BUILD_TYPE=Release \\",
-            "      -DGGML_RPC=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \\",
-            "      -DLLAMA_BUILD_SERVER=OFF -DBUILD_SHARED_LIBS=OFF",
-            "ninja -C build llama-bench ggml-rpc-server   # ~25 min on these 2 shared cores",
+            "pip download --no-binary :all: --no-deps llama-cpp-python==0.3.36 -d /work/ext && cd /work/ext",
+            "tar xzf llama_cpp_python-0.3.36.tar.gz",
+            "cmake -S llama_cpp_python-0.3.36/vendor/llama.cpp -B /work/llamacpp-build/build \\",
+            "      -DCMAKE_BUILD_TYPE=Release -DGGML_RPC=ON -DLLAMA_BUILD_SERVER=ON -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF",
+            "cmake --build /work/llamacpp-build/build -j2 --target llama-bench ggml-rpc-server llama-server",
             "```",
         ]
     swarm = results.get("swarm")
@@ -551,15 +556,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--decode-tokens", type=int, default=32)
-    p.add_argument("--threads", type=int, default=2, help="torch threads in the coordinator; llama.cpp -t")
+    p.add_argument("--threads", type=int, default=2, help="compute threads of the coordinator; llama.cpp -t")
     p.add_argument("--nodes", type=int, default=4)
-    p.add_argument("--node-threads", type=int, default=1, help="torch threads per call in each node")
+    p.add_argument("--node-threads", type=int, default=1, help="compute threads of each node")
     p.add_argument("--rpc-servers", type=int, default=4)
     p.add_argument("--rpc-threads", type=int, default=1, help="threads of each llama.cpp rpc-server")
     p.add_argument("--llama-bench", type=Path, default=DEFAULT_BUILD / "llama-bench")
     p.add_argument("--rpc-server", type=Path, default=DEFAULT_BUILD / "ggml-rpc-server")
     p.add_argument(
-        "--only", default=None, help="comma list of configurations: in-process,swarm,llama.cpp,llama.cpp-rpc"
+        "--only",
+        default=None,
+        help="comma list of configurations: in-process,swarm,llama.cpp,llama.cpp-rpc,in-process-exact,swarm-exact",
     )
     p.add_argument("--workdir", type=Path, default=None, help="keep/reuse the synthesized model here")
     p.add_argument(
@@ -571,7 +578,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     cmd = "python bench/decode.py" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
 
-    configs = ["in-process", "swarm"]
+    configs = ["in-process", "swarm", "in-process-exact", "swarm-exact"]
     unavailable: dict[str, str] = {}
     llama_ver = None
     if MODELS[args.model]["llama"]:
@@ -605,19 +612,26 @@ def main(argv: list[str] | None = None) -> int:
     try:
         gguf, shard_dir = prepare(args.model, args.layers, workdir)
         runners: dict[str, Callable[[], Run]] = {
-            "in-process": partial(
-                run_inprocess, shard_dir, args.prompt_tokens, args.decode_tokens, args.threads
-            ),
-            "swarm": partial(
-                run_swarm,
-                shard_dir,
-                args.nodes,
-                args.node_threads,
-                args.prompt_tokens,
-                args.decode_tokens,
-                workdir,
-                args.threads,
-            ),
+            **{
+                f"in-process{sfx}": partial(
+                    run_inprocess, shard_dir, args.prompt_tokens, args.decode_tokens, args.threads, numerics
+                )
+                for sfx, numerics in (("", "native"), ("-exact", "exact"))
+            },
+            **{
+                f"swarm{sfx}": partial(
+                    run_swarm,
+                    shard_dir,
+                    args.nodes,
+                    args.node_threads,
+                    args.prompt_tokens,
+                    args.decode_tokens,
+                    workdir,
+                    args.threads,
+                    numerics,
+                )
+                for sfx, numerics in (("", "native"), ("-exact", "exact"))
+            },
             "llama.cpp": partial(
                 llama_bench, args.llama_bench, gguf, args.threads, args.prompt_tokens, args.decode_tokens
             ),
@@ -634,10 +648,10 @@ def main(argv: list[str] | None = None) -> int:
                 workdir,
             ),
         }
-        # Our engine runs in a child process per pass: the float32 working copies (10-13 GB) are then surely
-        # given back before the next configuration starts (two copies at once do not fit this machine).
-        for key in ("in-process", "swarm"):
-            runners[key] = _in_child(runners[key], experts_remote=key == "swarm")
+        # Our engine runs in a child process per pass: a cold start each time (and the exact numerics' float32
+        # working copies, 10-13 GB, are surely given back before the next configuration starts).
+        for key in ("in-process", "swarm", "in-process-exact", "swarm-exact"):
+            runners[key] = _in_child(runners[key], experts_remote=key.startswith("swarm"))
         active = [c for c in configs if c not in unavailable]
         results: dict[str, list[Run]] = {c: [] for c in active}
         for rep in range(args.reps):
@@ -661,13 +675,14 @@ def main(argv: list[str] | None = None) -> int:
                     run.decode_tps,
                     time.perf_counter() - t0,
                 )
-        ours = [r.tokens for k in ("in-process", "swarm") for r in results.get(k, [])]
-        if ours:
-            same = all(t == ours[0] for t in ours)
-            notes.append(
-                f"Greedy tokens: swarm and in-process runs gave {'the same' if same else 'DIFFERENT'} "
-                f"{args.decode_tokens} tokens in every repetition."
-            )
+        for sfx, label in (("", "native"), ("-exact", "exact")):
+            ours = [r.tokens for k in ("in-process" + sfx, "swarm" + sfx) for r in results.get(k, [])]
+            if ours:
+                same = all(t == ours[0] for t in ours)
+                notes.append(
+                    f"Greedy tokens ({label} numerics): swarm and in-process runs gave "
+                    f"{'the same' if same else 'DIFFERENT'} {args.decode_tokens} tokens in every repetition."
+                )
     finally:
         if tmp is not None:
             tmp.cleanup()

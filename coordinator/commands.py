@@ -7,7 +7,7 @@ import os
 import sys
 from typing import Any
 
-from swarm.coordinator.openmp import set_wait_policy
+from swarm.node.openmp import set_wait_policy
 from swarm.sharding.errors import UserError
 
 

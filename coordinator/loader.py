@@ -37,7 +37,7 @@ from swarm.coordinator.models.layers import (
     TorchMatrix,
     n_main_layers,
 )
-from swarm.node import kernels
+from swarm.node import kernels, pages
 from swarm.node.dequant import dequantize
 from swarm.node.kernels import NATIVE, Numerics
 from swarm.sharding.gguf_io import (
@@ -220,6 +220,10 @@ def load_dense_tensors(
                 dest.copy_(dequantize(t.data, t.tensor_type, shape).reshape(dest.shape))
         bar.update(int(t.n_bytes))
     bar.close()
+    # the matrices' pages are mapped in while start-up goes on (the token table is read a row at a time)
+    pages.populate(
+        np.asarray(lin.matrix.weight.keep) for lin in linears.values() if isinstance(lin.matrix, GGMLMatrix)
+    )
     log.debug("%s: loaded %d tensors, left %d to the experts/MTP", path, len(names), skipped)
 
 

@@ -151,6 +151,9 @@ def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
 
 
 def run_node(args: argparse.Namespace) -> int:
+    from swarm.node.openmp import set_wait_policy
+
+    set_wait_policy(experts_remote=True)  # before torch loads: a node shares its device (see openmp)
     from swarm.node.server import NodeServer
     from swarm.node.source import load_slabs, slab_progress
     from swarm.node.store import ExpertStore, default_memory_budget

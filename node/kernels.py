@@ -250,8 +250,7 @@ class Graph:
 
     def output(self, t: object) -> None:
         """An output slot: t is computed into the tensor given for it on each run."""
-        c = t.contents
-        self.outputs.append((t, int(c.ne[0] * c.ne[1])))
+        self.outputs.append((t, int(self.g.ggml_nelements(t))))
 
     def build(self) -> Graph:
         g = self.g
@@ -486,3 +485,44 @@ def unary(op: str, x: torch.Tensor) -> torch.Tensor:
 
     _run(("unary", op, rows, cols) if rows <= KEEP_ROWS else None, build, [x2], [out])
     return out.view(shape)
+
+
+def gated_delta(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over T tokens of B sequences, with ggml's op (the one llama.cpp runs).
+
+    q, k, v [B, T, H, S] float32 (q, k L2-normed; q not yet scaled: the op scales it by 1/sqrt(S)),
+    g (log decay), beta [B, T, H], state [B, H, S, S] in ggml's layout: row j of a head's block holds
+    column j of the state S (state[b, h, j, i] = S[i, j]). -> (o [B, T, H, S], new state, same layout).
+    Each (sequence, head) is computed on its own, in cache: one read and one write of its state per call.
+    """
+    b, t, h, s = (int(d) for d in v.shape)
+    args = [_f32_rows(a).contiguous() for a in (q, k, v, g, beta, state)]
+    n_attn = b * t * h * s
+    out = torch.empty(n_attn + b * h * s * s, dtype=torch.float32)
+
+    def build(keep: bool) -> Graph:
+        gr = Graph(4 * out.numel() + 64 * 1024, 8, keep)
+        gm = gr.g
+
+        def slot(ne: tuple[int, int, int, int]) -> object:
+            gm.ggml_set_no_alloc(gr.ctx, True)
+            tt = gm.ggml_new_tensor_4d(gr.ctx, _F32, *ne)
+            gm.ggml_set_no_alloc(gr.ctx, False)
+            gr.inputs.append((tt, ne[0] * ne[1] * ne[2] * ne[3]))
+            return tt
+
+        tq, tk, tv = slot((s, h, t, b)), slot((s, h, t, b)), slot((s, h, t, b))
+        tg, tb = slot((1, h, t, b)), slot((1, h, t, b))
+        ts = slot((s, s, h, b))
+        gr.output(gm.ggml_gated_delta_net(gr.ctx, tq, tk, tv, tg, tb, ts, 1))
+        return gr
+
+    _run(("gdn", b, t, h, s) if b * t <= KEEP_ROWS else None, build, args, [out])
+    return out[:n_attn].view(b, t, h, s), out[n_attn:].view(b, h, s, s)

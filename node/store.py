@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from swarm.node import kernels
+from swarm.node import kernels, pages
 from swarm.node.dequant import dequantize
 from swarm.node.kernels import EXACT, FFN, NATIVE, NUMERICS, Numerics, Weight
 from swarm.sharding.ranges import format_ranges
@@ -234,6 +234,8 @@ class ExpertStore:
         self._load_locks = {key: threading.Lock() for key in slabs}
         self._cache: OrderedDict[SlabKey, ExpertWeights] = OrderedDict()
         self._native: dict[SlabKey, FFN | None] = {}  # metadata only: views of the slab bytes
+        # the slab pages are mapped in while the process starts up, not one fault at a time in the first calls
+        pages.populate(s.data for parts in slabs.values() for s in parts.values())
         self._bytes = 0
         self._hits = self._misses = self._evictions = 0
 

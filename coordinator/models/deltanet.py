@@ -55,6 +55,9 @@ RECURRENT_LAYERS_KEY = "{arch}.attention.recurrent_layers"
 L2_EPS = 1e-6
 # Chunk length of the prefill form; llama.cpp and transformers use 64 too.
 CHUNK = 64
+# Prefills up to this many tokens run ggml's (sequential) delta-rule op; longer ones the chunked form,
+# whose matmuls beat a token-by-token loop there.
+RECURRENT_MAX = 256
 
 
 @dataclass(frozen=True)
@@ -263,15 +266,17 @@ class DeltaNetState:
     """One sequence's memory in one linear-attention layer; None before its first token."""
 
     conv: torch.Tensor | None = None  # [C, Kc-1] the last Kc-1 inputs of the conv
-    ssm: torch.Tensor | None = None  # [Hv, Dk, Dv] the recurrent state S per value head
+    # [Hv, Dv, Dk] the recurrent state S per value head, in ggml's layout: ssm[h, j, i] = S_h[i, j]
+    ssm: torch.Tensor | None = None
 
 
 class GatedDeltaNet(nn.Module):
     """Gated DeltaNet: causal depthwise conv over [q; k; v] -> SiLU -> L2-normed q, k -> delta rule
     with per-head decay exp(g) and rate beta -> RMSNorm(o; ssm_norm) * silu(z) -> ssm_out.
 
-    A sequence's prefill runs the chunked form, a one-token step the recurrent form; when every
-    sequence of a call brings one token (decode), their steps run as one batch.
+    The delta rule runs as ggml's op (llama.cpp's; each head's state is updated in cache, one read and one
+    write per call); a long prefill (more than RECURRENT_MAX tokens) runs the chunked form in torch. When
+    every sequence of a call brings one token (decode), their steps run as one batch.
     """
 
     GGUF_TRANSPARENT: ClassVar[bool] = True  # tensors are blk.N.attn_qkv, blk.N.ssm_*
@@ -354,9 +359,21 @@ class GatedDeltaNet(nn.Module):
         """One sequence's T new tokens: mixed [T, C], g, beta [T, Hv] -> o [T, Hv, Dv]; st advanced."""
         assert st.conv is not None and st.ssm is not None
         conv, st.conv = causal_conv(mixed, st.conv, self.ssm_conv1d.weight)
-        q, k, v = self._qkv(F.silu(conv))  # [Hv, T, Dk]
-        rule = gated_delta_recurrent if mixed.shape[0] == 1 else gated_delta_chunked
-        o, st.ssm = rule(q, k, v, g.transpose(0, 1), beta.transpose(0, 1), st.ssm)
+        q, k, v = self._qkv(kernels.unary("silu", conv))  # [T, Hv, D], q unscaled
+        if mixed.shape[0] <= RECURRENT_MAX:
+            o, s = kernels.gated_delta(q[None], k[None], v[None], g[None], beta[None], st.ssm[None])
+            st.ssm = s[0]
+            return o[0]
+        scale = 1.0 / math.sqrt(self.cfg.d_state)
+        o, s = gated_delta_chunked(
+            (q * scale).transpose(0, 1),
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            g.transpose(0, 1),
+            beta.transpose(0, 1),
+            st.ssm.transpose(-1, -2),
+        )
+        st.ssm = s.transpose(-1, -2).contiguous()
         return o.transpose(0, 1)
 
     def _decode(
@@ -369,23 +386,23 @@ class GatedDeltaNet(nn.Module):
         prev = convs[0].unsqueeze(0) if len(convs) == 1 else torch.stack(convs)  # [B, C, Kc-1]
         inp = torch.cat([prev, mixed.unsqueeze(-1)], dim=-1)  # [B, C, Kc]
         conv = (inp * self.ssm_conv1d.weight).sum(-1)  # [B, C]
-        q, k, v = self._qkv(kernels.unary("silu", conv).unsqueeze(1))  # [B, Hv, 1, Dk]
-        s = ssms[0].unsqueeze(0) if len(ssms) == 1 else torch.stack(ssms)  # [B, Hv, Dk, Dv]
-        o, s = gated_delta_recurrent(q, k, v, g.unsqueeze(-1), beta.unsqueeze(-1), s)
+        q, k, v = self._qkv(kernels.unary("silu", conv).unsqueeze(1))  # [B, 1, Hv, D]
+        s = ssms[0].unsqueeze(0) if len(ssms) == 1 else torch.stack(ssms)  # [B, Hv, Dv, Dk]
+        o, s = kernels.gated_delta(q, k, v, g.unsqueeze(1), beta.unsqueeze(1), s)
         for i, st in enumerate(states):
             st.conv, st.ssm = inp[i, :, 1:].clone(), s[i]
-        return o.squeeze(-2)  # [B, Hv, Dv]
+        return o.squeeze(1)  # [B, Hv, Dv]
 
     def _qkv(self, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Activated conv output [..., T, C] -> q (L2-normed, scaled), k (L2-normed), v, each [..., Hv, T, D]."""
+        """Activated conv output [..., T, C] -> q, k (L2-normed; q not yet scaled by 1/sqrt(D)), v, each
+        [..., T, Hv, D] (key heads repeated to the value head each one serves)."""
         c = self.cfg
         hk, hv, ds = c.n_k_heads, c.n_v_heads, c.d_state
         lead = conv.shape[:-1]
-        q = l2_norm(conv[..., : hk * ds].reshape(*lead, hk, ds)) * (1.0 / math.sqrt(ds))
+        q = l2_norm(conv[..., : hk * ds].reshape(*lead, hk, ds))
         k = l2_norm(conv[..., hk * ds : 2 * hk * ds].reshape(*lead, hk, ds))
         v = conv[..., 2 * hk * ds :].reshape(*lead, hv, ds)
-        q, k = self._expand_k_heads(q), self._expand_k_heads(k)
-        return q.transpose(-2, -3), k.transpose(-2, -3), v.transpose(-2, -3)
+        return self._expand_k_heads(q), self._expand_k_heads(k), v
 
     def _expand_k_heads(self, t: torch.Tensor) -> torch.Tensor:
         """[..., Hk, Dk] -> [..., Hv, Dk]: the key head each value head reads."""

@@ -1,4 +1,6 @@
-"""How the coordinator's torch threads wait between parallel regions, decided before torch is loaded.
+"""How a process's compute threads wait between parallel regions, decided before torch is loaded.
+
+torch and ggml share one GNU OpenMP runtime (the libgomp torch ships; see swarm.node.kernels).
 
 torch's CPU build runs its parallel regions on GNU OpenMP, whose idle threads spin for a while after each
 region before they sleep. With the experts in this process that costs nothing: the next region comes at
@@ -8,6 +10,12 @@ once, `swarm demo`, loopback benchmarks) need to answer it: measured on 2 cores 
 swarm decode went from 0.70x to 0.91x of in-process by letting the threads sleep, while in-process prefill
 lost a quarter with the same setting. So: passive waiting when the experts are remote, OpenMP's default
 otherwise, and a user's own OMP_WAIT_POLICY always wins.
+
+A node waits passively too: it shares its device with whatever else runs there (apps on a phone, other nodes
+and the coordinator on a loopback rig), and ggml's threads meet at a barrier after every op, so a spinning
+thread whose partner was descheduled burns a whole time slice per op: measured on 2 cores with one other
+busy process, a decode step of the 35B layer shape took seconds instead of 20 ms when spinning, 56 ms
+waiting passively.
 
 libgomp reads its environment once, when torch loads it, so this must run before the first `import torch`.
 """
