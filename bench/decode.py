@@ -226,9 +226,13 @@ def run_engine(engine: Engine, n_prompt: int, n_decode: int, clients: Sequence[N
     return timed_pass(engine, ids, n_decode, backend, clients)
 
 
-def run_inprocess(shard_dir: Path, n_prompt: int, n_decode: int, threads: int, numerics: str) -> Run:
+def run_inprocess(gguf: Path, n_prompt: int, n_decode: int, threads: int, numerics: str) -> Run:
+    """`swarm run GGUF --local`: the whole file, experts in this process."""
     set_threads(threads)
-    engine = open_engine(shard_dir, local=True, device="cpu", numerics=numerics)
+    # exact: no cap on the float32 copies (all of them, 13 GB, fit this machine; the default half-RAM budget
+    # would thrash by a few experts and time the LRU, not the numerics)
+    budget = 0 if numerics == "exact" else None
+    engine = open_engine(gguf, local=True, device="cpu", numerics=numerics, memory_budget=budget)
     try:
         return run_engine(engine, n_prompt, n_decode)
     finally:
@@ -614,7 +618,7 @@ def main(argv: list[str] | None = None) -> int:
         runners: dict[str, Callable[[], Run]] = {
             **{
                 f"in-process{sfx}": partial(
-                    run_inprocess, shard_dir, args.prompt_tokens, args.decode_tokens, args.threads, numerics
+                    run_inprocess, gguf, args.prompt_tokens, args.decode_tokens, args.threads, numerics
                 )
                 for sfx, numerics in (("", "native"), ("-exact", "exact"))
             },

@@ -97,7 +97,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "(the default) keep no copies: they multiply the memory-mapped slabs, whose pages the OS keeps "
         "resident while they are used and can drop under pressure",
     )
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "mps"), help="where to compute")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        choices=("cpu", "cuda", "mps"),
+        help="where exact-numerics calls compute (native calls always run ggml's CPU kernels on the stored "
+        "slabs)",
+    )
     p.add_argument("--workers", type=int, default=8, help="calls served concurrently")
     p.add_argument(
         "--threads",

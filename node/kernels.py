@@ -121,6 +121,12 @@ class Weight:
     ptr: int
     nbytes: int
     keep: object
+    experts: int = 1  # > 1: a stack of that many [O, I] matrices, one after the other (a GGUF *_exps tensor)
+
+    def stacked(self, experts: int, first: int) -> Weight:
+        """The stack this matrix is expert `first` of, `experts` matrices in all, back to back in memory."""
+        return Weight(self.qtype, self.rows, self.cols, self.ptr - first * self.nbytes, experts * self.nbytes,
+                      self.keep, experts)  # fmt: skip
 
     @classmethod
     def of_bytes(cls, data: np.ndarray, qtype: int, shape: Sequence[int]) -> Weight:
@@ -216,7 +222,13 @@ class Graph:
         return t
 
     def weight(self, w: Weight) -> object:
-        t = self._placed(w.qtype, w.cols, w.rows)
+        if w.experts > 1:
+            g = self.g
+            g.ggml_set_no_alloc(self.ctx, True)
+            t = g.ggml_new_tensor_3d(self.ctx, w.qtype, w.cols, w.rows, w.experts)
+            g.ggml_set_no_alloc(self.ctx, False)
+        else:
+            t = self._placed(w.qtype, w.cols, w.rows)
         t.contents.data = w.ptr
         self._weights.append(w.keep)
         return t
@@ -263,7 +275,7 @@ class Graph:
         """Compute with these inputs and outputs (float32, contiguous, CPU; one per slot, in order)."""
         assert len(inputs) == len(self.inputs) and len(outputs) == len(self.outputs)
         for (t, n), x in zip(self.inputs, inputs, strict=True):
-            if x.numel() != n or x.dtype != torch.float32 or not x.is_contiguous():
+            if x.numel() != n or x.element_size() != 4 or not x.is_contiguous():  # float32 (or int32 ids)
                 raise ValueError(f"input of {x.numel()} {x.dtype} values for a slot of {n} float32")
             t.contents.data = x.data_ptr()
         for (t, n), y in zip(self.outputs, outputs, strict=True):
@@ -438,6 +450,48 @@ def ffn(f: FFN, x: torch.Tensor, keep: bool = False) -> torch.Tensor:
     out = torch.empty_like(x)
     ffn_rows([(f, 0, int(x.shape[0]))], x, out, keep)
     return out
+
+
+@dataclass(frozen=True)
+class ExpertStack:
+    """One layer's experts where the GGUF stacks them: every expert's gate, up (or fused gate_up) and down
+    back to back (Weight.experts > 1), multiplied with ggml_mul_mat_id as llama.cpp does."""
+
+    down: Weight
+    gate: Weight | None = None
+    up: Weight | None = None
+    gate_up: Weight | None = None
+
+
+def moe_rows(stack: ExpertStack, expert_of_row: Sequence[int], x: torch.Tensor, out: torch.Tensor) -> None:
+    """out[i] = expert_of_row[i]'s FFN of x[i] for rows x [N, D]: one mul_mat_id per matrix for every expert
+    at once (fewer, larger ops than one graph node per expert: the threads share all the experts' rows).
+    Each row is computed by the same per-row kernel as ffn_rows, so the bits are the same."""
+    n, d = int(x.shape[0]), int(x.shape[1])
+    if n == 0:
+        return
+    ids = torch.tensor(list(expert_of_row), dtype=torch.int32)
+    f = stack.down.cols
+
+    def build(_keep: bool) -> Graph:
+        g = ggml_lib()
+        gr = Graph(4 * n * (4 * f + d) + 4096, 12, False)
+        g.ggml_set_no_alloc(gr.ctx, True)
+        xt = g.ggml_new_tensor_3d(gr.ctx, _F32, d, 1, n)  # [D, 1 slot, N rows]
+        it = g.ggml_new_tensor_2d(gr.ctx, g.GGML_TYPE_I32, 1, n)
+        g.ggml_set_no_alloc(gr.ctx, False)
+        gr.inputs += [(xt, n * d), (it, n)]
+        if stack.gate_up is not None:
+            h = g.ggml_swiglu(gr.ctx, g.ggml_mul_mat_id(gr.ctx, gr.weight(stack.gate_up), xt, it))
+        else:
+            assert stack.gate is not None and stack.up is not None
+            gate = g.ggml_mul_mat_id(gr.ctx, gr.weight(stack.gate), xt, it)  # [F, 1, N]
+            up = g.ggml_mul_mat_id(gr.ctx, gr.weight(stack.up), xt, it)
+            h = g.ggml_swiglu_split(gr.ctx, gate, up)
+        gr.output(g.ggml_mul_mat_id(gr.ctx, gr.weight(stack.down), h, it))  # [D, 1, N]
+        return gr
+
+    _run(None, build, [x, ids], [out])
 
 
 def stored_weight(

@@ -154,6 +154,34 @@ def native_ffn(parts: dict[str, SlabTensor]) -> FFN | None:
     )
 
 
+def _find_stack(layer: int, experts: dict[int, dict[str, SlabTensor]]) -> kernels.ExpertStack | None:
+    """The ExpertStack of one layer's held experts, or None when their slabs are not back to back in one
+    mapping (slab files), carry biases, or have a type without a ggml kernel."""
+    first = next(iter(experts.values()))
+    kinds = sorted(first)
+    if any(k.endswith(".bias") for k in kinds) or any(sorted(p) != kinds for p in experts.values()):
+        return None
+    n_stack = max(experts) + 1
+    stacks: dict[str, Weight] = {}
+    for kind in kinds:
+        bases = set()
+        for e, parts in experts.items():
+            s = parts[kind]
+            if not kernels.has_kernel(s.qtype):
+                return None
+            w = Weight.of_bytes(s.data, s.qtype, s.shape)
+            bases.add((w.ptr - e * w.nbytes, w.qtype, w.rows, w.cols, id(s.data.base)))
+        if len(bases) != 1:
+            return None
+        stacks[kind] = Weight.of_bytes(first[kind].data, first[kind].qtype, first[kind].shape).stacked(
+            n_stack, next(iter(experts))
+        )
+    log.debug("layer %d: %d experts multiplied as stacks", layer, len(experts))
+    return kernels.ExpertStack(
+        down=stacks[DOWN], gate=stacks.get(GATE), up=stacks.get(UP), gate_up=stacks.get(GATE_UP)
+    )
+
+
 def swiglu(w: ExpertWeights, x: torch.Tensor) -> torch.Tensor:
     """down(silu(gate x) * up x) for rows x [N, D] -> [N, D], in float32, with torch (exact on a GPU)."""
     h = F.linear(x, w.gate_up, w.gate_up_bias)  # [N, 2F]
@@ -234,6 +262,7 @@ class ExpertStore:
         self._load_locks = {key: threading.Lock() for key in slabs}
         self._cache: OrderedDict[SlabKey, ExpertWeights] = OrderedDict()
         self._native: dict[SlabKey, FFN | None] = {}  # metadata only: views of the slab bytes
+        self._stacks: dict[int, kernels.ExpertStack | None] = {}  # per layer, where the GGUF stacks them
         # the slab pages are mapped in while the process starts up, not one fault at a time in the first calls
         pages.populate(s.data for parts in slabs.values() for s in parts.values())
         self._bytes = 0
@@ -325,6 +354,15 @@ class ExpertStore:
                 return f
         return self.weights(layer, expert).ffn()
 
+    def stack(self, layer: int) -> kernels.ExpertStack | None:
+        """This layer's experts as one stack per matrix, when they lie back to back as a whole GGUF's stacked
+        tensors do (a shard directory's slab files do not): then one mul_mat_id multiplies them all."""
+        if layer not in self._stacks:
+            self._stacks[layer] = _find_stack(
+                layer, {e: self.slabs[(layer, e)] for e in self._experts_of[layer]}
+            )
+        return self._stacks[layer]
+
     def compute(
         self,
         layer: int,
@@ -341,6 +379,12 @@ class ExpertStore:
             return self._compute_torch(layer, expert_ids, counts, rows)
         x = rows.to("cpu", torch.float32).contiguous()
         out = torch.empty_like(x)
+        stack = self.stack(layer) if numerics == NATIVE else None
+        if stack is not None:
+            kernels.moe_rows(
+                stack, [e for e, n in zip(expert_ids, counts, strict=True) for _ in range(n)], x, out
+            )
+            return out
         blocks, start = [], 0
         for expert, n in zip(expert_ids, counts, strict=True):
             if n:

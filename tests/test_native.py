@@ -29,30 +29,45 @@ from swarm.coordinator.models.layers import DecoderModel
 from swarm.node.store import ExpertStore
 from swarm.sharding.slabs import slabs_from_gguf
 
-MAX_MEAN_KL = 1e-4
+MAX_MEAN_KL = 1e-4  # the issue's bound against llama.cpp's default kernels, on the prompt positions
 MIN_TOP1 = 0.99
+# Against llama.cpp's plain per-row kernels (the ones a swarm runs: tests/fixtures/llama-refs/README.md)
+# the only differences left are the float32 ops around the matmuls (norms, softmax, rope in torch).
+MAX_MEAN_KL_PLAIN = 2e-5
 N_PROMPTS = 4
 REFS = FIXTURES / "llama-refs"
 
-# name -> (GGUF, reference npz, key prefix of llama.cpp's arrays in it)
-VARIANTS: dict[str, tuple[Path, Path, str]] = {
-    "qwen35moe-tiny-bf16": (
-        FIXTURES / "qwen35moe-tiny" / "model-bf16.gguf",
-        FIXTURES / "qwen35moe-tiny" / "reference.npz",
-        "llama_bf16",
-    ),
-    "qwen35moe-quant-q8_0": (
-        FIXTURES / "qwen35moe-quant" / "model-q8_0.gguf",
-        FIXTURES / "qwen35moe-quant" / "reference.npz",
-        "llama_q8_0",
-    ),
-    "qwen35moe-quant-q4_k_m": (
-        FIXTURES / "qwen35moe-quant" / "model-q4_k_m.gguf",
-        FIXTURES / "qwen35moe-quant" / "reference.npz",
-        "llama_q4_k_m",
-    ),
-    **{p.stem: (p.with_suffix(".gguf"), p, "llama") for p in sorted(REFS.glob("*.npz"))},
-}
+
+def _variants() -> dict[str, tuple[Path, Path, str]]:
+    """name -> (GGUF, reference npz, key prefix of llama.cpp's arrays in it)."""
+    out = {
+        "qwen35moe-tiny-bf16": (FIXTURES / "qwen35moe-tiny" / "model-bf16.gguf",
+                                FIXTURES / "qwen35moe-tiny" / "reference.npz", "llama_bf16"),
+        "qwen35moe-quant-q8_0": (FIXTURES / "qwen35moe-quant" / "model-q8_0.gguf",
+                                 FIXTURES / "qwen35moe-quant" / "reference.npz", "llama_q8_0"),
+        "qwen35moe-quant-q4_k_m": (FIXTURES / "qwen35moe-quant" / "model-q4_k_m.gguf",
+                                   FIXTURES / "qwen35moe-quant" / "reference.npz", "llama_q4_k_m"),
+    }  # fmt: skip
+    for p in sorted(REFS.glob("*.npz")):
+        if not p.stem.startswith("fixture-"):
+            out[p.stem] = (p.with_suffix(".gguf"), p, "llama")
+    return out
+
+
+def _plain_variants() -> dict[str, tuple[Path, Path, str]]:
+    out = {}
+    for p in sorted(REFS.glob("*.npz")):
+        with np.load(p) as z:
+            if "llama_plain_logits_0" not in z:
+                continue
+            gguf = FIXTURES / str(z["gguf"]) if "gguf" in z else p.with_suffix(".gguf")
+        out[p.stem] = (gguf, p, "llama_plain")
+    return out
+
+
+VARIANTS = _variants()
+PLAIN = _plain_variants()
+FIXTURE_VARIANTS = ["qwen35moe-tiny-bf16", "qwen35moe-quant-q8_0", "qwen35moe-quant-q4_k_m"]
 
 
 def load_native(path: Path) -> DecoderModel:
@@ -104,16 +119,33 @@ def agreement(model: DecoderModel, ref: np.lib.npyio.NpzFile, prefix: str) -> di
     }
 
 
-@pytest.mark.parametrize("name", list(VARIANTS))
-def test_native_numerics_match_llama_cpp_kernels(name: str, record_property: pytest.RecordProperty) -> None:
+@pytest.mark.parametrize("name", FIXTURE_VARIANTS)
+def test_native_numerics_match_llama_cpp_on_the_fixtures(
+    name: str, record_property: pytest.RecordProperty
+) -> None:
+    """The issue's criterion on every quantized and BF16 fixture GGUF, against the fixtures' llama.cpp
+    logits (its default kernels, on the machine that made the fixtures)."""
     gguf, npz, prefix = VARIANTS[name]
     a = agreement(load_native(gguf), np.load(npz), prefix)
     for k, v in a.items():
         record_property(k, v)
-    assert a["prefill_kl"] <= MAX_MEAN_KL, f"{name}: prefill mean KL {a['prefill_kl']:.3g} ({a})"
-    assert a["prefill_top1"] >= MIN_TOP1, f"{name}: prefill top-1 {a['prefill_top1']:.3f} ({a})"
-    assert a["decode_kl"] <= MAX_MEAN_KL, f"{name}: decode mean KL {a['decode_kl']:.3g} ({a})"
-    assert a["decode_top1"] >= MIN_TOP1, f"{name}: decode top-1 {a['decode_top1']:.3f} ({a})"
+    assert a["prefill_kl"] <= MAX_MEAN_KL, f"{name}: prompt mean KL {a['prefill_kl']:.3g} ({a})"
+    assert a["prefill_top1"] >= MIN_TOP1, f"{name}: prompt top-1 {a['prefill_top1']:.3f} ({a})"
+
+
+@pytest.mark.parametrize("name", list(PLAIN))
+def test_native_numerics_equal_llama_cpp_plain_kernels(
+    name: str, record_property: pytest.RecordProperty
+) -> None:
+    """Every variant (20 quant types and models of our own making, and the fixtures) against llama.cpp run
+    with the plain per-row kernels: prompt logits, decode logits (its greedy tokens fed back), top-1."""
+    gguf, npz, prefix = PLAIN[name]
+    a = agreement(load_native(gguf), np.load(npz), prefix)
+    for k, v in a.items():
+        record_property(k, v)
+    assert a["prefill_kl"] <= MAX_MEAN_KL_PLAIN, f"{name}: prompt mean KL {a['prefill_kl']:.3g} ({a})"
+    assert a["decode_kl"] <= MAX_MEAN_KL_PLAIN, f"{name}: decode mean KL {a['decode_kl']:.3g} ({a})"
+    assert a["prefill_top1"] >= MIN_TOP1 and a["decode_top1"] >= MIN_TOP1, f"{name}: top-1 ({a})"
 
 
 def test_native_differs_from_exact_on_quantized_weights() -> None:

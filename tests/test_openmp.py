@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from swarm.coordinator.openmp import WAIT_POLICY, set_wait_policy, wait_policy_env
+from swarm.node.openmp import WAIT_POLICY, set_wait_policy, wait_policy_env
 
 
 def test_remote_experts_get_passive_waiting_local_ones_keep_the_default(monkeypatch):
@@ -23,7 +23,7 @@ def test_a_users_own_policy_wins(monkeypatch):
 def test_set_before_torch_loads_and_not_after(monkeypatch):
     code = (
         "import os, sys\n"
-        "from swarm.coordinator.openmp import set_wait_policy\n"
+        "from swarm.node.openmp import set_wait_policy\n"
         "set_wait_policy(experts_remote=True)\n"
         "print(os.environ.get('OMP_WAIT_POLICY'))\n"
     )

@@ -1,0 +1,143 @@
+"""One thread budget: torch and ggml share one OpenMP pool; how its threads should wait (issue 9).
+
+    .venv/bin/python bench/threads.py [--gguf FILE] [--reps 3] [--no-write]
+
+`swarm run FILE --local` from a cold start, decode tokens/s as it reports them, under:
+  --threads 1 and 2, and OpenMP's default (spinning) wait vs OMP_WAIT_POLICY=PASSIVE,
+  on an idle machine and beside one busy process (a pure-Python loop: another app on the device).
+Also reads, from a process that has run both torch and ggml, how many OpenMP runtimes it loaded (libgomp
+in /proc/self/maps) and how many threads it runs. Medians of --reps runs, side by side in one run.
+Figures go to the `bench:threads` section of docs/BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _doc import replace_section  # noqa: E402
+
+PROMPT = (
+    "A mixture of experts model keeps many small feed-forward networks in every layer and sends each token "
+    "to only a few of them, chosen by a router. Most of the weights sit in the experts. "
+)
+_TPS = re.compile(r"prefill: \d+ tokens, ([\d.]+) tok/s \| decode: \d+ tokens, ([\d.]+) tok/s")
+
+PROBE = """
+import os, torch
+from swarm.node import kernels
+kernels.set_threads(2)
+w = kernels.Weight.of_float(torch.randn(256, 256))
+kernels.linear([w], torch.randn(4, 256))
+torch.randn(512, 512) @ torch.randn(512, 512)
+maps = open('/proc/self/maps').read().splitlines()
+libs = sorted({l.split()[-1] for l in maps if 'gomp' in l or 'libiomp' in l})
+print(len(libs), len(os.listdir('/proc/self/task')), ' '.join(os.path.basename(x) for x in libs))
+"""
+
+
+TIMEOUT = 120  # seconds; a run that spins against a busy core can take far longer (not run again)
+
+
+def swarm_run(gguf: Path, threads: int, policy: str | None) -> tuple[float, float] | None:
+    """(prefill, decode) tokens/s of one cold `swarm run`, None when it ran past TIMEOUT."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    if policy:
+        env["OMP_WAIT_POLICY"] = policy
+    cmd = [sys.executable, "-m", "swarm.coordinator.cli", "run", str(gguf), "--local", "--threads", str(threads),
+           "--prompt", PROMPT, "--max-tokens", "32"]  # fmt: skip
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        return None
+    m = _TPS.search(proc.stderr)
+    if proc.returncode != 0 or m is None:
+        raise RuntimeError(f"swarm run failed ({proc.returncode}): {proc.stderr[-1500:]}")
+    return float(m.group(1)), float(m.group(2))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--gguf", type=Path, default=None, help="model (default: synthesize the 35B layer shape)")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--no-write", action="store_true")
+    args = p.parse_args(argv)
+    tmp = None
+    gguf = args.gguf
+    if gguf is None:
+        from swarm.sharding.synth import preset, synthesize
+
+        tmp = tempfile.TemporaryDirectory(prefix="bench-threads-")
+        gguf = Path(tmp.name) / "q36-4l.gguf"
+        synthesize(gguf, preset("qwen3.6-35b-a3b", n_layers=4, experts_type="Q4_K", dense_type="Q8_0"))
+    probe = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120)
+    n_omp, n_threads, omp_libs = (
+        probe.stdout.strip().split(maxsplit=2) if probe.returncode == 0 else ("?",) * 3
+    )
+    configs = [(t, pol, busy) for busy in (False, True) for t in (1, 2) for pol in (None, "PASSIVE")]
+    results: dict[tuple, list[tuple[float, float] | None]] = {c: [] for c in configs}
+    try:
+        for rep in range(args.reps):
+            for c in configs[rep % len(configs) :] + configs[: rep % len(configs)]:
+                threads, policy, busy = c
+                if None in results[c]:
+                    continue
+                hog = None
+                if busy:
+                    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                try:
+                    results[c].append(swarm_run(gguf, threads, policy))
+                finally:
+                    if hog is not None:
+                        hog.kill()
+                        hog.wait()
+                print(c, results[c][-1], flush=True)
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    cmd = "python bench/threads.py" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+    lines = [
+        "## One thread budget: torch and ggml, and how their threads wait (issue 9; `bench/threads.py`)",
+        "",
+        f"Command: `{cmd}`  ",
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. "
+        f"`swarm run --local` from a cold start on the 4-layer Qwen3.6-35B-shape GGUF (Q4_K experts, Q8_0 "
+        f"dense), 32 tokens, {args.reps} runs per configuration in a rotating order, medians.",
+        "",
+        f"One pool: a process that has run torch and ggml loaded {n_omp} OpenMP runtime ({omp_libs}) and runs "
+        f"{n_threads} threads in all with `--threads 2` (the main thread, one OpenMP worker, torch's and "
+        "gRPC's housekeeping): ggml's graphs and torch's ops take turns on the same workers, so they never "
+        "compete for the cores.",
+        "",
+        "| machine | threads | OpenMP wait | prefill tok/s | decode tok/s |",
+        "| --- | ---: | --- | ---: | ---: |",
+    ]
+    for c in configs:
+        threads, policy, busy = c
+        done = [r for r in results[c] if r is not None]
+        where = "one other busy process" if busy else "idle"
+        if len(done) < len(results[c]):
+            figs = f"a run took over {TIMEOUT} s (not repeated) | |"
+        else:
+            pre = statistics.median(r[0] for r in done)
+            dec = statistics.median(r[1] for r in done)
+            figs = f"{pre:.1f} | {dec:.1f} |"
+        lines.append(f"| {where} | {threads} | {policy or 'default (spin)'} | {figs}")
+    text = "\n".join(lines)
+    print(text)
+    if not args.no_write:
+        replace_section("threads", text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,182 @@
+"""ggml's kernels as swarm.node.kernels drives them: every GGUF type we meet, both numerics, row independence.
+
+References are float64 products of gguf-py's dequantization (independent of ggml). The native numerics
+rounds each activation row to the type its kernel pairs with (8-bit blocks for the quant types, BF16 or F16
+for those weights), so it sits within about a percent of the float64 product; the exact numerics within
+float32 rounding.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from test_dequant import random_blocks, reference
+
+from swarm.node import kernels
+
+Q = GGMLQuantizationType
+# every type `swarm synth` writes and real Qwen files use
+TYPES = [
+    Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1,
+    Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.IQ4_NL, Q.IQ2_XS, Q.IQ1_M,
+]  # fmt: skip
+ROWS, COLS = 48, 512  # COLS: whole 256-value super-blocks
+
+
+def weights(qtype: GGMLQuantizationType, seed: int = 0) -> np.ndarray:
+    if qtype == Q.F32:
+        return np.random.default_rng(seed).standard_normal((ROWS, COLS)).astype(np.float32)
+    if qtype == Q.F16:
+        return np.random.default_rng(seed).standard_normal((ROWS, COLS)).astype(np.float16).view(np.uint8)
+    if qtype == Q.BF16:  # the top half of float32 normals (random bit patterns reach 1e38)
+        f = np.random.default_rng(seed).standard_normal((ROWS, COLS)).astype(np.float32)
+        return (f.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    block, size = GGML_QUANT_SIZES[qtype]
+    raw = random_blocks(qtype, ROWS * COLS // block, seed=seed + int(qtype)).reshape(-1, size)
+    if qtype in (Q.IQ4_XS, Q.IQ2_XS):  # their float16 scale d leads the block: make it a sane 2^-7
+        raw[:, 0:2] = np.array([0x2000], dtype=np.uint16).view(np.uint8)
+    if qtype == Q.IQ1_M:  # its float16 scale is the top nibbles of the 4 scale words at byte 48
+        words = np.ascontiguousarray(raw[:, 48:56]).view(np.uint16)
+        words &= 0x0FFF
+        words[:, 3] |= 0x2000
+        raw[:, 48:56] = words.view(np.uint8)
+    return raw.reshape(ROWS, -1)
+
+
+def rel_err(got: torch.Tensor, want: np.ndarray) -> float:
+    return float(np.linalg.norm(got.double().numpy() - want) / np.linalg.norm(want))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_every_type_is_multiplied_as_stored_in_both_numerics(qtype: GGMLQuantizationType) -> None:
+    assert kernels.has_kernel(qtype)
+    raw = weights(qtype)
+    dense = reference(raw, qtype, (ROWS, COLS)).astype(np.float64)  # [O, I]
+    x = torch.randn(7, COLS, generator=torch.Generator().manual_seed(int(qtype)))
+    want = x.double().numpy() @ dense.T
+    native = kernels.stored_weight(raw, qtype, (ROWS, COLS), "native")
+    assert native.qtype == int(qtype) and native.ptr == raw.ctypes.data  # the stored bytes, in place
+    (got,) = kernels.linear([native], x)
+    tol = 1e-6 if qtype == Q.F32 else 4e-2  # the activations are rounded to 8 bits (or bf16/f16)
+    assert rel_err(got, want) <= tol
+    exact = kernels.stored_weight(raw, qtype, (ROWS, COLS), "exact")
+    assert exact.qtype == int(Q.F32)
+    (got_exact,) = kernels.linear([exact], x)
+    assert rel_err(got_exact, want) <= 1e-6
+    if qtype not in (Q.F32,):
+        assert not torch.equal(got, got_exact), "the native numerics really rounds the activations"
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0, Q.BF16, Q.IQ2_XS, Q.F32], ids=lambda q: q.name)
+def test_a_row_is_the_same_alone_or_in_any_batch(qtype: GGMLQuantizationType) -> None:
+    w = kernels.stored_weight(weights(qtype), qtype, (ROWS, COLS), "native")
+    x = torch.randn(37, COLS, generator=torch.Generator().manual_seed(1))
+    (full,) = kernels.linear([w], x)
+    for n in (1, 2, 3, 8, 16, 17):
+        (part,) = kernels.linear([w], x[:n].clone())
+        assert torch.equal(part, full[:n]), f"{n} rows"
+    alone = torch.cat([kernels.linear([w], x[i : i + 1].clone())[0] for i in range(37)])
+    assert torch.equal(alone, full)
+
+
+def test_several_projections_of_one_input_equal_each_alone() -> None:
+    ws = [kernels.stored_weight(weights(q), q, (ROWS, COLS), "native") for q in (Q.Q4_K, Q.Q6_K, Q.Q8_0)]
+    x = torch.randn(3, COLS)
+    together = kernels.linear(ws, x)
+    for w, t in zip(ws, together, strict=True):
+        assert torch.equal(kernels.linear([w], x)[0], t)
+
+
+def test_an_ffn_graph_equals_its_parts() -> None:
+    """down(silu(gate x) * up x), one graph for several FFNs, each block of rows its own."""
+    d, f = COLS, ROWS
+
+    def w(q: GGMLQuantizationType, shape: tuple[int, int], seed: int) -> kernels.Weight:
+        block, _ = GGML_QUANT_SIZES[q]
+        raw = random_blocks(q, shape[0] * shape[1] // block, seed=seed).reshape(shape[0], -1)
+        return kernels.stored_weight(raw, q, shape, "exact")
+
+    ffns = [kernels.FFN(down=w(Q.Q8_0, (d, f * 4), s), gate=w(Q.Q4_K, (f * 4, d), s + 1),
+                        up=w(Q.Q4_K, (f * 4, d), s + 2)) for s in (0, 10)]  # fmt: skip
+    x = torch.randn(5, d)
+    out = torch.empty_like(x)
+    kernels.ffn_rows([(ffns[0], 0, 2), (ffns[1], 2, 3)], x, out)
+    for f_, rows in ((ffns[0], slice(0, 2)), (ffns[1], slice(2, 5))):
+        g, u = (kernels.linear([m], x[rows])[0] for m in (f_.gate, f_.up))
+        h = torch.nn.functional.silu(g.double()) * u.double()
+        ref = kernels.linear([f_.down], h.float())[0]
+        torch.testing.assert_close(out[rows], ref, rtol=1e-5, atol=1e-5)
+        assert torch.equal(kernels.ffn(f_, x[rows]), out[rows])
+
+
+@pytest.mark.parametrize("op", ["sigmoid", "silu", "softplus", "exp"])
+def test_unary_rows_do_not_depend_on_the_batch(op: str) -> None:
+    x = torch.randn(61, 5)  # an odd width: torch's vectorized tail would round some positions apart
+    full = kernels.unary(op, x)
+    ref = {"sigmoid": torch.sigmoid, "silu": torch.nn.functional.silu, "softplus": torch.nn.functional.softplus,
+           "exp": torch.exp}[op](x.double())  # fmt: skip
+    torch.testing.assert_close(full.double(), ref, rtol=1e-6, atol=1e-7)
+    for n in (1, 2, 7, 33):
+        assert torch.equal(kernels.unary(op, x[-n:].clone()), full[-n:])
+
+
+def test_the_gated_delta_op_equals_the_definition() -> None:
+    from swarm.coordinator.models.deltanet import gated_delta_recurrent
+
+    b, t, h, s = 2, 5, 3, 16
+    gen = torch.Generator().manual_seed(3)
+    q = torch.nn.functional.normalize(torch.randn(b, t, h, s, generator=gen), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(b, t, h, s, generator=gen), dim=-1)
+    v = torch.randn(b, t, h, s, generator=gen)
+    g, beta = -torch.rand(b, t, h, generator=gen), torch.rand(b, t, h, generator=gen)
+    state = torch.randn(b, h, s, s, generator=gen)  # ggml layout: state[b, h, j, i] = S[i, j]
+    o, new = kernels.gated_delta(q, k, v, g, beta, state)
+    for i in range(b):
+        ro, rs = gated_delta_recurrent(
+            (q[i] / s**0.5).transpose(0, 1).double(),
+            k[i].transpose(0, 1).double(),
+            v[i].transpose(0, 1).double(),
+            g[i].transpose(0, 1).double(),
+            beta[i].transpose(0, 1).double(),
+            state[i].transpose(-1, -2).double(),
+        )
+        torch.testing.assert_close(o[i].transpose(0, 1).double(), ro, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(new[i].transpose(-1, -2).double(), rs, rtol=1e-5, atol=1e-5)
+        alone = kernels.gated_delta(q[i : i + 1], k[i : i + 1], v[i : i + 1], g[i : i + 1], beta[i : i + 1],
+                                    state[i : i + 1])  # fmt: skip
+        assert torch.equal(alone[0][0], o[i]) and torch.equal(alone[1][0], new[i])
+
+
+def test_a_type_without_a_kernel_falls_back_to_the_exact_path_once(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every type gguf-py can read has a ggml kernel today; pretend Q4_K had none.
+    assert not kernels.has_kernel(Q.Q8_K)  # an activation-only type
+    qtype = Q.Q4_K
+    monkeypatch.setattr(kernels, "has_kernel", lambda q: int(q) != int(Q.Q4_K))
+    monkeypatch.setattr(kernels, "_warned", set())
+    block, size = GGML_QUANT_SIZES[qtype]
+    raw = random_blocks(qtype, 4 * COLS // block, seed=5).reshape(4, -1)
+    with caplog.at_level(logging.WARNING, logger="swarm.node.kernels"):
+        w1 = kernels.stored_weight(raw, qtype, (4, COLS), "native", "test weight")
+        w2 = kernels.stored_weight(raw, qtype, (4, COLS), "native", "test weight")
+    assert w1.qtype == w2.qtype == int(Q.F32)
+    assert len([r for r in caplog.records if "Q4_K" in r.message]) == 1
+    x = torch.randn(2, COLS)
+    want = x.double().numpy() @ reference(raw, qtype, (4, COLS)).astype(np.float64).T
+    assert rel_err(kernels.linear([w1], x)[0], want) <= 1e-6
+
+
+def test_threads_are_one_budget() -> None:
+    before = kernels.threads()
+    try:
+        kernels.set_threads(1)
+        assert kernels.threads() == 1 and torch.get_num_threads() == 1
+        with pytest.raises(ValueError):
+            kernels.set_threads(0)
+    finally:
+        kernels.set_threads(before)
