@@ -347,21 +347,61 @@ def _run(key: tuple | None, build: Callable[[bool], Graph], inputs: list, output
             gr.free()
 
 
-def linear(weights: Sequence[Weight], x: torch.Tensor) -> list[torch.Tensor]:
-    """x [N, I] times each of several matrices [O_j, I] of the same input: one graph, outputs [N, O_j]."""
+# What happens to a product before it leaves the graph: steps in order, each the name of a unary op
+# ("sigmoid", "silu", "softplus", "exp") or ("add" | "mul", a float32 vector [O] broadcast over the rows).
+Post = tuple[str | tuple[str, torch.Tensor], ...]
+
+
+def _post_key(post: Post | None) -> tuple:
+    if not post:
+        return ()
+    return tuple(s if isinstance(s, str) else (s[0], s[1].data_ptr()) for s in post)
+
+
+def apply_post(y: torch.Tensor, post: Post | None) -> torch.Tensor:
+    """The same steps in torch and ggml's unary ops, for a product computed elsewhere (a GPU)."""
+    for step in post or ():
+        if isinstance(step, str):
+            y = unary(step, y)
+        else:
+            y = y + step[1] if step[0] == "add" else y * step[1]
+    return y
+
+
+def linear(
+    weights: Sequence[Weight], x: torch.Tensor, post: Sequence[Post | None] | None = None
+) -> list[torch.Tensor]:
+    """x [N, I] times each of several matrices [O_j, I] of the same input: one graph, outputs [N, O_j];
+    `post[j]`, when given, runs on product j inside the graph (an activation, a bias)."""
     x = _f32_rows(x)
     n = int(x.shape[0])
+    posts = list(post) if post is not None else [None] * len(weights)
     outs = [torch.empty(n, w.rows, dtype=torch.float32) for w in weights]
 
     def build(keep: bool) -> Graph:
         # the graph's memory holds each product before it is pointed at its output, and quantized activations
-        gr = Graph(sum(4 * n * w.rows + 64 for w in weights), 2 * len(weights) + 1, keep)
+        steps = sum(len(p or ()) for p in posts)
+        gr = Graph(sum(4 * n * w.rows * (1 + len(p or ())) + 64 for w, p in zip(weights, posts, strict=True)),
+                   2 * len(weights) + 2 * steps + 1, keep)  # fmt: skip
+        g = gr.g
         xt = gr.input(n, int(x.shape[1]))
-        for w in weights:
-            gr.output(gr.mul_mat(gr.weight(w), xt))
+        for w, p in zip(weights, posts, strict=True):
+            t = gr.mul_mat(gr.weight(w), xt)
+            for step in p or ():
+                if isinstance(step, str):
+                    if step not in _UNARY:
+                        raise ValueError(f"unary op {step!r} is not one of {_UNARY}")
+                    t = getattr(g, f"ggml_{step}")(gr.ctx, t)
+                elif step[0] in ("add", "mul"):
+                    t = getattr(g, f"ggml_{step[0]}")(gr.ctx, t, gr.constant(step[1]))
+                else:
+                    raise ValueError(f"unknown step {step[0]!r}")
+            gr.output(t)
         return gr
 
-    key = ("linear", n, *(w.ptr for w in weights)) if n <= KEEP_ROWS else None
+    key = None
+    if n <= KEEP_ROWS:
+        key = ("linear", n, *((w.ptr, _post_key(p)) for w, p in zip(weights, posts, strict=True)))
     _run(key, build, [x], outs)
     return outs
 

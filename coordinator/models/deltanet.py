@@ -305,35 +305,43 @@ class GatedDeltaNet(nn.Module):
         return DeltaNetState()
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [N, D] -> conv input [N, C] = [all q; all k; all v], z, raw b and a [N, Hv] (value-head order)."""
+        """x [N, D] -> conv input [N, C] = [all q; all k; all v], silu(z) [N, Hv*Dv], beta and g (log decay)
+        [N, Hv] (value-head order)."""
         c, n = self.cfg, x.shape[0]
         hk, hv, ds = c.n_k_heads, c.n_v_heads, c.d_state
         r = hv // hk
-        # every projection of x in one ggml graph
+        # every projection of x in one ggml graph, each output's activation in it where the output is whole:
+        # silu(z), beta = sigmoid(b), g = softplus(a + dt_bias) * ssm_a
         qkvz = [self.ssm_in] if c.fused_qkvz else [self.attn_qkv, self.attn_gate]
         ba = [self.ssm_ba] if c.fused_ba else [self.ssm_beta, self.ssm_alpha]
-        outs = project(x, *qkvz, *ba)  # type: ignore[arg-type]
+        post: list[kernels.Post | None] = [None] if c.fused_qkvz else [None, ("silu",)]
+        post += (
+            [None]
+            if c.fused_ba
+            else [("sigmoid",), (("add", self.ssm_dt.bias), "softplus", ("mul", self.ssm_a))]
+        )
+        outs = project(x, *qkvz, *ba, post=post)  # type: ignore[arg-type]
         if c.fused_qkvz:
             # HF's in_proj_qkvz, interleaved per key head as [q (Dk), k (Dk), v (r*Dv), z (r*Dv)].
             per = outs[0].view(n, hk, 2 * ds + 2 * r * ds)
             q, k, v, z = per.split([ds, ds, r * ds, r * ds], dim=-1)
             mixed = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
-            z = z.reshape(n, hv * ds)
+            z = kernels.unary("silu", z.reshape(n, hv * ds))
         else:
             mixed, z = outs[0], outs[1]
         if c.fused_ba:
             ba_out = outs[-1].view(n, hk, 2, r)  # per key head [b (r), a (r)]
             b, a = ba_out[:, :, 0].reshape(n, hv), ba_out[:, :, 1].reshape(n, hv)
+            beta = kernels.unary("sigmoid", b)
+            g = kernels.unary("softplus", a + self.ssm_dt.bias) * self.ssm_a
         else:
-            b, a = outs[-2], outs[-1]
-        return mixed, z, b, a
+            beta, g = outs[-2], outs[-1]
+        return mixed, z, beta, g
 
     def forward(self, x: torch.Tensor, batch: Batch, states: list[DeltaNetState]) -> torch.Tensor:
         c, n = self.cfg, x.shape[0]
         hv, ds = c.n_v_heads, c.d_state
-        mixed, z, b, a = self.project(x)
-        beta = kernels.unary("sigmoid", b)  # [N, Hv]
-        g = kernels.unary("softplus", a + self.ssm_dt.bias) * self.ssm_a  # [N, Hv] log of the per-step decay
+        mixed, z, beta, g = self.project(x)  # z activated; g: log of the per-step decay [N, Hv]
 
         for st in states:
             if st.conv is None or st.ssm is None:
@@ -350,7 +358,7 @@ class GatedDeltaNet(nn.Module):
                     )
                 ]
             )
-        o = self.ssm_norm(o) * kernels.unary("silu", z.view(n, hv, ds))  # [N, Hv, Dv]
+        o = self.ssm_norm(o) * z.view(n, hv, ds)  # [N, Hv, Dv]
         return self.ssm_out(o.reshape(n, hv * ds))
 
     def _sequence(

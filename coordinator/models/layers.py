@@ -100,14 +100,18 @@ class Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def project(x: torch.Tensor, *linears: Linear) -> list[torch.Tensor]:
+def project(
+    x: torch.Tensor, *linears: Linear, post: Sequence[kernels.Post | None] | None = None
+) -> list[torch.Tensor]:
     """x [N, I] through several Linears of the same input: one ggml graph when they all run on ggml (a
-    decode step's projections are small, and each graph has a fixed cost), else one by one."""
+    decode step's projections are small, and each graph has a fixed cost), else one by one. `post[j]`:
+    what happens to output j next (kernels.Post: an activation, a bias), inside the graph when it can."""
+    posts = list(post) if post is not None else [None] * len(linears)
     mats = [lin.matrix for lin in linears]
-    if len(mats) > 1 and all(isinstance(m, GGMLMatrix) for m in mats):
-        outs = kernels.linear([m.weight for m in mats], x)  # type: ignore[union-attr]
-        return [y if lin.bias is None else y + lin.bias for y, lin in zip(outs, linears, strict=True)]
-    return [lin(x) for lin in linears]
+    ggml = all(isinstance(m, GGMLMatrix) for m in mats) and all(lin.bias is None for lin in linears)
+    if ggml and (len(mats) > 1 or any(posts)):
+        return kernels.linear([m.weight for m in mats], x, posts)  # type: ignore[union-attr]
+    return [kernels.apply_post(lin(x), p) for lin, p in zip(linears, posts, strict=True)]
 
 
 @dataclass(frozen=True)
@@ -154,15 +158,22 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, D] (post-attention-normed) -> [T, D]."""
-        weights, ids = route(self.ffn_gate_inp(x), self.cfg.n_expert_used, self.cfg.renormalize)
+        # the router and the shared expert's gate (sigmoid(x . w)) in one graph
+        gates = [self.ffn_gate_inp] + (
+            [self.ffn_gate_inp_shexp] if self.ffn_gate_inp_shexp is not None else []
+        )
+        logits, *shared_gate = project(x, *gates, post=[None, ("sigmoid",)][: len(gates)])
+        weights, ids = route(logits, self.cfg.n_expert_used, self.cfg.renormalize)
         pending = self.experts.start(self.layer, x, ids)
-        shared = self._shared(x)  # overlaps with the experts in flight
+        shared = self._shared(
+            x, shared_gate[0] if shared_gate else None
+        )  # overlaps with the experts in flight
         out = pending.wait()  # [T, K, D]
         # Sum over K in slot order: the result does not depend on which holder answered first.
         routed = (out * weights.unsqueeze(-1)).sum(dim=1)
         return routed if shared is None else routed + shared
 
-    def _shared(self, x: torch.Tensor) -> torch.Tensor | None:
+    def _shared(self, x: torch.Tensor, gate_value: torch.Tensor | None) -> torch.Tensor | None:
         gate, up, down = self.ffn_gate_shexp, self.ffn_up_shexp, self.ffn_down_shexp
         if gate is None or up is None or down is None:
             return None
@@ -173,8 +184,8 @@ class MoE(nn.Module):
             y = kernels.ffn(kernels.FFN(down=d, gate=g, up=u), x, keep=True)
         else:
             y = down(F.silu(gate(x)) * up(x))
-        if self.ffn_gate_inp_shexp is not None:
-            y = y * kernels.unary("sigmoid", self.ffn_gate_inp_shexp(x))
+        if gate_value is not None:
+            y = y * gate_value
         return y
 
 
