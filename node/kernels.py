@@ -620,3 +620,71 @@ def gated_delta(
 
     _run(("gdn", b, t, h, s) if b * t <= KEEP_ROWS else None, build, args, [out])
     return out[:n_attn].view(b, t, h, s), out[n_attn:].view(b, h, s, s)
+
+
+def delta_net_step(
+    window: torch.Tensor,
+    conv_weight: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    n_k_heads: int,
+    grouped: bool,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step of Gated DeltaNet for B sequences, all in one ggml graph (llama.cpp's ops):
+    depthwise conv over each sequence's window, SiLU, L2-normed q and k, the gated delta rule.
+
+    window [B, C, Kc]: each sequence's last Kc conv inputs (the new token last); conv_weight [C, Kc];
+    g (log decay), beta [B, Hv]; state [B, Hv, S, S] in ggml's layout (see gated_delta). Key heads serve
+    value heads tiled (value head h reads key head h % Hk) or, `grouped`, in blocks (h // (Hv / Hk)).
+    -> (o [B, Hv, S], new state [B, Hv, S, S]).
+    """
+    b, c, kc = (int(d) for d in window.shape)
+    hv, s = int(state.shape[1]), int(state.shape[2])
+    hk = n_k_heads
+    args = [_f32_rows(a).contiguous() for a in (window, g, beta, state)]
+    n_attn = b * hv * s
+    out = torch.empty(n_attn + b * hv * s * s, dtype=torch.float32)
+    w = _f32_rows(conv_weight)
+
+    def build(keep: bool) -> Graph:
+        gr = Graph(4 * (out.numel() + 4 * b * c) + 256 * 1024, 24, keep)
+        gm, ctx = gr.g, gr.ctx
+
+        def slot(*ne: int) -> object:
+            gm.ggml_set_no_alloc(ctx, True)
+            t = getattr(gm, f"ggml_new_tensor_{len(ne)}d")(ctx, _F32, *ne)
+            gm.ggml_set_no_alloc(ctx, False)
+            n = 1
+            for d in ne:
+                n *= d
+            gr.inputs.append((t, n))
+            return t
+
+        sx, tg, tb, ts = slot(kc, c, b), slot(1, hv, 1, b), slot(1, hv, 1, b), slot(s, s, hv, b)
+        act = gm.ggml_silu(ctx, gm.ggml_ssm_conv(ctx, sx, gr.constant(w)))  # [C, 1, B]
+
+        def heads(n_heads: int, first: int) -> object:
+            view = gm.ggml_view_4d(ctx, act, s, n_heads, 1, b, s * 4, c * 4, c * 4, first * 4)
+            return gm.ggml_cont(ctx, view)  # [S, H, 1, B]
+
+        q = gm.ggml_l2_norm(ctx, heads(hk, 0), eps)
+        k = gm.ggml_l2_norm(ctx, heads(hk, hk * s), eps)
+        v = heads(hv, 2 * hk * s)
+        if grouped and hv != hk:  # value head h <- key head h // r: repeat each key head r times in place
+            r = hv // hk
+            gm.ggml_set_no_alloc(ctx, True)
+            shape = gm.ggml_new_tensor_4d(ctx, _F32, s, r, hk, b)
+            gm.ggml_set_no_alloc(ctx, False)
+            q, k = (
+                gm.ggml_reshape_4d(ctx, gm.ggml_repeat(ctx, gm.ggml_reshape_4d(ctx, t, s, 1, hk, b), shape),
+                                   s, hv, 1, b)
+                for t in (q, k)
+            )  # fmt: skip
+        gr.output(gm.ggml_gated_delta_net(ctx, q, k, v, tg, tb, ts, 1))
+        return gr
+
+    key = ("dn-step", b, c, kc, hv, s, hk, grouped, w.data_ptr()) if b <= KEEP_ROWS else None
+    _run(key, build, args, [out])
+    return out[:n_attn].view(b, hv, s), out[n_attn:].view(b, hv, s, s)

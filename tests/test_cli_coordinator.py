@@ -27,6 +27,21 @@ def test_logits_match_transformers(tmp_path, capsys):
     assert "wrote" in capsys.readouterr().out
 
 
+def test_logits_default_is_llama_cpps_numerics_and_exact_is_transformers(tmp_path, capsys):
+    """On a Q4_K_M file: the default numerics lands next to llama.cpp's own kernels, --exact next to the
+    engines run on the exactly dequantized weights; the two differ."""
+    gguf = FIXTURES / "qwen35moe-quant" / "model-q4_k_m.gguf"
+    ref = np.load(FIXTURES / "qwen35moe-quant" / "reference.npz")
+    tokens = ",".join(str(t) for t in ref["tokens_0"])
+    native, exact = tmp_path / "native.npy", tmp_path / "exact.npy"
+    assert main(["logits", str(gguf), "--local", "--tokens", tokens, "-o", str(native)]) == 0
+    assert main(["logits", str(gguf), "--local", "--exact", "--tokens", tokens, "-o", str(exact)]) == 0
+    assert_logits_close(np.load(exact), ref["hfdq_q4_k_m_logits_0"], "--exact vs transformers (dequantized)")
+    assert_logits_close(np.load(native), ref["llama_q4_k_m_logits_0"], "native vs llama.cpp", max_abs=0.2,
+                        max_mean_kl=1e-4)  # fmt: skip
+    assert not np.allclose(np.load(native), np.load(exact), atol=1e-3)
+
+
 def test_run_local_streams_text_and_reports_speed(capsys):
     rc = main(["run", str(QWEN3MOE), "--local", "--prompt", "def add(a, b):", "--max-tokens", "5"])
     captured = capsys.readouterr()

@@ -393,13 +393,15 @@ class GatedDeltaNet(nn.Module):
         # One sequence (the common decode) needs no stacking copy of its states.
         prev = convs[0].unsqueeze(0) if len(convs) == 1 else torch.stack(convs)  # [B, C, Kc-1]
         inp = torch.cat([prev, mixed.unsqueeze(-1)], dim=-1)  # [B, C, Kc]
-        conv = (inp * self.ssm_conv1d.weight).sum(-1)  # [B, C]
-        q, k, v = self._qkv(kernels.unary("silu", conv).unsqueeze(1))  # [B, 1, Hv, D]
         s = ssms[0].unsqueeze(0) if len(ssms) == 1 else torch.stack(ssms)  # [B, Hv, Dv, Dk]
-        o, s = kernels.gated_delta(q, k, v, g.unsqueeze(1), beta.unsqueeze(1), s)
+        # conv, SiLU, L2 norms and the delta rule in one ggml graph
+        c = self.cfg
+        o, s = kernels.delta_net_step(
+            inp, self.ssm_conv1d.weight, g, beta, s, c.n_k_heads, not c.v_heads_tiled, L2_EPS
+        )
         for i, st in enumerate(states):
             st.conv, st.ssm = inp[i, :, 1:].clone(), s[i]
-        return o.squeeze(1)  # [B, Hv, Dv]
+        return o  # [B, Hv, Dv]
 
     def _qkv(self, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Activated conv output [..., T, C] -> q, k (L2-normed; q not yet scaled by 1/sqrt(D)), v, each
