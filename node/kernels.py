@@ -513,9 +513,9 @@ def moe_rows(stack: ExpertStack, expert_of_row: Sequence[int], x: torch.Tensor, 
     ids = torch.tensor(list(expert_of_row), dtype=torch.int32)
     f = stack.down.cols
 
-    def build(_keep: bool) -> Graph:
+    def build(keep: bool) -> Graph:
         g = ggml_lib()
-        gr = Graph(4 * n * (4 * f + d) + 4096, 12, False)
+        gr = Graph(4 * n * (4 * f + d) + 4096, 12, keep)
         g.ggml_set_no_alloc(gr.ctx, True)
         xt = g.ggml_new_tensor_3d(gr.ctx, _F32, d, 1, n)  # [D, 1 slot, N rows]
         it = g.ggml_new_tensor_2d(gr.ctx, g.GGML_TYPE_I32, 1, n)
@@ -531,7 +531,11 @@ def moe_rows(stack: ExpertStack, expert_of_row: Sequence[int], x: torch.Tensor, 
         gr.output(g.ggml_mul_mat_id(gr.ctx, gr.weight(stack.down), h, it))  # [D, 1, N]
         return gr
 
-    _run(None, build, [x, ids], [out])
+    # the graph depends on the stack and the row count only (the expert of each row is an input): a decode
+    # step's call repeats it layer after layer
+    ws = (stack.down, stack.gate, stack.up, stack.gate_up)
+    key = ("moe", n, *(w.ptr if w is not None else 0 for w in ws)) if n <= KEEP_ROWS else None
+    _run(key, build, [x, ids], [out])
 
 
 def stored_weight(
