@@ -22,3 +22,10 @@ def replace_section(name: str, body: str, doc: Path = DOC) -> None:
     )
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text(new)
+
+
+def publish(name: str, text: str, write: bool) -> None:
+    """Print a bench's section and, unless told not to, write it into docs/BENCHMARKS.md."""
+    print(text)
+    if write:
+        replace_section(name, text)

@@ -21,7 +21,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT / "tests"))
-from _doc import replace_section  # noqa: E402
+from _doc import publish  # noqa: E402
 from test_native import PLAIN, VARIANTS, agreement, load_native  # noqa: E402
 
 from swarm.coordinator.experts import LocalExperts  # noqa: E402
@@ -84,10 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{f(pl, 'prefill_top1', '.3f')} | {f(pl, 'decode_kl', '.2g')} | {f(pl, 'greedy_prefix', 'd')} | "
             f"{f(ex, 'prefill_kl', '.2g')} |"
         )
-    text = "\n".join(lines)
-    print(text)
-    if not args.no_write:
-        replace_section("fidelity", text)
+    publish("fidelity", "\n".join(lines), write=not args.no_write)
     return 0
 
 

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _doc import replace_section  # noqa: E402
+from _doc import publish  # noqa: E402
 
 from swarm.coordinator.engine import open_engine  # noqa: E402
 from swarm.coordinator.generate import forward_one  # noqa: E402
@@ -136,10 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     for what, peak, bound, ratio in rows:
         ok = "yes" if peak <= bound else "no"
         lines.append(f"| {what} | {peak / MiB:,.0f} MiB | {bound / MiB:,.0f} MiB | {ok} | {ratio} |")
-    text = "\n".join(lines)
-    print(text)
-    if not args.no_write:
-        replace_section("memory", text)
+    publish("memory", "\n".join(lines), write=not args.no_write)
     return 0
 
 

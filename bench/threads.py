@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _doc import replace_section  # noqa: E402
+from _doc import publish  # noqa: E402
 
 PROMPT = (
     "A mixture of experts model keeps many small feed-forward networks in every layer and sends each token "
@@ -132,10 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             dec = statistics.median(r[1] for r in done)
             figs = f"{pre:.1f} | {dec:.1f} |"
         lines.append(f"| {where} | {threads} | {policy or 'default (spin)'} | {figs}")
-    text = "\n".join(lines)
-    print(text)
-    if not args.no_write:
-        replace_section("threads", text)
+    publish("threads", "\n".join(lines), write=not args.no_write)
     return 0
 
 

@@ -214,35 +214,30 @@ class Graph:
         if getattr(self.g, "ggml_free", None) is not None:  # at interpreter exit ggml may be gone first
             self.free()
 
-    def _placed(self, qtype: int, cols: int, rows: int) -> object:
+    def placed(self, qtype: int, *ne: int) -> object:
+        """A tensor of ggml shape `ne` (fastest dimension first) whose data the caller points somewhere."""
         g = self.g
         g.ggml_set_no_alloc(self.ctx, True)
-        t = g.ggml_new_tensor_2d(self.ctx, qtype, cols, rows)
+        t = g.ggml_new_tensor(self.ctx, qtype, len(ne), (ctypes.c_int64 * len(ne))(*ne))
         g.ggml_set_no_alloc(self.ctx, False)
         return t
 
     def weight(self, w: Weight) -> object:
-        if w.experts > 1:
-            g = self.g
-            g.ggml_set_no_alloc(self.ctx, True)
-            t = g.ggml_new_tensor_3d(self.ctx, w.qtype, w.cols, w.rows, w.experts)
-            g.ggml_set_no_alloc(self.ctx, False)
-        else:
-            t = self._placed(w.qtype, w.cols, w.rows)
+        t = self.placed(w.qtype, w.cols, w.rows, *([w.experts] if w.experts > 1 else []))
         t.contents.data = w.ptr
         self._weights.append(w.keep)
         return t
 
-    def input(self, rows: int, cols: int) -> object:
-        """An input slot [rows, cols] float32."""
-        t = self._placed(_F32, cols, rows)
-        self.inputs.append((t, rows * cols))
+    def input(self, *ne: int, qtype: int = _F32) -> object:
+        """An input slot of ggml shape `ne` (fastest first: [cols, rows] for a matrix), float32 by default."""
+        t = self.placed(qtype, *ne)
+        self.inputs.append((t, int(np.prod(ne))))
         return t
 
     def constant(self, x: torch.Tensor) -> object:
         """A float32 tensor that stays the same on every run (a bias), held by the graph."""
         x = _f32_rows(x.reshape(1, -1) if x.dim() == 1 else x)
-        t = self._placed(_F32, int(x.shape[1]), int(x.shape[0]))
+        t = self.placed(_F32, int(x.shape[1]), int(x.shape[0]))
         t.contents.data = x.data_ptr()
         self._weights.append(x)
         return t
@@ -384,7 +379,7 @@ def linear(
         gr = Graph(sum(4 * n * w.rows * (1 + len(p or ())) + 64 for w, p in zip(weights, posts, strict=True)),
                    2 * len(weights) + 2 * steps + 1, keep)  # fmt: skip
         g = gr.g
-        xt = gr.input(n, int(x.shape[1]))
+        xt = gr.input(int(x.shape[1]), n)
         for w, p in zip(weights, posts, strict=True):
             t = gr.mul_mat(gr.weight(w), xt)
             for step in p or ():
@@ -475,7 +470,7 @@ def ffn_rows(
         scratch = sum(4 * n * (3 * f.width) + 4 * n * d + 256 for f, _, n in blocks)
         gr = Graph(scratch, 12 * len(blocks) + 2, kept)
         for f, _, n in blocks:
-            gr.output(f.add_to(gr, gr.input(n, d)))
+            gr.output(f.add_to(gr, gr.input(d, n)))
         return gr
 
     key = None
@@ -516,11 +511,8 @@ def moe_rows(stack: ExpertStack, expert_of_row: Sequence[int], x: torch.Tensor, 
     def build(keep: bool) -> Graph:
         g = ggml_lib()
         gr = Graph(4 * n * (4 * f + d) + 4096, 12, keep)
-        g.ggml_set_no_alloc(gr.ctx, True)
-        xt = g.ggml_new_tensor_3d(gr.ctx, _F32, d, 1, n)  # [D, 1 slot, N rows]
-        it = g.ggml_new_tensor_2d(gr.ctx, g.GGML_TYPE_I32, 1, n)
-        g.ggml_set_no_alloc(gr.ctx, False)
-        gr.inputs += [(xt, n * d), (it, n)]
+        xt = gr.input(d, 1, n)  # [D, 1 slot, N rows]
+        it = gr.input(1, n, qtype=g.GGML_TYPE_I32)
         if stack.gate_up is not None:
             h = g.ggml_swiglu(gr.ctx, g.ggml_mul_mat_id(gr.ctx, gr.weight(stack.gate_up), xt, it))
         else:
@@ -578,7 +570,7 @@ def unary(op: str, x: torch.Tensor) -> torch.Tensor:
 
     def build(keep: bool) -> Graph:
         gr = Graph(4 * x2.numel() + 64, 3, keep)
-        gr.output(getattr(gr.g, f"ggml_{op}")(gr.ctx, gr.input(rows, cols)))
+        gr.output(getattr(gr.g, f"ggml_{op}")(gr.ctx, gr.input(cols, rows)))
         return gr
 
     _run(("unary", op, rows, cols) if rows <= KEEP_ROWS else None, build, [x2], [out])
@@ -607,19 +599,10 @@ def gated_delta(
 
     def build(keep: bool) -> Graph:
         gr = Graph(4 * out.numel() + 64 * 1024, 8, keep)
-        gm = gr.g
-
-        def slot(ne: tuple[int, int, int, int]) -> object:
-            gm.ggml_set_no_alloc(gr.ctx, True)
-            tt = gm.ggml_new_tensor_4d(gr.ctx, _F32, *ne)
-            gm.ggml_set_no_alloc(gr.ctx, False)
-            gr.inputs.append((tt, ne[0] * ne[1] * ne[2] * ne[3]))
-            return tt
-
-        tq, tk, tv = slot((s, h, t, b)), slot((s, h, t, b)), slot((s, h, t, b))
-        tg, tb = slot((1, h, t, b)), slot((1, h, t, b))
-        ts = slot((s, s, h, b))
-        gr.output(gm.ggml_gated_delta_net(gr.ctx, tq, tk, tv, tg, tb, ts, 1))
+        tq, tk, tv = gr.input(s, h, t, b), gr.input(s, h, t, b), gr.input(s, h, t, b)
+        tg, tb = gr.input(1, h, t, b), gr.input(1, h, t, b)
+        ts = gr.input(s, s, h, b)
+        gr.output(gr.g.ggml_gated_delta_net(gr.ctx, tq, tk, tv, tg, tb, ts, 1))
         return gr
 
     _run(("gdn", b, t, h, s) if b * t <= KEEP_ROWS else None, build, args, [out])
@@ -655,18 +638,12 @@ def delta_net_step(
     def build(keep: bool) -> Graph:
         gr = Graph(4 * (out.numel() + 4 * b * c) + 256 * 1024, 24, keep)
         gm, ctx = gr.g, gr.ctx
-
-        def slot(*ne: int) -> object:
-            gm.ggml_set_no_alloc(ctx, True)
-            t = getattr(gm, f"ggml_new_tensor_{len(ne)}d")(ctx, _F32, *ne)
-            gm.ggml_set_no_alloc(ctx, False)
-            n = 1
-            for d in ne:
-                n *= d
-            gr.inputs.append((t, n))
-            return t
-
-        sx, tg, tb, ts = slot(kc, c, b), slot(1, hv, 1, b), slot(1, hv, 1, b), slot(s, s, hv, b)
+        sx, tg, tb, ts = (
+            gr.input(kc, c, b),
+            gr.input(1, hv, 1, b),
+            gr.input(1, hv, 1, b),
+            gr.input(s, s, hv, b),
+        )
         act = gm.ggml_silu(ctx, gm.ggml_ssm_conv(ctx, sx, gr.constant(w)))  # [C, 1, B]
 
         def heads(n_heads: int, first: int) -> object:
@@ -678,9 +655,7 @@ def delta_net_step(
         v = heads(hv, 2 * hk * s)
         if grouped and hv != hk:  # value head h <- key head h // r: repeat each key head r times in place
             r = hv // hk
-            gm.ggml_set_no_alloc(ctx, True)
-            shape = gm.ggml_new_tensor_4d(ctx, _F32, s, r, hk, b)
-            gm.ggml_set_no_alloc(ctx, False)
+            shape = gr.placed(_F32, s, r, hk, b)  # only its shape is read
             q, k = (
                 gm.ggml_reshape_4d(ctx, gm.ggml_repeat(ctx, gm.ggml_reshape_4d(ctx, t, s, 1, hk, b), shape),
                                    s, hv, 1, b)
