@@ -447,6 +447,7 @@ def connect(
     placement = Placement()
     clients: dict[str, NodeClient] = {}
     by_header: list[str] = []  # nodes taken on the source GGUF's header hash alone
+    strangers: list[str] = []  # peers of another model, passed over
 
     def add(address: str, node: ModelIdentity, held: Iterable[SlabKey]) -> None:
         if address not in clients:
@@ -472,10 +473,15 @@ def connect(
         match = identity.match(info.identity)
         if match is None:
             client.close()
-            raise UserError(
-                f"peer {peer} serves another model (fingerprint {info.fingerprint[:12]}, "
-                f"this one is {identity.fingerprint[:12]}); start it on the same GGUF or shard directory"
+            log.warning(
+                "passing over peer %s: it serves another model (fingerprint %s, this swarm's is %s); "
+                "start it on the same GGUF or shard directory",
+                peer,
+                info.fingerprint[:12],
+                identity.fingerprint[:12],
             )
+            strangers.append(peer)
+            continue
         client.fingerprint = info.fingerprint  # what the node checks in every Compute call
         clients[peer] = client
         if match is Match.HEADER:
@@ -508,6 +514,8 @@ def connect(
             c.close()
         if not clients:
             hint = "" if mdns else " (mDNS is off: give --peer host:port)"
+            if strangers:
+                hint += f" (passed over {', '.join(strangers)}: another model)"
             raise UserError(
                 f"no swarm nodes found for this model{hint}. Start one with `swarm node {source} --experts 0-7` "
                 "on this or another machine, or run with --local to compute the experts here"

@@ -305,22 +305,33 @@ class NodeBrowser:
         except (ValueError, KeyError, TypeError, msgpack.UnpackException) as e:
             log.warning("ignoring malformed swarm node record %s: %s", name, e)
             return
+        other = self._passed_over(node)
+        if other:
+            log.warning("passing over node %s at %s: %s", name, node.address, other)
         with self._cond:
             self._nodes[name] = node
             self.version += 1
             self._cond.notify_all()
-        log.info("node found: %s at %s (%d slabs)", name, node.address, len(node.held))
+        if not other:
+            log.info("node found: %s at %s (%d slabs)", name, node.address, len(node.held))
+
+    def _passed_over(self, node: DiscoveredNode) -> str:
+        """Why `nodes()` leaves this node out ("" when it keeps it)."""
+        if self.fingerprint and node.fingerprint != self.fingerprint:
+            return f"it serves another model (fingerprint {node.fingerprint[:12]})"
+        if self.identity is not None and self.identity.match(node.identity) is None:
+            return (
+                f"it serves another model (fingerprint {node.fingerprint[:12]}, "
+                f"this swarm's is {self.identity.fingerprint[:12]})"
+            )
+        if self.key_id is not None and node.key_id != self.key_id:
+            return "it belongs to another swarm (its swarm key differs)"
+        return ""
 
     def nodes(self) -> list[DiscoveredNode]:
         """The nodes seen now (of this browser's model when it has one), sorted by address."""
         with self._cond:
-            found = list(self._nodes.values())
-        if self.fingerprint:
-            found = [n for n in found if n.fingerprint == self.fingerprint]
-        if self.identity is not None:
-            found = [n for n in found if self.identity.match(n.identity) is not None]
-        if self.key_id is not None:
-            found = [n for n in found if n.key_id == self.key_id]
+            found = [n for n in self._nodes.values() if not self._passed_over(n)]
         return sorted(found, key=lambda n: (n.host, n.port))
 
     def wait_for(

@@ -9,6 +9,7 @@ transformers and llama.cpp).
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 
 import grpc
@@ -218,12 +219,24 @@ def test_a_mixed_swarm_serves_one_run(nodes, shard_dir, coordinator_on, caplog):
 
 
 @pytest.mark.slow
-def test_a_node_of_another_model_is_still_refused(nodes, shard_dir):
-    other = nodes["other"]
+def test_a_node_of_another_model_is_passed_over(nodes, shard_dir, caplog):
+    other, g0, g1 = nodes["other"], nodes["g0"], nodes["g1"]
+    caplog.set_level(logging.WARNING)
     for path in (shard_dir, GGUF):
         identity, needed = model_identity(path)
-        with pytest.raises(UserError, match=r"peer .* serves another model \(fingerprint [0-9a-f]{12}"):
+        with pytest.raises(UserError, match=rf"no swarm nodes found .*passed over {other.address}: another"):
             connect(needed, identity, str(path), peers=[other.address], mdns=False)
+        assert re.search(rf"passing over peer {other.address}: it serves another model", caplog.text)
+    # beside an honest holder: the stranger is passed over and never receives a pair
+    identity, needed = model_identity(GGUF)
+    swarm = connect(needed, identity, str(GGUF), peers=[other.address, g0.address, g1.address], mdns=False)
+    try:
+        assert set(swarm.clients) == {g0.address, g1.address}
+        rows = torch.randn(3, 64)
+        swarm.start(0, rows, torch.tensor([[0, 1], [2, 3], [4, 5]])).wait()
+        assert swarm.calls_per_node[g0.address] > 0 and other.address not in swarm.calls_per_node
+    finally:
+        swarm.close()
     # mDNS: the stranger is advertised, but a browser for this model never lists it
     with (
         browse(interfaces=LOOPBACK) as everyone,
@@ -232,6 +245,7 @@ def test_a_node_of_another_model_is_still_refused(nodes, shard_dir):
         assert everyone.wait_for(lambda ns: any(n.port == other.port for n in ns), timeout=5) is not None
         assert ours.wait_for(lambda ns: {nodes["g0"].port, nodes["g1"].port} <= {n.port for n in ns}, 5)
         assert other.port not in {n.port for n in ours.nodes()}
+    assert re.search(rf"passing over node .* at {other.address}: it serves another model", caplog.text)
     # nodes stay strict: a call carrying the shard dir's fingerprint is refused by a node on the GGUF
     with NodeClient(nodes["g0"].address, fingerprint=read_manifest(shard_dir).fingerprint) as client:
         with pytest.raises(NodeCallError) as e:
