@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Any
 
+from swarm.node.cli import add_key_argument, swarm_key
 from swarm.node.openmp import set_wait_policy
 from swarm.sharding.errors import UserError
 
@@ -25,7 +25,7 @@ def add_discovery_args(g: Any, wait: float, wait_help: str) -> None:
         help="interface address to browse mDNS on (repeatable; default all)",
     )
     g.add_argument("--wait", type=float, default=wait, help=wait_help)
-    g.add_argument("--key", default=os.environ.get("SWARM_KEY"), help="swarm key (default: $SWARM_KEY)")
+    add_key_argument(g)
 
 
 def add_swarm_args(p: argparse.ArgumentParser) -> None:
@@ -146,6 +146,7 @@ def _open(args: argparse.Namespace) -> Any:
     where = "experts in this process" if args.local else "looking for nodes"
     _status(f"swarm {args.command}: opening {args.model} ({where}) ...")
     apply_threads(args.threads)
+    key = swarm_key(args, args.command)
     engine = open_engine(
         args.model,
         local=args.local,
@@ -155,7 +156,7 @@ def _open(args: argparse.Namespace) -> Any:
         wait=args.wait,
         wire=args.wire,
         device=args.device,
-        key=args.key,
+        key=key,
         timeout=args.timeout,
         progress=True,
         numerics="exact" if args.exact else "native",
@@ -164,6 +165,12 @@ def _open(args: argparse.Namespace) -> Any:
         n = len(engine.experts.clients)
         nodes = "1 node holds" if n == 1 else f"{n} nodes hold"
         _status(f"swarm {args.command}: {nodes} every expert; model on {engine.device}")
+        if key is None:
+            print(
+                f"swarm {args.command}: warning: no swarm key: these are OPEN nodes (started without a key), "
+                "which anyone who reaches them can use; see `swarm keygen`",
+                file=sys.stderr,
+            )
     return engine
 
 

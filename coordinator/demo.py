@@ -9,7 +9,6 @@ still bit for bit. Every process it started is stopped on the way out, Ctrl-C in
 
 from __future__ import annotations
 
-import secrets
 import shutil
 import signal
 import sys
@@ -94,6 +93,7 @@ def run_demo(
     from swarm.coordinator.commands import prompt_ids, report, stream_answer
     from swarm.coordinator.engine import open_engine
     from swarm.coordinator.generate import SamplingParams
+    from swarm.node.auth import KEY_ENV, SwarmKey, generate_key_text
     from swarm.node.client import NodeClient
     from swarm.node.launch import start_nodes
     from swarm.sharding.shard import shard_model
@@ -131,12 +131,11 @@ def run_demo(
         ranges.append(list(range(manifest.n_expert)))  # the replica: every expert once more
         # A key of its own: another demo running on this machine (same synthesized model, same fingerprint)
         # keeps its nodes to itself.
-        key = secrets.token_hex(8)
-        specs = [
-            (shard_dir, ["--host", LOOPBACK, "--experts", format_ranges(r), "--key", key]) for r in ranges
-        ]
+        key_text = generate_key_text()
+        key = SwarmKey.from_text(key_text)
+        specs = [(shard_dir, ["--host", LOOPBACK, "--experts", format_ranges(r)]) for r in ranges]
         t0 = time.perf_counter()
-        nodes = start_nodes(specs, work / "nodes")
+        nodes = start_nodes(specs, work / "nodes", env={KEY_ENV: key_text})
         _say(f"[3/6] started {len(nodes)} node processes in {time.perf_counter() - t0:.1f} s:")
         for node, r in zip(nodes, ranges, strict=True):
             role = " (a replica: the swarm shares the load with it)" if r is ranges[-1] else ""

@@ -18,6 +18,7 @@ from swarm.coordinator.loader import default_device, load_model
 from swarm.coordinator.models.layers import DecoderModel
 from swarm.coordinator.swarm import SwarmExperts, connect
 from swarm.coordinator.tokenizer import GGUFTokenizer
+from swarm.node.auth import SwarmKey
 from swarm.node.identity import ModelIdentity, identity_of
 from swarm.node.kernels import NATIVE, Numerics
 from swarm.node.source import load_slabs, slab_progress
@@ -72,7 +73,7 @@ def open_engine(
     wait: float = 3.0,
     wire: str = "f32",
     device: str | None = None,
-    key: str | None = None,
+    key: SwarmKey | None = None,
     timeout: float = 30.0,
     memory_budget: int | None = None,
     progress: bool = False,

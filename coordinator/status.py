@@ -17,6 +17,7 @@ from collections import Counter
 from typing import Any
 
 from swarm.coordinator.commands import add_discovery_args
+from swarm.node.cli import swarm_key
 from swarm.sharding.errors import UserError
 
 
@@ -42,23 +43,26 @@ def cmd_status(args: argparse.Namespace) -> int:
     from swarm.node.discovery import browse
 
     identity, needed = model_identity(args.model) if args.model else (None, [])
+    key = swarm_key(args, "status")
     addresses: list[str] = list(dict.fromkeys(args.peer))
+    found: dict[str, bool] = {}  # address -> serves TLS, as its mDNS record says
     if not args.no_mdns:
-        with browse(interfaces=args.mdns_interface, identity=identity, key=args.key or "") as browser:
+        with browse(interfaces=args.mdns_interface, identity=identity, key=key) as browser:
             browser.wait_for(lambda _nodes: False, args.wait)  # listen the whole time: count every answer
-            addresses += [n.address for n in browser.nodes() if n.address not in addresses]
+            found = {n.address: n.tls for n in browser.nodes()}
+            addresses += [a for a in found if a not in addresses]
     if not addresses:
         where = "given with --peer" if args.no_mdns else f"found by mDNS in {args.wait:g} s"
         raise UserError(
             f"no swarm nodes {where}" + (f" for {args.model}" if args.model else "")
             + "; start one with `swarm node MODEL --experts 0-7`, or give --peer host:port"
-            + ("" if args.key else " (nodes started with a swarm key show only with that --key)")
+            + ("" if key else " (nodes started with a swarm key show only with that --key-file)")
         )  # fmt: skip
 
     holders: Counter[tuple[int, int]] = Counter()
     rows: list[list[str]] = []
     for address in addresses:
-        client = NodeClient(address, key=args.key)
+        client = NodeClient(address, key=key, tls=found.get(address))
         try:
             info = client.info(timeout=5.0)
             stats = client.stats(timeout=5.0)

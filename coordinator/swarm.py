@@ -25,6 +25,7 @@ import grpc
 import torch
 
 from swarm.coordinator.experts import ExpertMajor, PendingExperts, group_expert_major
+from swarm.node.auth import SwarmKey
 from swarm.node.client import ComputeCall, NodeCallError, NodeClient, wait_calls
 from swarm.node.identity import Match, ModelIdentity
 from swarm.node.kernels import NATIVE, Numerics
@@ -266,7 +267,7 @@ class SwarmExperts:
         timeout: float = 30.0,
         call_bytes: int = CALL_BYTES,
         browser: NodeBrowser | None = None,
-        key: str | None = None,
+        key: SwarmKey | None = None,
         numerics: Numerics = NATIVE,
     ) -> None:
         self.clients = clients
@@ -341,7 +342,9 @@ class SwarmExperts:
         now = {n.address: n for n in b.nodes()}
         for address, n in now.items():
             if address not in self.clients:
-                self.clients[address] = NodeClient(address, fingerprint=n.identity.fingerprint, key=self.key)
+                self.clients[address] = NodeClient(
+                    address, fingerprint=n.identity.fingerprint, key=self.key, tls=n.tls
+                )
                 log.info("node joined: %s (%d slabs)", address, len(n.held))
             if address not in self._advertised:
                 self.placement.add(address, n.held)
@@ -431,7 +434,7 @@ def connect(
     mdns: bool = True,
     interfaces: Sequence[str] | None = None,
     wait: float = 3.0,
-    key: str | None = None,
+    key: SwarmKey | None = None,
     wire_dtype: torch.dtype = torch.float32,
     timeout: float = 30.0,
     numerics: Numerics = NATIVE,
@@ -449,9 +452,9 @@ def connect(
     by_header: list[str] = []  # nodes taken on the source GGUF's header hash alone
     strangers: list[str] = []  # peers of another model, passed over
 
-    def add(address: str, node: ModelIdentity, held: Iterable[SlabKey]) -> None:
+    def add(address: str, node: ModelIdentity, held: Iterable[SlabKey], tls: bool) -> None:
         if address not in clients:
-            clients[address] = NodeClient(address, fingerprint=node.fingerprint, key=key)
+            clients[address] = NodeClient(address, fingerprint=node.fingerprint, key=key, tls=tls)
             if identity.match(node) is Match.HEADER:
                 by_header.append(address)
         placement.add(address, held)
@@ -464,8 +467,8 @@ def connect(
             client.close()
             if e.code == grpc.StatusCode.UNAUTHENTICATED:
                 raise UserError(
-                    f"peer {peer} refuses this swarm key; give the coordinator the key its nodes were started "
-                    "with (--key or SWARM_KEY)"
+                    f"peer {peer} refuses this swarm key ({e.details}); give the coordinator the key its nodes "
+                    "were started with (--key-file, $SWARM_KEY_FILE or $SWARM_KEY)"
                 ) from None
             raise UserError(
                 f"peer {peer} does not answer ({e.code.name}); is `swarm node` running there?"
@@ -492,11 +495,11 @@ def connect(
     if mdns and placement.missing(needed):
         from swarm.node.discovery import browse
 
-        browser = browse(interfaces=interfaces, identity=identity, key=key or "")
+        browser = browse(interfaces=interfaces, identity=identity, key=key)
 
         def covered(nodes: list) -> bool:
             for n in nodes:
-                add(n.address, n.identity, n.held)
+                add(n.address, n.identity, n.held, n.tls)
             return not placement.missing(needed)
 
         if browser.wait_for(covered, wait) is not None:
@@ -504,7 +507,7 @@ def connect(
             # ms at random): take them too, they are the replicas a failover will need.
             time.sleep(min(MDNS_SETTLE_SECONDS, wait))
         for n in browser.nodes():
-            add(n.address, n.identity, n.held)
+            add(n.address, n.identity, n.held, n.tls)
 
     missing = placement.missing(needed)
     if missing:

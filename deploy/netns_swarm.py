@@ -124,7 +124,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nodes", type=int, default=3, help="nodes with disjoint expert ranges")
     p.add_argument("--replicas", type=int, default=0, help="extra nodes holding every expert")
     p.add_argument("--rate", default=None, help="bandwidth of each node's link, e.g. 100mbit (tc tbf)")
-    p.add_argument("--key", default=None, help="swarm key for the nodes and the coordinator")
+    p.add_argument(
+        "--key-file",
+        type=Path,
+        default=None,
+        help="swarm key for the nodes and the coordinator (default: a new one for this rig; nodes off "
+        "loopback need a key, and serve TLS with it)",
+    )
     p.add_argument("--keep-logs", type=Path, default=None, help="copy the node logs here at the end")
     p.add_argument("--tag", default="0", help="a short name for this rig (1-4 characters), to run several")
     p.add_argument("--subnet", default="10.77.0", help="first three octets of the rig's /24")
@@ -146,8 +152,13 @@ def main(argv: list[str] | None = None) -> int:
         expert_ranges(int(manifest["n_expert"]), args.nodes)
         + [f"0-{manifest['n_expert'] - 1}"] * args.replicas
     )
-    key_args = ["--key", args.key] if args.key else []
     workdir = Path(tempfile.mkdtemp(prefix="netns-swarm-"))
+    key_file = args.key_file
+    if key_file is None:
+        key_file = workdir / "swarm.key"
+        subprocess.run([sys.executable, "-m", "swarm.coordinator.cli", "keygen", "--out", str(key_file)],
+                       check=True, stdout=subprocess.DEVNULL)  # fmt: skip
+    key_args = ["--key-file", str(key_file)]
     procs: list[subprocess.Popen[bytes]] = []
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:

@@ -57,8 +57,40 @@ def describe_held(keys: set[tuple[int, int]] | list[tuple[int, int]]) -> str:
     )
 
 
+def add_key_argument(g: Any) -> None:
+    """--key-file: where a command finds the swarm key (never on the command line itself, where every
+    process listing would show it)."""
+    g.add_argument(
+        "--key-file",
+        default=None,
+        metavar="FILE",
+        help="the swarm key (`swarm keygen --out FILE` makes one; default: $SWARM_KEY_FILE, else the key "
+        "text in $SWARM_KEY, else none: an open swarm, loopback only)",
+    )
+
+
+def swarm_key(args: argparse.Namespace, who: str) -> Any:
+    """The SwarmKey the command runs with (or None), after a warning for a weak hand-made one."""
+    from swarm.node.auth import key_from, weak_key_warning
+
+    key = key_from(args.key_file)
+    warning = weak_key_warning(args.key_file)
+    if warning:
+        print(f"swarm {who}: warning: {warning}", file=sys.stderr)
+    return key
+
+
 def register(sub: argparse._SubParsersAction) -> None:
-    """Add `swarm node` to the `swarm` parser."""
+    """Add `swarm node` and `swarm keygen` to the `swarm` parser."""
+    k = sub.add_parser(
+        "keygen",
+        help="make a new swarm key",
+        description="Write a new random swarm key (32 bytes) for nodes and coordinators to share: give it to "
+        "each with --key-file FILE or $SWARM_KEY_FILE. Without --out it is printed (for $SWARM_KEY).",
+    )
+    k.add_argument("--out", type=Path, default=None, help="write the key to this file (mode 600)")
+    k.add_argument("--force", action="store_true", help="replace an existing --out file")
+    k.set_defaults(func=run_keygen)
     p = sub.add_parser(
         "node",
         help="hold expert slabs and compute them for the swarm over gRPC",
@@ -113,10 +145,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "busy processes share (loopback test rigs), 1 can be much faster",
     )
     p.add_argument("--name", default=None, help="name to advertise (default: swarm-node-HOST-PORT-xxxxxx)")
+    add_key_argument(p)
     p.add_argument(
-        "--key",
-        default=None,
-        help="swarm key: refuse calls that do not carry it (default: $SWARM_KEY, else no key)",
+        "--tls",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="serve TLS with the swarm key's identity (auto: whenever there is a key and --host is not "
+        "loopback, so that activations are private on the network)",
     )
     p.add_argument("--no-mdns", action="store_true", help="do not advertise by mDNS (static --peer use only)")
     p.add_argument(
@@ -138,6 +173,46 @@ def register(sub: argparse._SubParsersAction) -> None:
         "swarm demo, tests, benchmarks; they must not outlive a launcher that was killed)",
     )
     p.set_defaults(func=run_node)
+
+
+def run_keygen(args: argparse.Namespace) -> int:
+    from swarm.node.auth import SwarmKey, generate_key_text
+
+    text = generate_key_text()
+    if args.out is None:
+        print(text)
+        return 0
+    if args.out.exists() and not args.force:
+        raise UserError(f"{args.out} exists; keep it (its nodes use it) or pass --force to replace it")
+    tmp = args.out.with_name(args.out.name + f".tmp-{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text + "\n")
+    os.replace(tmp, args.out)
+    print(f"swarm keygen: wrote {args.out} (swarm id {SwarmKey.from_text(text).id}); give it to every node "
+          "and coordinator with --key-file or $SWARM_KEY_FILE")  # fmt: skip
+    return 0
+
+
+def _is_loopback_host(host: str) -> bool:
+    h = host.strip("[]").lower()
+    return h == "localhost" or h == "::1" or h.startswith("127.")
+
+
+def _tls(mode: str, has_key: bool, host: str) -> bool:
+    """Whether the node serves TLS; refuses the setups that would leave a network-facing node open."""
+    loopback = _is_loopback_host(host)
+    if not has_key:
+        if not loopback:
+            raise UserError(
+                f"--host {host} serves the network, and without a swarm key anyone there could use this node "
+                "and read its traffic: make a key (`swarm keygen --out swarm.key`) and pass --key-file to "
+                "the nodes and the coordinator"
+            )
+        if mode == "on":
+            raise UserError("--tls on needs a swarm key (its identity is derived from it): give --key-file")
+        return False
+    return mode == "on" or (mode == "auto" and not loopback)
 
 
 def _device(name: str) -> str:
@@ -179,7 +254,8 @@ def run_node(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    key = args.key if args.key is not None else os.environ.get("SWARM_KEY") or None
+    key = swarm_key(args, "node")
+    tls = _tls(args.tls, key is not None, args.host)
 
     with slab_progress("checking slabs" if not args.no_verify else "opening slabs") as progress:
         loaded = load_slabs(
@@ -206,6 +282,7 @@ def run_node(args: argparse.Namespace) -> int:
         port=args.port,
         workers=args.workers,
         key=key,
+        tls=tls,
         name=args.name or "",
         source_sha256=loaded.source_sha256,
     ).start()
@@ -223,6 +300,12 @@ def run_node(args: argparse.Namespace) -> int:
         f"fingerprint={loaded.fingerprint} device={store.device} pid={os.getpid()}",
         flush=True,
     )
+    if key is None:
+        print(
+            "swarm node: warning: no swarm key: this is an OPEN swarm node; any process on this machine "
+            "can use it (make a key with `swarm keygen` and pass --key-file)",
+            file=sys.stderr,
+        )
     if args.ready_file:
         _write_json_atomic(
             args.ready_file,
@@ -253,6 +336,7 @@ def run_node(args: argparse.Namespace) -> int:
             str(store.device),
             source_sha256=loaded.source_sha256,
             key=key,
+            tls=tls,
         )
         try:
             advertiser = Advertiser(server.port, args.host, props, interfaces, args.name).start()

@@ -21,15 +21,16 @@ from concurrent.futures import FIRST_COMPLETED, CancelledError, Future, ThreadPo
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from swarm.node.auth import AUTH_METADATA, TLS_NAME, Signer, SwarmKey
 from swarm.node.identity import ModelIdentity
 from swarm.proto import expert_pb2 as pb
-from swarm.proto import expert_pb2_grpc as pb_grpc
-from swarm.proto.channel import CHANNEL_OPTIONS, PROTOCOL_VERSION, SERVICE_NAME, SWARM_KEY_METADATA
+from swarm.proto.channel import CHANNEL_OPTIONS, PROTOCOL_VERSION, SERVICE_NAME
 from swarm.proto.codec import SlabKey, compute_request, decode_tensor, held_from_proto
 
 
@@ -136,22 +137,58 @@ def wait_calls(calls: Iterable[ComputeCall], timeout: float | None = None) -> No
     futures_wait([c._future for c in calls], timeout, return_when=FIRST_COMPLETED)
 
 
+def is_loopback(address: str) -> bool:
+    """Whether "host:port" names this machine's loopback (where the wire needs no privacy)."""
+    host = address.rsplit(":", 1)[0].strip("[]").lower()
+    return host == "localhost" or host == "::1" or host.startswith("127.")
+
+
 class NodeClient:
     """A channel to one node (address "host:port"). Thread-safe; reuse one per node.
 
+    With a swarm key every call carries a swarm-auth tag (see swarm.node.auth); `tls` (default: off loopback
+    whenever there is a key) makes the channel TLS with the key's identity, as nodes off loopback serve it.
     `max_in_flight` bounds the Compute calls running at once to this node (more wait their turn here).
     """
 
     def __init__(
-        self, address: str, fingerprint: str | None = None, key: str | None = None, max_in_flight: int = 8
+        self,
+        address: str,
+        fingerprint: str | None = None,
+        key: SwarmKey | None = None,
+        max_in_flight: int = 8,
+        tls: bool | None = None,
     ) -> None:
         self.address = address
         self.fingerprint = fingerprint or ""
-        self._metadata = ((SWARM_KEY_METADATA, key),) if key else None
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-        self._stub = pb_grpc.ExpertNodeStub(self._channel)
+        self._signer = Signer(key) if key is not None else None
+        self.tls = (key is not None and not is_loopback(address)) if tls is None else tls
+        if self.tls:
+            if key is None:
+                raise ValueError("a TLS channel needs the swarm key")
+            key_pem, cert_pem = key.tls_identity
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=cert_pem, private_key=key_pem, certificate_chain=cert_pem
+            )
+            options = (*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", TLS_NAME))
+            self._channel = grpc.secure_channel(address, creds, options=options)
+        else:
+            self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._methods: dict[str, grpc.UnaryUnaryMultiCallable] = {}
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._calls = ThreadPoolExecutor(max_in_flight, thread_name_prefix=f"swarm-call-{address}")
+
+    def _call(self, method: str, request: Any, reply: Any, timeout: float | None) -> Any:
+        """One unary call: the request serialized once, so that the tag covers exactly the bytes sent."""
+        path = f"/{SERVICE_NAME}/{method}"
+        stub = self._methods.get(path)
+        if stub is None:
+            stub = self._methods[path] = self._channel.unary_unary(
+                path, request_serializer=None, response_deserializer=reply.FromString
+            )
+        body = request.SerializeToString()
+        metadata = ((AUTH_METADATA, self._signer.token(path, body)),) if self._signer else None
+        return stub(body, timeout=timeout, metadata=metadata)
 
     def compute_async(
         self,
@@ -175,7 +212,7 @@ class NodeClient:
             protocol_version=PROTOCOL_VERSION,
             numerics=numerics,
         )
-        future = self._calls.submit(self._stub.Compute, request, timeout=timeout, metadata=self._metadata)
+        future = self._calls.submit(self._call, "Compute", request, pb.ComputeReply, timeout)
         return ComputeCall(self.address, future)
 
     def compute(
@@ -192,7 +229,7 @@ class NodeClient:
 
     def info(self, timeout: float | None = 10.0) -> NodeInfo:
         try:
-            r = self._stub.Info(pb.InfoRequest(), timeout=timeout, metadata=self._metadata)
+            r = self._call("Info", pb.InfoRequest(), pb.InfoReply, timeout)
         except grpc.RpcError as e:
             raise _wrap(self.address, "Info", e) from None
         return NodeInfo(
@@ -212,7 +249,7 @@ class NodeClient:
 
     def stats(self, timeout: float | None = 10.0) -> NodeStats:
         try:
-            r = self._stub.Stats(pb.StatsRequest(), timeout=timeout, metadata=self._metadata)
+            r = self._call("Stats", pb.StatsRequest(), pb.StatsReply, timeout)
         except grpc.RpcError as e:
             raise _wrap(self.address, "Stats", e) from None
         return NodeStats(

@@ -18,7 +18,6 @@ with any address).
 from __future__ import annotations
 
 import base64
-import hashlib
 import ipaddress
 import logging
 import socket
@@ -31,6 +30,7 @@ from dataclasses import dataclass
 import msgpack
 from zeroconf import IPVersion, ServiceBrowser, ServiceInfo, ServiceStateChange, Zeroconf
 
+from swarm.node.auth import SwarmKey
 from swarm.node.identity import ModelIdentity
 from swarm.proto.channel import PROTOCOL_VERSION
 from swarm.proto.codec import SlabKey, group_slabs, ungroup_slabs
@@ -87,6 +87,7 @@ class DiscoveredNode:
     device: str
     source_sha256: str = ""
     key_id: str = ""  # key_id() of the node's swarm key; "" when it has none
+    tls: bool = False  # the node serves TLS (with its swarm key's identity)
 
     @property
     def identity(self) -> ModelIdentity:
@@ -97,16 +98,19 @@ class DiscoveredNode:
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
 
-def key_id(key: str | None) -> str:
-    """What a node's record says about its swarm key: a short domain-separated hash ("" for no key).
+class AnySwarm:
+    """The type of ANY_SWARM: a browser that lists the nodes of every swarm key."""
+
+
+ANY_SWARM = AnySwarm()
+
+
+def key_id(key: SwarmKey | None) -> str:
+    """What a node's record says about its swarm: the key's public id ("" for no key).
 
     Two swarms of one model can share a network (two households, two teams); the coordinator takes only the
-    nodes of its own key instead of calling the others and being refused. The key itself crosses the LAN
-    in call metadata anyway (no TLS yet), so this hash gives nothing away that a listener lacks.
-    """
-    if not key:
-        return ""
-    return hashlib.sha256(b"swarm-key-id\0" + key.encode()).hexdigest()[:16]
+    nodes of its own key instead of calling the others and being refused."""
+    return key.id if key is not None else ""
 
 
 def node_properties(
@@ -117,7 +121,8 @@ def node_properties(
     workers: int,
     device: str,
     source_sha256: str = "",
-    key: str | None = None,
+    key: SwarmKey | None = None,
+    tls: bool = False,
 ) -> dict[str, str]:
     chunks = pack_slabs(held)
     props = {
@@ -131,8 +136,10 @@ def node_properties(
     }
     if source_sha256:
         props["src"] = source_sha256
-    if key:
+    if key is not None:
         props["kid"] = key_id(key)
+    if tls:
+        props["tls"] = "1"
     props.update({f"s{i}": c for i, c in enumerate(chunks)})
     return props
 
@@ -163,6 +170,7 @@ def parse_service(info: ServiceInfo) -> DiscoveredNode:
         device=_text(props, "dev"),
         source_sha256=_text(props, "src"),
         key_id=_text(props, "kid"),
+        tls=_text(props, "tls") == "1",
     )
 
 
@@ -267,8 +275,8 @@ class NodeBrowser:
     """A live view of the nodes advertised on the chosen interfaces (None = all).
 
     `identity` keeps the nodes of that model (whether started on its GGUF or its shard directory);
-    `fingerprint` keeps only the nodes reporting exactly that fingerprint; `key`, when not None, keeps only
-    the nodes of that swarm key ("" or a key: nodes without a key, or with that one).
+    `fingerprint` keeps only the nodes reporting exactly that fingerprint; `key` keeps the nodes of that swarm
+    (None: the nodes without a key; ANY_SWARM, the default: every node).
     """
 
     def __init__(
@@ -276,11 +284,11 @@ class NodeBrowser:
         fingerprint: str | None = None,
         interfaces: Sequence[str] | None = None,
         identity: ModelIdentity | None = None,
-        key: str | None = None,
+        key: SwarmKey | None | AnySwarm = ANY_SWARM,
     ) -> None:
         self.fingerprint = fingerprint
         self.identity = identity
-        self.key_id = key_id(key) if key is not None else None
+        self.key_id = None if isinstance(key, AnySwarm) else key_id(key)
         self._nodes: dict[str, DiscoveredNode] = {}
         self._cond = threading.Condition()
         self.version = 0  # bumped on every node found or gone: a cheap "anything new?" for pollers
@@ -364,7 +372,7 @@ def browse(
     fingerprint: str | None = None,
     interfaces: Sequence[str] | None = None,
     identity: ModelIdentity | None = None,
-    key: str | None = None,
+    key: SwarmKey | None | AnySwarm = ANY_SWARM,
 ) -> NodeBrowser:
     """Start browsing for swarm nodes; interfaces=["127.0.0.1"] keeps it on loopback."""
     return NodeBrowser(fingerprint, interfaces, identity, key)

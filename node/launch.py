@@ -128,9 +128,11 @@ def start_nodes(
     workdir: Path,
     timeout: float = 60.0,
     prefix: str = "node",
+    env: dict[str, str] | None = None,
 ) -> list[LocalNode]:
-    """Spawn every (source, extra args) node, then wait until all serve; stops them all if one fails."""
-    nodes = [spawn_node(src, args, workdir, f"{prefix}{i}") for i, (src, args) in enumerate(specs)]
+    """Spawn every (source, extra args) node, then wait until all serve; stops them all if one fails.
+    `env` adds to the nodes' environment (a swarm key goes there, never into a command line)."""
+    nodes = [spawn_node(src, args, workdir, f"{prefix}{i}", env) for i, (src, args) in enumerate(specs)]
     try:
         for n in nodes:
             n.wait_ready(timeout)

@@ -7,7 +7,6 @@ a message that says what to do, in one place (`_answer`), so a bad call never ta
 from __future__ import annotations
 
 import functools
-import hmac
 import logging
 import threading
 import time
@@ -20,6 +19,7 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from swarm.node.auth import AUTH_METADATA, SwarmKey, Verifier
 from swarm.node.store import BadCall, ExpertStore, MissingSlabs
 from swarm.proto import expert_pb2 as pb
 from swarm.proto import expert_pb2_grpc as pb_grpc
@@ -28,7 +28,6 @@ from swarm.proto.channel import (
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
     SERVICE_NAME,
-    SWARM_KEY_METADATA,
 )
 from swarm.proto.codec import (
     CodecError,
@@ -213,34 +212,41 @@ class ExpertServicer(pb_grpc.ExpertNodeServicer):
             )
 
 
-class SwarmKeyInterceptor(grpc.ServerInterceptor):
-    """Refuses every call but health checks unless it carries the swarm key (UNAUTHENTICATED).
+class AuthInterceptor(grpc.ServerInterceptor):
+    """Refuses every call but health checks unless its swarm-auth token verifies (UNAUTHENTICATED).
 
-    A shared secret compared in constant time: the seam where real authentication (TLS with the key
-    as PSK, signed tokens) goes later without touching the servicer.
+    The check runs on the raw request bytes before they are parsed (the tag covers their digest), so an
+    unauthenticated call costs the node one hash and never reaches the servicer.
     """
 
-    def __init__(self, key: str) -> None:
-        self._key = key.encode()
+    def __init__(self, verifier: Verifier) -> None:
+        self.verifier = verifier
 
-        def refuse(request: Any, context: grpc.ServicerContext) -> None:
-            context.abort(
-                grpc.StatusCode.UNAUTHENTICATED,
-                f"this node needs the swarm key: pass the same --key (or SWARM_KEY) to the coordinator "
-                f"(sent as '{SWARM_KEY_METADATA}' call metadata)",
+    def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
+        handler = continuation(details)
+        if handler is None or details.method.startswith(_HEALTH_PREFIX):
+            return handler
+        token = next((v for k, v in details.invocation_metadata or () if k == AUTH_METADATA), None)
+        method, parse = details.method, handler.request_deserializer
+        token = token if isinstance(token, str) else None
+
+        def deserialize(raw: bytes) -> tuple[str, Any]:
+            refused = self.verifier.check(method, token, raw)
+            return refused, (None if refused else parse(raw) if parse else raw)
+
+        def behavior(checked: tuple[str, Any], context: grpc.ServicerContext) -> Any:
+            refused, request = checked
+            if refused:
+                context.abort(grpc.StatusCode.UNAUTHENTICATED, refused)
+            return handler.unary_unary(request, context)
+
+        if handler.unary_unary is None:  # every method of this service is unary; anything else is refused
+            return grpc.unary_unary_rpc_method_handler(
+                lambda r, c: c.abort(grpc.StatusCode.UNIMPLEMENTED, "unknown method")
             )
-
-        self._refusal = grpc.unary_unary_rpc_method_handler(refuse)
-
-    def intercept_service(self, continuation: Callable, handler_call_details: grpc.HandlerCallDetails) -> Any:
-        if handler_call_details.method.startswith(_HEALTH_PREFIX):
-            return continuation(handler_call_details)
-        for k, v in handler_call_details.invocation_metadata or ():
-            if k == SWARM_KEY_METADATA:
-                given = v.encode() if isinstance(v, str) else bytes(v)
-                if hmac.compare_digest(given, self._key):
-                    return continuation(handler_call_details)
-        return self._refusal
+        return grpc.unary_unary_rpc_method_handler(
+            behavior, request_deserializer=deserialize, response_serializer=handler.response_serializer
+        )
 
 
 def format_address(host: str, port: int) -> str:
@@ -258,15 +264,19 @@ class NodeServer:
         host: str = "127.0.0.1",
         port: int = 0,
         workers: int = DEFAULT_WORKERS,
-        key: str | None = None,
+        key: SwarmKey | None = None,
+        tls: bool = False,
         name: str = "",
         source_sha256: str = "",
     ) -> None:
         self.store = store
         self.host = host
+        self.tls = tls
+        if tls and key is None:
+            raise UserError("TLS needs a swarm key (its identity is derived from it): give --key-file")
         self.servicer = ExpertServicer(store, fingerprint, workers, name, source_sha256=source_sha256)
         self.health = health.HealthServicer()
-        interceptors = [SwarmKeyInterceptor(key)] if key else []
+        interceptors = [AuthInterceptor(Verifier(key))] if key else []
         self._server = grpc.server(
             ThreadPoolExecutor(max_workers=workers, thread_name_prefix="swarm-node"),
             options=CHANNEL_OPTIONS,
@@ -275,7 +285,14 @@ class NodeServer:
         pb_grpc.add_ExpertNodeServicer_to_server(self.servicer, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         try:
-            self.port = self._server.add_insecure_port(format_address(host, port))
+            if tls and key is not None:
+                key_pem, cert_pem = key.tls_identity
+                creds = grpc.ssl_server_credentials(
+                    [(key_pem, cert_pem)], root_certificates=cert_pem, require_client_auth=True
+                )
+                self.port = self._server.add_secure_port(format_address(host, port), creds)
+            else:
+                self.port = self._server.add_insecure_port(format_address(host, port))
         except RuntimeError as e:
             raise UserError(
                 f"cannot listen on {format_address(host, port)} ({e}); pick another --host/--port"

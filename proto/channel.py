@@ -1,4 +1,4 @@
-"""Wire constants shared by every client and server: protocol version, size limits, channel options, auth.
+"""Wire constants shared by every client and server: protocol version, size limits, channel options, authentication (swarm.node.auth).
 
 Both ends build their channels and servers from CHANNEL_OPTIONS so the limits can never disagree.
 """
@@ -13,9 +13,6 @@ PROTOCOL_VERSION = 2
 # this bounds N*D*itemsize: 64 MiB is 8192 rows of D=2048 in f32 (16384 in f16/bf16). A coordinator
 # splits bigger batches into several calls; a message over the limit fails with RESOURCE_EXHAUSTED.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-
-# Metadata key carrying the swarm key (a shared secret) on every call when the swarm has one.
-SWARM_KEY_METADATA = "swarm-key"
 
 SERVICE_NAME = "swarm.v1.ExpertNode"
 

@@ -46,7 +46,7 @@ def test_a_swarm_across_network_namespaces_answers_like_in_process(tmp_path):
     subnet = f"10.77.{secrets.randbelow(200) + 20}"
     rig = subprocess.run(
         [sys.executable, str(SCRIPT), str(shard_dir), "--nodes", "3", "--replicas", "1", "--rate", "50mbit",
-         "--tag", tag, "--subnet", subnet, "--key", secrets.token_hex(8), "--", *run],
+         "--tag", tag, "--subnet", subnet, "--", *run],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert rig.returncode == 0, rig.stdout + rig.stderr

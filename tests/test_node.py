@@ -26,6 +26,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import dequantize as gguf_dequantize
 
 from swarm.coordinator.cli import main
+from swarm.node.auth import SwarmKey, generate_key_text
 from swarm.node.client import NodeCallError, NodeClient
 from swarm.node.launch import start_nodes, stop_nodes
 from swarm.proto import expert_pb2 as pb
@@ -38,7 +39,8 @@ from swarm.sharding.synth import EXPERT_TYPES, preset, synthesize
 
 pytestmark = pytest.mark.slow  # one module-wide start of five node processes (~10 s on 2 cores)
 
-KEY = "test-swarm-key"
+KEY_TEXT = generate_key_text()
+KEY = SwarmKey.from_text(KEY_TEXT)
 F32_GGUF = FIXTURES / "qwen35moe-tiny" / "model-f32.gguf"
 BF16_GGUF = FIXTURES / "qwen35moe-tiny" / "model-bf16.gguf"
 Q4KM_GGUF = FIXTURES / "qwen35moe-quant" / "model-q4_k_m.gguf"
@@ -86,9 +88,11 @@ def models(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def nodes(models, tmp_path_factory):
+    key_file = tmp_path_factory.mktemp("key") / "swarm.key"
+    key_file.write_text(KEY_TEXT)
     specs = {
         "mixed": (models["mixed"], ["--no-mdns", "--memory", str(MIXED_BUDGET)]),
-        "f32": (F32_GGUF, ["--no-mdns", "--key", KEY]),
+        "f32": (F32_GGUF, ["--no-mdns", "--key-file", str(key_file)]),
         "bf16": (BF16_GGUF, ["--no-mdns", "--experts", "0-7", "--layers", "0-3"]),
         "q4km": (Q4KM_GGUF, ["--no-mdns", "--slab", "0:0-3", "--slab", "3:5", "--workers", "4"]),
         "q8_0": (models["q8_0_shard"], ["--no-mdns", "--experts", "0-3", "--layers", "0-1"]),
@@ -329,7 +333,7 @@ def test_bad_calls_get_status_codes_and_the_node_keeps_serving(nodes, clients):
 
 def test_swarm_key_is_required_except_for_health(nodes, clients):
     addr = nodes["f32"].address
-    for key in (None, "wrong"):
+    for key in (None, SwarmKey.from_text("wrong")):
         c = NodeClient(addr, key=key)
         code, msg = _code(lambda c=c: c.compute(0, [0], [1], torch.randn(1, 64)))
         assert code == grpc.StatusCode.UNAUTHENTICATED and "key" in msg

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import secrets
-
 from conftest import FIXTURES
 
 from swarm.coordinator.cli import main
@@ -14,11 +12,22 @@ from swarm.sharding.shard import shard_model
 def test_status_lists_the_nodes_and_names_what_no_node_holds(tmp_path, capsys):
     shard_dir = tmp_path / "m.swarm"
     shard_model(FIXTURES / "qwen3moe-tiny" / "model-f32.gguf", shard_dir)  # 4 layers x 32 experts
-    key = secrets.token_hex(8)  # this test's swarm: nobody else's nodes on loopback
-    argv = ["status", str(shard_dir), "--mdns-interface", "127.0.0.1", "--key", key, "--wait", "1.5"]
+    key_file = tmp_path / "swarm.key"  # this test's swarm: nobody else's nodes on loopback
+    assert main(["keygen", "--out", str(key_file)]) == 0
+    capsys.readouterr()
+    argv = [
+        "status",
+        str(shard_dir),
+        "--mdns-interface",
+        "127.0.0.1",
+        "--key-file",
+        str(key_file),
+        "--wait",
+        "1.5",
+    ]
+    kf = ["--key-file", str(key_file)]
     nodes = start_nodes(
-        [(shard_dir, ["--experts", "0-15", "--key", key]), (shard_dir, ["--experts", "8-23", "--key", key])],
-        tmp_path / "a",
+        [(shard_dir, ["--experts", "0-15", *kf]), (shard_dir, ["--experts", "8-23", *kf])], tmp_path / "a"
     )
     try:
         assert main(argv) == 1
@@ -28,7 +37,7 @@ def test_status_lists_the_nodes_and_names_what_no_node_holds(tmp_path, capsys):
         assert "0-3:0-15" in out and "0-3:8-23" in out
         assert "not covered" in out and "experts 24-31" in out
 
-        nodes += start_nodes([(shard_dir, ["--experts", "24-31", "--key", key])], tmp_path / "b")
+        nodes += start_nodes([(shard_dir, ["--experts", "24-31", *kf])], tmp_path / "b")
         assert main(argv) == 0
         out = capsys.readouterr().out
         assert "has a holder: 128 slabs, 96 with 1 holder, 32 with 2 holders" in out, out

@@ -7,8 +7,6 @@ and its experts fail over to a replica.
 
 from __future__ import annotations
 
-import secrets
-
 import numpy as np
 import pytest
 import torch
@@ -19,6 +17,7 @@ from swarm.coordinator.engine import open_engine
 from swarm.coordinator.experts import LocalExperts
 from swarm.coordinator.generate import forward_one
 from swarm.coordinator.swarm import Part, Placement, connect, split_parts
+from swarm.node.auth import KEY_ENV, SwarmKey, generate_key_text
 from swarm.node.launch import start_nodes
 from swarm.node.store import ROWS_PER_MATMUL, ExpertStore
 from swarm.sharding.errors import UserError
@@ -28,7 +27,9 @@ from swarm.sharding.slabs import read_manifest, slabs_from_gguf, slabs_from_shar
 LOOPBACK = ["127.0.0.1"]
 # This run's swarm key: nodes of another test run on this machine (same fixture models, same fingerprints,
 # also on loopback mDNS) have another key, so coordinators here never take them.
-KEY = secrets.token_hex(8)
+KEY_TEXT = generate_key_text()
+KEY = SwarmKey.from_text(KEY_TEXT)
+KEYED = {KEY_ENV: KEY_TEXT}  # the nodes' environment: the key never goes on a command line
 MODELS = ["qwen3moe-tiny", "qwen2moe-tiny", "qwen35moe-tiny", "qwen3next-tiny"]
 # A quantized model too (Q4_K/Q6_K experts, Q4_K/Q5_K/Q6_K/Q8_0 dense): there the two numerics differ.
 QUANT = "qwen35moe-quant"
@@ -46,8 +47,8 @@ def swarms(tmp_path_factory):
         dirs[name] = d
         n = read_manifest(d).n_expert
         cuts = [0, n // 3, 2 * n // 3, n]
-        specs += [(d, ["--experts", f"{cuts[i]}-{cuts[i + 1] - 1}", "--key", KEY]) for i in range(3)]
-    nodes = start_nodes(specs, work / "nodes")
+        specs += [(d, ["--experts", f"{cuts[i]}-{cuts[i + 1] - 1}"]) for i in range(3)]
+    nodes = start_nodes(specs, work / "nodes", env=KEYED)
     yield {name: (dirs[name], nodes[3 * i : 3 * i + 3]) for i, name in enumerate(FILES)}
     for node in nodes:
         node.stop()
@@ -187,7 +188,7 @@ def test_a_dead_node_fails_over_to_a_replica(swarms, tmp_path):
     slabs, _ = slabs_from_shard(shard_dir)
     local = LocalExperts(ExpertStore(slabs))
     # a fourth node replicating everything, plus the three disjoint ones; then one of those dies
-    (replica,) = start_nodes([(shard_dir, ["--no-mdns", "--key", KEY])], tmp_path)
+    (replica,) = start_nodes([(shard_dir, ["--no-mdns"])], tmp_path, env=KEYED)
     needed = sorted(slabs)
     backend = connect(needed, manifest.fingerprint, str(shard_dir), peers=[n.address for n in nodes] + [replica.address],
                       mdns=False, timeout=10.0, key=KEY)  # fmt: skip
@@ -314,8 +315,6 @@ def test_qwen36_35b_layer_shape_runs_through_four_nodes(tmp_path):
                     f"{64 * i}-{64 * i + 63}",
                     "--threads",
                     "1",
-                    "--key",
-                    KEY,
                     "--memory",
                     "256MiB",
                 ],
@@ -323,6 +322,7 @@ def test_qwen36_35b_layer_shape_runs_through_four_nodes(tmp_path):
             for i in range(4)
         ],
         tmp_path / "nodes",
+        env=KEYED,
     )
     swarm = local = None
     try:
@@ -413,8 +413,7 @@ def test_nodes_joining_and_leaving_are_followed_by_mdns(tmp_path):
     shard_model(FIXTURES / name / "model-f32.gguf", shard_dir)
     _, prompts = _prompts(name)
     first = start_nodes(
-        [(shard_dir, ["--experts", "0-15", "--key", KEY]), (shard_dir, ["--experts", "16-31", "--key", KEY])],
-        tmp_path / "a",
+        [(shard_dir, ["--experts", "0-15"]), (shard_dir, ["--experts", "16-31"])], tmp_path / "a", env=KEYED
     )
     swarm = open_engine(shard_dir, mdns_interfaces=LOOPBACK, wait=10.0, device="cpu", key=KEY)
     local = open_engine(shard_dir, local=True, device="cpu")
@@ -424,7 +423,7 @@ def test_nodes_joining_and_leaving_are_followed_by_mdns(tmp_path):
         assert torch.equal(forward_one(swarm.model, prompts[0], swarm.model.new_state(), "cpu"), expect)
         assert {n.address for n in first} <= set(swarm.experts.calls_per_node)
 
-        late = start_nodes([(shard_dir, ["--key", KEY])], tmp_path / "b")  # holds every expert
+        late = start_nodes([(shard_dir, [])], tmp_path / "b", env=KEYED)  # holds every expert
         browser = swarm.experts.browser
         assert browser is not None
         assert browser.wait_for(lambda ns: late[0].address in {n.address for n in ns}, 10.0) is not None
@@ -455,14 +454,14 @@ def test_nodes_joining_and_leaving_are_followed_by_mdns(tmp_path):
 def test_two_swarms_of_one_model_on_one_network_keep_to_their_keys(tmp_path):
     """A keyed swarm and an open one, same model, same network: each coordinator takes only its own nodes
     (instead of calling the others' and being refused)."""
-    import secrets
-
     name = "qwen3moe-tiny"
     shard_dir = tmp_path / "m.swarm"
     shard_model(FIXTURES / name / "model-f32.gguf", shard_dir)
     _, prompts = _prompts(name)
-    key = secrets.token_hex(8)
-    keyed, open_ = start_nodes([(shard_dir, ["--key", key]), (shard_dir, [])], tmp_path / "nodes")
+    text = generate_key_text()
+    key = SwarmKey.from_text(text)
+    (keyed,) = start_nodes([(shard_dir, [])], tmp_path / "nodes", env={KEY_ENV: text})
+    (open_,) = start_nodes([(shard_dir, [])], tmp_path / "nodes", prefix="open")
     engines = []
     try:
         for k, mine, other in ((key, keyed, open_), (None, open_, keyed)):
