@@ -298,25 +298,30 @@ class Graph:
 
 class GraphCache:
     """Graphs kept for calls that repeat with the same weights and shapes (a decode step's dense matmuls):
-    a kept graph runs without being built again. Least recently used first out."""
+    a kept graph runs without being built again. Least recently used first out.
+
+    A graph holds its inputs and outputs, so one graph serves one call at a time: `take` checks it out (a
+    concurrent call of the same key builds its own), `put` checks it back in. A node serves several calls at
+    once, and two of them sharing a graph would compute into each other's rows."""
 
     def __init__(self, size: int = 512) -> None:
         self.size = size
         self._graphs: OrderedDict[tuple, Graph] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, key: tuple) -> Graph | None:
+    def take(self, key: tuple) -> Graph | None:
         with self._lock:
-            gr = self._graphs.get(key)
-            if gr is not None:
-                self._graphs.move_to_end(key)
-            return gr
+            return self._graphs.pop(key, None)
 
     def put(self, key: tuple, gr: Graph) -> None:
         with self._lock:
+            old = self._graphs.pop(key, None)
             self._graphs[key] = gr
+            evicted = [old] if old is not None else []
             while len(self._graphs) > self.size:
-                self._graphs.popitem(last=False)[1].free()
+                evicted.append(self._graphs.popitem(last=False)[1])
+        for g in evicted:
+            g.free()
 
 
 # Rows up to which a dense call's graph is kept: decode steps (one token per sequence) repeat exactly.
@@ -330,16 +335,18 @@ def _f32_rows(x: torch.Tensor) -> torch.Tensor:
 
 def _run(key: tuple | None, build: Callable[[bool], Graph], inputs: list, outputs: list) -> None:
     """Run the kept graph for `key`, or build one (and keep it when `key` is given)."""
-    gr = _cache.get(key) if key is not None else None
+    gr = _cache.take(key) if key is not None else None
     if gr is None:
         gr = build(key is not None).build()
-        if key is not None:
-            _cache.put(key, gr)
     try:
         gr.run(inputs, outputs)
-    finally:
-        if key is None:
-            gr.free()
+    except BaseException:
+        gr.free()
+        raise
+    if key is None:
+        gr.free()
+    else:
+        _cache.put(key, gr)
 
 
 # What happens to a product before it leaves the graph: steps in order, each the name of a unary op

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 import grpc
 import torch
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from swarm.node.auth import AUTH_METADATA, SwarmKey, Verifier
@@ -212,14 +213,15 @@ class ExpertServicer(pb_grpc.ExpertNodeServicer):
             )
 
 
-class AuthInterceptor(grpc.ServerInterceptor):
-    """Refuses every call but health checks unless its swarm-auth token verifies (UNAUTHENTICATED).
+class GateInterceptor(grpc.ServerInterceptor):
+    """Every call but health checks passes here first: with a swarm key, refused (UNAUTHENTICATED) unless its
+    swarm-auth token verifies; bytes that are not the method's message are INVALID_ARGUMENT.
 
     The check runs on the raw request bytes before they are parsed (the tag covers their digest), so an
-    unauthenticated call costs the node one hash and never reaches the servicer.
+    unauthenticated call costs the node one hash and never reaches the parser or the servicer.
     """
 
-    def __init__(self, verifier: Verifier) -> None:
+    def __init__(self, verifier: Verifier | None) -> None:
         self.verifier = verifier
 
     def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
@@ -230,14 +232,19 @@ class AuthInterceptor(grpc.ServerInterceptor):
         method, parse = details.method, handler.request_deserializer
         token = token if isinstance(token, str) else None
 
-        def deserialize(raw: bytes) -> tuple[str, Any]:
-            refused = self.verifier.check(method, token, raw)
-            return refused, (None if refused else parse(raw) if parse else raw)
-
-        def behavior(checked: tuple[str, Any], context: grpc.ServicerContext) -> Any:
-            refused, request = checked
+        def deserialize(raw: bytes) -> tuple[grpc.StatusCode | None, Any]:
+            refused = self.verifier.check(method, token, raw) if self.verifier is not None else ""
             if refused:
-                context.abort(grpc.StatusCode.UNAUTHENTICATED, refused)
+                return grpc.StatusCode.UNAUTHENTICATED, refused
+            try:
+                return None, parse(raw) if parse else raw
+            except DecodeError as e:
+                return grpc.StatusCode.INVALID_ARGUMENT, f"not a {method.rsplit('/', 1)[-1]} request ({e})"
+
+        def behavior(checked: tuple[grpc.StatusCode | None, Any], context: grpc.ServicerContext) -> Any:
+            code, request = checked
+            if code is not None:
+                context.abort(code, request)
             return handler.unary_unary(request, context)
 
         if handler.unary_unary is None:  # every method of this service is unary; anything else is refused
@@ -276,7 +283,7 @@ class NodeServer:
             raise UserError("TLS needs a swarm key (its identity is derived from it): give --key-file")
         self.servicer = ExpertServicer(store, fingerprint, workers, name, source_sha256=source_sha256)
         self.health = health.HealthServicer()
-        interceptors = [AuthInterceptor(Verifier(key))] if key else []
+        interceptors = [GateInterceptor(Verifier(key) if key is not None else None)]
         self._server = grpc.server(
             ThreadPoolExecutor(max_workers=workers, thread_name_prefix="swarm-node"),
             options=CHANNEL_OPTIONS,

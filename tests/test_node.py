@@ -242,6 +242,19 @@ def test_concurrent_calls_are_all_correct(clients, models):
             assert rel_err(out[rows], reference(models["mixed"], layer, e, x[rows].double().numpy())) <= 1e-5
 
 
+def test_concurrent_native_calls_of_one_shape_each_get_their_own_bits(clients):
+    """Calls of the same layer, experts and row count share one kept ggml graph: each must still get exactly
+    the rows it gets alone (a node serves several coordinators and several calls at once)."""
+    c = clients["q4km"]
+    rng = np.random.default_rng(4)
+    xs = [torch.from_numpy(rng.standard_normal((2, 256)).astype(np.float32)) for _ in range(64)]
+    alone = [c.compute(0, [0, 1], [1, 1], x) for x in xs]
+    for _ in range(3):
+        calls = [c.compute_async(0, [0, 1], [1, 1], x, timeout=60) for x in xs]
+        for i, call in enumerate(calls):
+            assert torch.equal(call.result(), alone[i]), f"call {i} got another call's rows"
+
+
 def test_shard_dir_refuses_the_corrupted_slab_by_name_and_serves_the_rest(nodes, clients):
     log = nodes["q8_0"].log_tail(50)
     layer, expert = CORRUPT_SLAB
