@@ -231,32 +231,15 @@ def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def run_node(args: argparse.Namespace) -> int:
-    from swarm.node.openmp import set_wait_policy
-
-    set_wait_policy(experts_remote=True)  # before torch loads: a node shares its device (see openmp)
-    from swarm.node.server import NodeServer
+def open_store(args: argparse.Namespace, device: str = "cpu", memory: int = 0) -> tuple[Any, Any]:
+    """The slabs `swarm node` was asked for, checked and opened: (LoadedSlabs, ExpertStore). Slabs refused
+    are named on stderr (one line each, then a count); a source with none to serve is a UserError."""
     from swarm.node.source import load_slabs, slab_progress
-    from swarm.node.store import ExpertStore, default_memory_budget
+    from swarm.node.store import ExpertStore
 
-    parent = os.getppid() if args.exit_with_parent else None  # read first: it may go while slabs load
-
-    if args.workers < 1:
-        raise UserError("--workers must be at least 1")
     layers = parse_ranges(args.layers, "layer") if args.layers else None
     experts = parse_ranges(args.experts, "expert") if args.experts else None
     slab_keys = parse_slab_specs(args.slab)
-    memory = parse_size(args.memory) if args.memory is not None else default_memory_budget()
-    device = _device(args.device)
-    if args.threads is not None:
-        if args.threads < 1:
-            raise UserError("--threads must be at least 1")
-        import torch
-
-        torch.set_num_threads(args.threads)
-    key = swarm_key(args, "node")
-    tls = _tls(args.tls, key is not None, args.host)
-
     with slab_progress("checking slabs" if not args.no_verify else "opening slabs") as progress:
         loaded = load_slabs(
             args.source, layers, experts, slab_keys, verify=not args.no_verify, progress=progress
@@ -274,6 +257,32 @@ def run_node(args: argparse.Namespace) -> int:
         store = ExpertStore(loaded.slabs, device=device, memory_budget=memory)
     except ValueError as e:
         raise UserError(f"{args.source}: {e}") from e
+    return loaded, store
+
+
+def run_node(args: argparse.Namespace) -> int:
+    from swarm.node.openmp import set_wait_policy
+
+    set_wait_policy(experts_remote=True)  # before torch loads: a node shares its device (see openmp)
+    from swarm.node.server import NodeServer
+    from swarm.node.store import default_memory_budget
+
+    parent = os.getppid() if args.exit_with_parent else None  # read first: it may go while slabs load
+
+    if args.workers < 1:
+        raise UserError("--workers must be at least 1")
+    memory = parse_size(args.memory) if args.memory is not None else default_memory_budget()
+    device = _device(args.device)
+    if args.threads is not None:
+        if args.threads < 1:
+            raise UserError("--threads must be at least 1")
+        import torch
+
+        torch.set_num_threads(args.threads)
+    key = swarm_key(args, "node")
+    tls = _tls(args.tls, key is not None, args.host)
+
+    loaded, store = open_store(args, device, memory)
 
     server = NodeServer(
         store,

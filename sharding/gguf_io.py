@@ -32,6 +32,20 @@ class GGUFError(UserError, ValueError):
     """A GGUF file that cannot be used; the message names the file and says what to do."""
 
 
+class _BoundedReader(GGUFReader):
+    """gguf's reader, refusing to read past the end of the file.
+
+    Its reads are slices of the memory map, which come back short (not failing) past the end, so a
+    damaged header with an absurd array length would loop over empty reads for as long as the length says
+    (a hang, not an error). Every read of a header value goes through `_get`: a short one raises here."""
+
+    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> Any:
+        arr = super()._get(offset, dtype, count, override_order)
+        if len(arr) != int(count):
+            raise EOFError(f"the header runs past the end of the file at byte {offset}")
+        return arr
+
+
 def open_gguf(path: str | Path) -> GGUFReader:
     """Memory-map a GGUF file, turning every way it can be unreadable into one clear GGUFError.
 
@@ -59,7 +73,7 @@ def _open_gguf(path: Path, inode: int, size: int, mtime_ns: int) -> GGUFReader:
     if magic != GGUF_MAGIC:
         raise GGUFError(f"{path}: not a GGUF file (starts with {magic!r}, expected {GGUF_MAGIC!r})")
     try:
-        return GGUFReader(path, "r")
+        reader = _BoundedReader(path, "r")
     except ValueError as e:
         msg = str(e)
         if "is not a valid GGMLQuantizationType" in msg:
@@ -67,9 +81,40 @@ def _open_gguf(path: Path, inode: int, size: int, mtime_ns: int) -> GGUFReader:
                 f"{path}: uses a tensor type this version of gguf does not know ({msg}); "
                 "upgrade the gguf package or re-quantize the model"
             ) from e
-        raise GGUFError(f"{path}: damaged or truncated GGUF ({msg}); download or convert it again") from e
-    except (IndexError, OSError, EOFError) as e:
-        raise GGUFError(f"{path}: truncated or damaged GGUF ({e}); download or convert it again") from e
+        raise GGUFError(
+            f"{path}: damaged or truncated GGUF ({msg[:200]}); download or convert it again"
+        ) from e
+    except (KeyError, IndexError, OSError, EOFError, OverflowError, MemoryError, TypeError) as e:
+        # gguf's reader trusts the header: absurd counts, lengths and offsets surface as these
+        raise GGUFError(
+            f"{path}: truncated or damaged GGUF ({type(e).__name__}: {str(e)[:200]}); download or convert it again"
+        ) from e
+    check_tensors(reader, path, size)
+    return reader
+
+
+MAX_DIMS = 4  # GGML_MAX_DIMS
+
+
+def check_tensors(reader: GGUFReader, path: Path, file_size: int) -> None:
+    """Every tensor's header is consistent: 1-4 dimensions of at least 1, whole quant blocks per row, a byte
+    count that matches its shape and type, data inside the file. gguf's reader takes these on trust."""
+    for t in reader.tensors:
+        where = f"{path}: tensor {t.name[:80]!r}"
+        dims = [int(d) for d in t.shape.tolist()]
+        if not 1 <= len(dims) <= MAX_DIMS or any(d < 1 for d in dims):
+            raise GGUFError(f"{where} has shape {dims[:8]}; a damaged header: download or convert it again")
+        block, type_size = GGML_QUANT_SIZES[t.tensor_type]
+        n = int(np.prod(dims, dtype=object))
+        if dims[0] % block or n // block * type_size != int(t.n_bytes):
+            raise GGUFError(
+                f"{where}: shape {dims} of {t.tensor_type.name} does not make its {int(t.n_bytes)} bytes; "
+                "a damaged header: download or convert it again"
+            )
+        if not 0 <= int(t.data_offset) <= file_size - int(t.n_bytes):
+            raise GGUFError(
+                f"{where}: its data lies outside the file (truncated or damaged); download it again"
+            )
 
 
 def read_metadata(reader: GGUFReader) -> dict[str, Any]:
@@ -78,7 +123,13 @@ def read_metadata(reader: GGUFReader) -> dict[str, Any]:
     for key, field in reader.fields.items():
         if key.startswith("GGUF."):
             continue  # header pseudo-fields, not metadata
-        meta[key] = field.contents()
+        try:
+            meta[key] = field.contents()
+        except (ValueError, IndexError, TypeError, OverflowError) as e:  # e.g. a string that is not UTF-8
+            raise GGUFError(
+                f"{getattr(reader.data, 'filename', None) or 'the file'}: metadata key "
+                f"{key[:80]!r} is damaged ({type(e).__name__}: {str(e)[:120]}); download or convert it again"
+            ) from e
     return meta
 
 
@@ -128,7 +179,7 @@ def expert_tensors(reader: GGUFReader, path: str | Path = "") -> list[ExpertTens
                 f"{path}: expert tensor {t.name} has shape {shape}; expected the expert dimension outermost"
             )
         n_expert = shape[0]
-        if t.n_bytes % n_expert != 0:
+        if n_expert < 1 or t.n_bytes % n_expert != 0:
             raise GGUFError(
                 f"{path}: expert tensor {t.name} ({t.n_bytes} bytes) does not split into {n_expert} equal slabs"
             )
