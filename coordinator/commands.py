@@ -38,6 +38,15 @@ def add_swarm_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--timeout", type=float, default=30.0, help="seconds before a node call fails over")
     g.add_argument(
+        "--audit",
+        type=float,
+        default=None,
+        metavar="RATE",
+        help="share of node answers recomputed here to check them, 0-1 (default 0.05); a node caught is "
+        "banned and the work its answers touched is done again. Nodes are also probed before first use. "
+        "Needs the model's expert slabs here (a GGUF, or a shard directory with its experts/); 0: trust",
+    )
+    g.add_argument(
         "--device", default=None, help="torch device for the dense path (default: cuda if present)"
     )
     add_numerics_args(g)
@@ -139,7 +148,16 @@ def _status(text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
 
+def _audit_rate(rate: float) -> float:
+    if not 0.0 <= rate <= 1.0:
+        raise UserError(
+            f"--audit {rate}: give a share between 0 (trust every node) and 1 (check every answer)"
+        )
+    return rate
+
+
 def _open(args: argparse.Namespace) -> Any:
+    from swarm.coordinator.audit import DEFAULT_RATE
     from swarm.coordinator.engine import open_engine
     from swarm.coordinator.swarm import SwarmExperts
 
@@ -158,6 +176,7 @@ def _open(args: argparse.Namespace) -> Any:
         device=args.device,
         key=key,
         timeout=args.timeout,
+        audit=DEFAULT_RATE if args.audit is None else _audit_rate(args.audit),
         progress=True,
         numerics="exact" if args.exact else "native",
     )
@@ -211,7 +230,7 @@ def stream_answer(engine: Any, ids: list[int], params: Any, out: Any = None) -> 
     stats = GenerationStats()
     detok = engine.tokenizer.stream(skip_control=True)
     generated = []
-    for token in generate(engine.model, ids, params, engine.device, stats):
+    for token in generate(engine.model, ids, params, engine.device, stats, checker=engine.checker):
         generated.append(token)
         if token not in params.stop_ids:
             out.write(detok.push(token))
@@ -240,6 +259,16 @@ def report(engine: Any, stats: Any, err: Any = None) -> None:
             )
         if engine.experts.failovers:
             print(f"  failovers: {engine.experts.failovers}", file=err)
+        auditor = engine.experts.auditor
+        if auditor is not None:
+            r = auditor.report
+            print(f"  audits: {r.audits} answers and {r.probes} probe calls checked", file=err)
+            for address, why in sorted(r.banned.items()):
+                print(f"  BANNED {address}: {why}", file=err)
+            if stats.extra.get("redone_passes"):
+                print(
+                    f"  passes done again without the banned nodes: {stats.extra['redone_passes']}", file=err
+                )
         if engine.experts.hedges:
             print(
                 f"  hedged calls: {engine.experts.hedges} (a replica answered first {engine.experts.hedge_wins} times)",
@@ -279,7 +308,7 @@ def cmd_logits(args: argparse.Namespace) -> int:
     set_wait_policy(experts_remote=not args.local)
     import numpy as np
 
-    from swarm.coordinator.generate import forward_one
+    from swarm.coordinator.generate import checked_logits
 
     engine = _open(args)
     try:
@@ -289,7 +318,7 @@ def cmd_logits(args: argparse.Namespace) -> int:
             if args.tokens is not None
             else engine.tokenizer.encode(args.prompt, parse_special=False)
         )
-        logits = forward_one(engine.model, ids, engine.model.new_state(), engine.device)
+        logits = checked_logits(engine.model, ids, engine.model.new_state(), engine.device, engine.checker)
         out = logits.float().cpu().numpy()
         try:
             with open(args.output, "wb") as f:
@@ -309,7 +338,7 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
 
     import torch
 
-    from swarm.coordinator.generate import forward_one
+    from swarm.coordinator.generate import checked_logits
 
     try:
         with open(args.text, encoding="utf-8") as f:
@@ -329,7 +358,8 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
             window = ids[start : start + args.ctx]
             if len(window) < 2:
                 break
-            logits = forward_one(engine.model, window, engine.model.new_state(), engine.device).double()
+            state = engine.model.new_state()
+            logits = checked_logits(engine.model, window, state, engine.device, engine.checker).double()
             logp = torch.log_softmax(logits[:-1], dim=-1)
             target = torch.tensor(window[1:], device=logp.device)
             nll -= float(logp.gather(1, target[:, None]).sum())

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from swarm.coordinator.audit import DEFAULT_RATE, Auditor
 from swarm.coordinator.experts import LocalExperts
 from swarm.coordinator.loader import default_device, load_model
 from swarm.coordinator.models.layers import DecoderModel
@@ -30,6 +31,8 @@ from swarm.sharding.slabs import SlabKey, read_manifest
 log = logging.getLogger(__name__)
 
 WIRE_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+# The float32 copies exact-numerics audits keep (native audits multiply the mapped slabs and keep none).
+AUDIT_MEMORY = 256 << 20
 
 
 @dataclass
@@ -42,6 +45,11 @@ class Engine:
     source: str
     fingerprint: str
     numerics: Numerics = NATIVE
+
+    @property
+    def checker(self) -> Auditor | None:
+        """What checks the nodes' answers (None in process, or with --audit 0)."""
+        return self.experts.auditor if isinstance(self.experts, SwarmExperts) else None
 
     def close(self) -> None:
         if isinstance(self.experts, SwarmExperts):
@@ -64,6 +72,19 @@ def model_identity(path: str | Path) -> tuple[ModelIdentity, list[SlabKey]]:
     return identity, needed
 
 
+def make_auditor(
+    path: str | Path, numerics: Numerics, wire_dtype: torch.dtype, rate: float, seed: int | None
+) -> Auditor | None:
+    """The coordinator's own slabs, to check node answers with; None (and a warning) when it has none."""
+    loaded = load_slabs(path, verify=False)  # memory-mapped; a shard dir's are verified one by one when used
+    if not loaded.slabs:
+        log.warning("%s holds no expert slabs here: node answers cannot be audited", path)
+        return None
+    store = ExpertStore(loaded.slabs, torch.device("cpu"), AUDIT_MEMORY)
+    shard_dir = Path(path) if Path(path).is_dir() else None
+    return Auditor(store, numerics, wire_dtype, rate, shard_dir, seed)
+
+
 def open_engine(
     path: str | Path,
     local: bool = False,
@@ -78,11 +99,14 @@ def open_engine(
     memory_budget: int | None = None,
     progress: bool = False,
     numerics: Numerics = NATIVE,
+    audit: float = DEFAULT_RATE,
+    audit_seed: int | None = None,
 ) -> Engine:
     """The model at `path` with its experts computed here (`local`) or by the swarm's nodes.
     `progress`: progress bars on stderr (only when it is a terminal) while slabs and weights load.
     `numerics`: native (every weight multiplied in its file type with ggml's kernels, llama.cpp's numerics)
-    or exact (float32 on weights dequantized exactly); nodes are asked for the same."""
+    or exact (float32 on weights dequantized exactly); nodes are asked for the same. `audit`: the share of
+    node answers recomputed here to check them (swarm.coordinator.audit; 0: trust every node)."""
     dev = torch.device(device) if device else default_device()
     wire_dtype = WIRE_DTYPES[wire]
     experts: LocalExperts | SwarmExperts
@@ -110,6 +134,8 @@ def open_engine(
             timeout=timeout,
             numerics=numerics,
         )
+        if audit > 0:
+            experts.auditor = make_auditor(path, numerics, wire_dtype, audit, audit_seed)
     try:
         model, meta = load_model(path, experts, dev, progress=progress, numerics=numerics)
         tokenizer = GGUFTokenizer(meta)

@@ -28,10 +28,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         description=(
             "Lists the swarm nodes found by mDNS (and given with --peer): address, model, held slabs, device, "
             "memory budget, calls served, cache hit rate. Given a model (GGUF or shard directory), lists only "
-            "its nodes and says whether every expert has a holder and how many replicas each has."
+            "its nodes and says whether every expert has a holder and how many replicas each has; where its "
+            "expert slabs are here too, each node is probed (known rows through a few of its slabs, checked "
+            "against the model's own) and a node whose answers differ is reported BANNED and not counted."
         ),
     )
     p.add_argument("model", nargs="?", default=None, help="a GGUF or `swarm shard` directory (optional)")
+    p.add_argument("--no-probe", action="store_true", help="do not probe the nodes' answers")
     add_discovery_args(p, 2.0, "seconds to listen for nodes")
     p.set_defaults(func=cmd_status)
 
@@ -59,6 +62,13 @@ def cmd_status(args: argparse.Namespace) -> int:
             + ("" if key else " (nodes started with a swarm key show only with that --key-file)")
         )  # fmt: skip
 
+    auditor = None
+    if args.model and not args.no_probe:
+        import torch
+
+        from swarm.coordinator.engine import make_auditor
+
+        auditor = make_auditor(args.model, "native", torch.float32, 1.0, None)
     holders: Counter[tuple[int, int]] = Counter()
     rows: list[list[str]] = []
     for address in addresses:
@@ -66,14 +76,18 @@ def cmd_status(args: argparse.Namespace) -> int:
         try:
             info = client.info(timeout=5.0)
             stats = client.stats(timeout=5.0)
+            if identity is not None and identity.match(info.identity) is None:
+                continue  # a static peer of another model
+            checked = _probe(auditor, client, info)
         except NodeCallError as e:
-            rows.append([address, "-", f"not answering: {e.code.name}", "", "", "", "", ""])
+            rows.append([address, "-", f"not answering: {e.code.name}", "", "", "", "", "", ""])
             continue
         finally:
             client.close()
-        if identity is not None and identity.match(info.identity) is None:
-            continue  # a static peer of another model
-        holders.update(info.held)
+        if checked.startswith("BANNED"):
+            print(f"{address}: {checked}")
+        else:
+            holders.update(info.held)
         lookups = stats.cache_hits + stats.cache_misses
         rows.append(
             [
@@ -85,10 +99,21 @@ def cmd_status(args: argparse.Namespace) -> int:
                 f"{stats.calls:,}",
                 f"{100 * stats.cache_hits / lookups:.0f}%" if lookups else "-",
                 f"{stats.busy_seconds:.1f}s / {stats.uptime_seconds:.0f}s",
+                checked.split(":")[0],
             ]
         )
     _table(
-        ["node", "model", "holds (layers:experts)", "device", "memory", "calls", "cache hits", "busy / up"],
+        [
+            "node",
+            "model",
+            "holds (layers:experts)",
+            "device",
+            "memory",
+            "calls",
+            "cache hits",
+            "busy / up",
+            "answers",
+        ],
         rows,
     )
     if identity is None:
@@ -104,6 +129,25 @@ def cmd_status(args: argparse.Namespace) -> int:
     spread = ", ".join(f"{n} with {k} holder{'s' if k > 1 else ''}" for k, n in sorted(replicas.items()))
     print(f"\nevery expert of {args.model} has a holder: {len(needed)} slabs, {spread}")
     return 0
+
+
+STATUS_PROBE_SLABS = 32  # a status check has time to look further than a coordinator's admission probe
+
+
+def _probe(auditor: Any, client: Any, info: Any) -> str:
+    """Known rows through a few of the node's slabs, checked against the model's own: "ok", "BANNED: why", or
+    "-" when nothing here can check it (no model given, or no slabs of it here)."""
+    if auditor is None:
+        return "-"
+
+    def compute(layer: int, ids: list[int], counts: list[int], rows: Any) -> Any:
+        return client.compute(layer, ids, counts, rows, 30.0)
+
+    if not any(k in auditor.store.slabs for k in info.held):
+        return "-"
+    if auditor.probe(info.address, sorted(info.held), compute, info.hidden_size, STATUS_PROBE_SLABS):
+        return "ok"
+    return f"BANNED: {auditor.report.banned[info.address]}"
 
 
 def _held(keys: Any) -> str:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import grpc
 import torch
 
+from swarm.coordinator.audit import Auditor
 from swarm.coordinator.experts import ExpertMajor, PendingExperts, group_expert_major
 from swarm.node.auth import SwarmKey
 from swarm.node.client import ComputeCall, NodeCallError, NodeClient, wait_calls
@@ -79,6 +80,7 @@ class Placement:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._holders: dict[SlabKey, list[str]] = {}
         self._down: dict[str, float] = {}  # address -> until when it is passed over
+        self._banned: set[str] = set()  # caught computing wrong: never picked again
         self._lock = threading.Lock()
         self._clock = clock
 
@@ -99,6 +101,14 @@ class Placement:
                     holders.remove(address)
             self._down.pop(address, None)
 
+    def holders(self) -> dict[SlabKey, list[str]]:
+        with self._lock:
+            return {k: list(v) for k, v in self._holders.items()}
+
+    def ban(self, address: str) -> None:
+        with self._lock:
+            self._banned.add(address)
+
     def mark_down(self, address: str, seconds: float = DOWN_SECONDS) -> None:
         with self._lock:
             self._down[address] = self._clock() + seconds
@@ -109,7 +119,8 @@ class Placement:
 
     def addresses(self) -> list[str]:
         with self._lock:
-            return sorted(a for a in {a for hs in self._holders.values() for a in hs} if not self._is_down(a))
+            every = {a for hs in self._holders.values() for a in hs}
+            return sorted(a for a in every if not self._is_down(a) and a not in self._banned)
 
     def pick(
         self, layer: int, expert: int, avoid: Iterable[str] = (), include_down: bool = False
@@ -121,7 +132,7 @@ class Placement:
             live = [
                 a
                 for a in self._holders.get((layer, expert), ())
-                if a not in avoid and (include_down or not self._is_down(a))
+                if a not in avoid and a not in self._banned and (include_down or not self._is_down(a))
             ]
         if not live:
             return None
@@ -161,6 +172,7 @@ class _Call:
     parts: list[Part]  # in the order of the call's rows
     call: ComputeCall
     width: int  # D: the width of the rows sent, and of the answer expected
+    sent: torch.Tensor  # the rows sent, for an audit of the answer
 
 
 def split_parts(parts: Sequence[Part], max_rows: int, unit: int = ROWS_PER_MATMUL) -> list[list[Part]]:
@@ -221,6 +233,14 @@ class _SwarmPending:
                 pending.extend(self.backend._send(self.layer, g, self.rows, c.parts, failed))
                 continue
             for call, result in answers:
+                auditor = self.backend.auditor
+                if auditor is not None:
+                    ids = [g.expert_ids[p.index] for p in call.parts]
+                    result = auditor.answered(
+                        call.address, self.layer, ids, [p.rows for p in call.parts], call.sent, result
+                    )
+                    if auditor.is_banned(call.address):
+                        self.backend.placement.ban(call.address)
                 at = 0
                 for p in call.parts:
                     begin = offsets[p.index] + p.start
@@ -283,6 +303,8 @@ class SwarmExperts:
         self.hedges = 0  # calls sent again to another holder because the first was slow
         self.hedge_wins = 0  # ... and the other holder answered first
         self.wait_seconds = 0.0
+        self.auditor: Auditor | None = None  # checks answers (probes, sampled audits); None: trusts them
+        self._admitted: set[str] = set()  # nodes probed (or not needing it) before their first pair
         self._pace: dict[str, float] = {}  # address -> seconds per row, a moving average of answered calls
         # mDNS keeps running after connect: nodes that join are used from the next layer on, nodes that
         # say goodbye are dropped before a call to them can fail.
@@ -330,7 +352,7 @@ class SwarmExperts:
                 )
                 self.calls_per_node[address] += 1
                 self.rows_per_node[address] += int(part.shape[0])
-                calls.append(_Call(address, chunk, call, int(part.shape[1])))
+                calls.append(_Call(address, chunk, call, int(part.shape[1]), part))
         return calls
 
     def follow_mdns(self) -> None:
@@ -391,7 +413,36 @@ class SwarmExperts:
         return c, result
 
     def _holder_for(self, layer: int, expert: int, failed: list[str]) -> str:
-        """A holder that has not failed this expert yet; else, within MAX_ATTEMPTS, any holder again."""
+        """An admitted holder that has not failed this expert yet; else, within MAX_ATTEMPTS, any holder."""
+        while True:
+            address = self._pick(layer, expert, failed)
+            if self._admit(address):
+                return address
+
+    def _admit(self, address: str) -> bool:
+        """Probe a node before its first pair (the auditor's known rows through some of its slabs)."""
+        if address in self._admitted or self.auditor is None:
+            return True
+        c = self.clients[address]
+        held = sorted(k for k, hs in self.placement.holders().items() if address in hs)
+
+        def compute(layer: int, ids: list[int], counts: list[int], rows: torch.Tensor) -> torch.Tensor:
+            return c.compute(layer, ids, counts, rows, self.timeout, numerics=self.numerics)
+
+        try:
+            width = self.auditor.store.hidden_size or 0
+            ok = self.auditor.probe(address, held, compute, width)
+        except NodeCallError as e:
+            log.warning("node %s failed its admission probe (%s); passing it over for now", address, e)
+            self.placement.mark_down(address)
+            return False
+        if not ok:
+            self.placement.ban(address)
+            return False
+        self._admitted.add(address)
+        return True
+
+    def _pick(self, layer: int, expert: int, failed: list[str]) -> str:
         address = self.placement.pick(layer, expert, avoid=failed)
         if address is None and failed and len(failed) < MAX_ATTEMPTS:
             address = self.placement.pick(layer, expert, include_down=True)

@@ -269,6 +269,16 @@ class DeltaNetState:
     # [Hv, Dv, Dk] the recurrent state S per value head, in ggml's layout: ssm[h, j, i] = S_h[i, j]
     ssm: torch.Tensor | None = None
 
+    def checkpoint(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return _clone(self.conv), _clone(self.ssm)
+
+    def restore(self, cp: tuple[torch.Tensor | None, torch.Tensor | None]) -> None:
+        self.conv, self.ssm = _clone(cp[0]), _clone(cp[1])
+
+
+def _clone(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.clone()
+
 
 class GatedDeltaNet(nn.Module):
     """Gated DeltaNet: causal depthwise conv over [q; k; v] -> SiLU -> L2-normed q, k -> delta rule

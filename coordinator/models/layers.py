@@ -310,6 +310,13 @@ class KVCache:
         self.length = need
         return self._k[:, :need], self._v[:, :need]
 
+    def checkpoint(self) -> int:
+        return self.length
+
+    def restore(self, length: int) -> None:
+        """Forget what came after the checkpoint (the cache only appends, so the length is the state)."""
+        self.length = length
+
     def _grow(self, k: torch.Tensor, v: torch.Tensor, need: int) -> None:
         cap = max(self.MIN_CAPACITY, need, 2 * (self._k.shape[1] if self._k is not None else 0))
         new_k = k.new_empty(k.shape[0], cap, k.shape[2])
@@ -333,6 +340,15 @@ class SequenceState:
 
     layers: list[Any]
     length: int = 0  # tokens consumed so far = position of the next token
+
+    def checkpoint(self) -> tuple[int, list[Any]]:
+        """What `restore` needs to bring this sequence back to now (the work after it is done again)."""
+        return self.length, [s.checkpoint() for s in self.layers]
+
+    def restore(self, cp: tuple[int, list[Any]]) -> None:
+        self.length, states = cp
+        for s, c in zip(self.layers, states, strict=True):
+            s.restore(c)
 
 
 @dataclass(frozen=True)

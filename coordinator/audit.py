@@ -1,0 +1,213 @@
+"""Checking the nodes' answers: probes on admission, sampled audits while they serve, bans, and what is settled.
+
+An honest node's answer equals, bit for bit, what the coordinator computes itself on the same slab bytes
+(the two numerics guarantee it), so a check is an equality, not a tolerance. The coordinator's own slabs
+come from the model it was started on: a GGUF it trusts, or a shard directory whose slab files it checks
+against the manifest's SHA-256 before first using each one.
+
+- Probe: before a node gets its first pair, rows of known values go through a few of the slabs it claims.
+- Audit: each answered call is recomputed here with probability `rate` (chosen after the answer arrived, so
+  a node cannot tell which answers are checked). A node whose answer differs is banned for the run: it never
+  gets another pair, and its answer is replaced by the coordinator's.
+- Settling: an answer counts as checked once a later audit of the same node passed. `settle()` says whether
+  everything since the last settle is checked (SETTLED), still open (OPEN), or whether a node was caught
+  (CAUGHT: the work since the last settled point must be done again, without that node). With `force`, it
+  audits the latest call of every node that is still open, so that open work never piles up.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from swarm.node.kernels import Numerics
+from swarm.node.store import ExpertStore
+from swarm.sharding.slabs import SlabKey
+
+log = logging.getLogger(__name__)
+
+DEFAULT_RATE = 0.05
+PROBE_SLABS = 4  # slabs of a new node sent known rows before it is used
+PROBE_ROWS = 2
+
+
+class Verdict(Enum):
+    SETTLED = "settled"
+    OPEN = "open"
+    CAUGHT = "caught"
+
+
+@dataclass
+class _Call:
+    layer: int
+    expert_ids: list[int]
+    counts: list[int]
+    rows: torch.Tensor
+    answer: torch.Tensor
+
+
+@dataclass
+class _NodeBook:
+    last_call: _Call | None = None
+    open_calls: int = 0  # calls answered since this node's last passed audit
+    audits: int = 0
+    passed: int = 0
+
+
+@dataclass
+class AuditReport:
+    audits: int = 0
+    probes: int = 0
+    banned: dict[str, str] = field(default_factory=dict)  # address -> why
+
+
+class Auditor:
+    """Recomputes sampled calls on the coordinator's own slabs and keeps the books of what is checked."""
+
+    def __init__(
+        self,
+        store: ExpertStore,
+        numerics: Numerics,
+        wire_dtype: torch.dtype,
+        rate: float = DEFAULT_RATE,
+        shard_dir: Path | None = None,
+        seed: int | None = None,
+    ) -> None:
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError(f"audit rate {rate} is not between 0 and 1")
+        self.store, self.numerics, self.wire_dtype, self.rate = store, numerics, wire_dtype, rate
+        self.shard_dir = shard_dir
+        self._rng = random.Random(seed) if seed is not None else random.SystemRandom()
+        self._books: dict[str, _NodeBook] = {}
+        self._verified: dict[SlabKey, bool] = {}
+        self._caught = False
+        self._lock = threading.Lock()
+        self.report = AuditReport()
+
+    # --- the coordinator's own answer ---------------------------------------------------------------
+
+    def holds(self, layer: int, expert_ids: list[int]) -> bool:
+        """Whether every slab is here and (from a shard directory) verified against the manifest."""
+        for e in expert_ids:
+            key = (layer, e)
+            if key not in self.store.slabs:
+                return False
+            if key not in self._verified:
+                self._verified[key] = self._verify(key)
+            if not self._verified[key]:
+                return False
+        return True
+
+    def _verify(self, key: SlabKey) -> bool:
+        if self.shard_dir is None:
+            return True  # the coordinator's own GGUF
+        from swarm.sharding.slabs import slabs_from_shard
+
+        _, problems = slabs_from_shard(self.shard_dir, [key[0]], [key[1]], verify=True)
+        if problems:
+            log.warning("cannot audit with slab %d:%d of this coordinator: %s", key[0], key[1], problems[0])
+        return not problems
+
+    def expected(
+        self, layer: int, expert_ids: list[int], counts: list[int], rows: torch.Tensor
+    ) -> torch.Tensor:
+        out = self.store.compute(layer, expert_ids, counts, rows, self.numerics)
+        return out.to(rows.dtype)
+
+    # --- probes and audits ------------------------------------------------------------------------------
+
+    def probe(
+        self, address: str, held: list[SlabKey], compute: Any, width: int, slabs: int = PROBE_SLABS
+    ) -> bool:
+        """Known rows through `slabs` of the node's slabs at random (`compute(layer, ids, counts, rows)` calls
+        it); False (and the node banned) when an answer differs."""
+        mine = [k for k in held if k in self.store.slabs]
+        for layer, expert in self._rng.sample(mine, min(slabs, len(mine))):
+            if not self.holds(layer, [expert]):
+                continue
+            g = torch.Generator().manual_seed(self._rng.randrange(2**31))
+            rows = torch.randn(PROBE_ROWS, width, generator=g).to(self.wire_dtype)
+            answer = compute(layer, [expert], [PROBE_ROWS], rows)
+            self.report.probes += 1
+            if not torch.equal(answer, self.expected(layer, [expert], [PROBE_ROWS], rows)):
+                self._ban(
+                    address, f"its answer for layer {layer} expert {expert} differs from the model's slab"
+                )
+                return False
+        return True
+
+    def answered(
+        self, address: str, layer: int, expert_ids: list[int], counts: list[int], rows: torch.Tensor,
+        answer: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """Book one answered call; audit it with probability `rate`. The rows to use: the answer, or the
+        coordinator's own when the audit caught the node."""
+        call = _Call(layer, list(expert_ids), list(counts), rows, answer)
+        with self._lock:
+            book = self._books.setdefault(address, _NodeBook())
+            book.last_call = call
+            book.open_calls += 1
+        if self.rate > 0 and self._rng.random() < self.rate:
+            own = self._audit(address, call)
+            if own is not None:
+                return own
+        return answer
+
+    def _audit(self, address: str, call: _Call) -> torch.Tensor | None:
+        """None when the node's answer holds (its open calls are then checked), else the right rows."""
+        if not self.holds(call.layer, call.expert_ids):
+            return None
+        own = self.expected(call.layer, call.expert_ids, call.counts, call.rows)
+        with self._lock:
+            book = self._books.setdefault(address, _NodeBook())
+            book.audits += 1
+            self.report.audits += 1
+            if torch.equal(own, call.answer):
+                book.passed += 1
+                if book.last_call is call:
+                    book.open_calls = 0
+                return None
+        self._ban(
+            address,
+            f"its answer for layer {call.layer} experts {call.expert_ids} differs from the model's slabs",
+        )
+        return own
+
+    def _ban(self, address: str, why: str) -> None:
+        with self._lock:
+            if address in self.report.banned:
+                return
+            self.report.banned[address] = why
+            self._caught = True
+        log.error("banned node %s: %s", address, why)
+
+    def is_banned(self, address: str) -> bool:
+        return address in self.report.banned
+
+    def settle(self, force: bool = False) -> Verdict:
+        """What the answers since the last settle amount to (see the module docstring)."""
+        if force:
+            with self._lock:
+                todo = [
+                    (a, b.last_call)
+                    for a, b in self._books.items()
+                    if b.open_calls and b.last_call is not None
+                ]
+            for address, call in todo:
+                if not self.is_banned(address) and call is not None:
+                    self._audit(address, call)
+        with self._lock:
+            if self._caught:
+                self._caught = False
+                for b in self._books.values():
+                    b.open_calls = 0  # the work is redone: those answers are dropped
+                return Verdict.CAUGHT
+            open_ = any(b.open_calls for a, b in self._books.items() if a not in self.report.banned)
+            return Verdict.OPEN if open_ else Verdict.SETTLED

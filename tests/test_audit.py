@@ -1,0 +1,157 @@
+"""Answers are checked: a node whose slab files are damaged after it started, beside an honest holder, is
+caught and banned, and what the user gets equals the in-process result bit for bit (the work its answers
+touched is done again). Real node processes on loopback, real files damaged in place."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from conftest import FIXTURES
+
+from swarm.coordinator.audit import Auditor, Verdict
+from swarm.coordinator.cli import main
+from swarm.coordinator.engine import open_engine
+from swarm.coordinator.generate import GenerationStats, SamplingParams, checked_logits, forward_one, generate
+from swarm.node.auth import KEY_ENV, SwarmKey, generate_key_text
+from swarm.node.launch import start_nodes, stop_nodes
+from swarm.sharding.gguf_io import open_gguf
+from swarm.sharding.shard import shard_model
+from swarm.sharding.slabs import read_manifest
+
+MODEL = FIXTURES / "qwen35moe-quant" / "model-q4_k_m.gguf"  # Q4_K / Q6_K experts: native numerics
+KEY_TEXT = generate_key_text()
+KEY = SwarmKey.from_text(KEY_TEXT)
+LOOPBACK = ["127.0.0.1"]
+
+
+def damage(shard_dir, layer: int, experts: list[int]) -> None:
+    """Flip bytes inside the tensor data of these slab files, in place (the node has them mapped)."""
+    for e in experts:
+        path = shard_dir / "experts" / str(layer) / f"{e}.gguf"
+        start = open_gguf(path).data_offset
+        with open(path, "r+b") as f:
+            for at in range(start + 7, path.stat().st_size, 97):
+                f.seek(at)
+                b = f.read(1)
+                f.seek(at)
+                f.write(bytes([b[0] ^ 0x5A]))
+
+
+@pytest.fixture()
+def rig(tmp_path):
+    """An honest node and a liar-to-be, each holding every expert, from two copies of one shard dir."""
+    honest_dir, liar_dir = tmp_path / "honest.swarm", tmp_path / "liar.swarm"
+    shard_model(MODEL, honest_dir)
+    shutil.copytree(honest_dir, liar_dir)
+    nodes = start_nodes([(honest_dir, []), (liar_dir, [])], tmp_path / "nodes", env={KEY_ENV: KEY_TEXT})
+    yield honest_dir, liar_dir, nodes
+    stop_nodes(nodes)
+
+
+def _swarm(shard_dir, rate: float, seed: int = 7):
+    return open_engine(
+        shard_dir, mdns_interfaces=LOOPBACK, wait=10.0, device="cpu", key=KEY, audit=rate, audit_seed=seed
+    )
+
+
+@pytest.mark.slow
+def test_a_damaged_node_is_banned_and_the_logits_are_still_exact(rig):
+    honest_dir, liar_dir, (honest, liar) = rig
+    n = read_manifest(honest_dir).n_expert
+    damage(liar_dir, 1, list(range(n // 2)))  # after the node started: it serves the changed bytes
+    local = open_engine(honest_dir, local=True, device="cpu")
+    swarm = _swarm(honest_dir, rate=1.0)
+    try:
+        assert {honest.address, liar.address} <= set(swarm.experts.clients)
+        tokens = list(range(3, 40))
+        expect = forward_one(local.model, tokens, local.model.new_state(), "cpu")
+        got = checked_logits(swarm.model, tokens, swarm.model.new_state(), "cpu", swarm.checker)
+        assert torch.equal(got, expect), f"max diff {float((got - expect).abs().max()):.3g}"
+        report = swarm.checker.report
+        assert set(report.banned) == {liar.address}, report
+        assert "differs from the model's slab" in report.banned[liar.address]
+        calls = swarm.experts.calls_per_node[liar.address]
+        forward_one(swarm.model, tokens[:5], swarm.model.new_state(), "cpu")
+        assert swarm.experts.calls_per_node[liar.address] == calls, "a banned node got another pair"
+    finally:
+        swarm.close()
+        local.close()
+
+
+@pytest.mark.slow
+def test_sampled_audits_catch_a_node_that_turns_and_redo_what_it_touched(rig, capsys):
+    """The liar passes its admission probe, then its slabs are damaged; audits at 1/4 of the answers catch it
+    some passes later: the passes since the last settled point are done again, and the greedy text is the
+    in-process one, token for token."""
+    honest_dir, liar_dir, (honest, liar) = rig
+    n = read_manifest(honest_dir).n_expert
+    local = open_engine(honest_dir, local=True, device="cpu")
+    swarm = _swarm(honest_dir, rate=0.25, seed=3)
+    try:
+        prompt = list(range(5, 25))
+        forward_one(swarm.model, prompt[:4], swarm.model.new_state(), "cpu")  # both admitted (probed)
+        assert not swarm.checker.report.banned
+        damage(liar_dir, 2, list(range(n)))
+        damage(liar_dir, 3, list(range(n)))
+        params = SamplingParams(max_tokens=24)
+        expect = list(generate(local.model, prompt, params, "cpu"))
+        stats = GenerationStats()
+        got = list(generate(swarm.model, prompt, params, "cpu", stats, checker=swarm.checker))
+        assert got == expect
+        assert set(swarm.checker.report.banned) == {liar.address}
+        assert stats.extra["redone_passes"] >= 1, "caught at once: the redo path was not exercised"
+    finally:
+        swarm.close()
+        local.close()
+
+
+@pytest.mark.slow
+def test_status_reports_a_node_whose_answers_differ(rig, tmp_path, capsys):
+    honest_dir, liar_dir, (honest, liar) = rig
+    n = read_manifest(honest_dir).n_expert
+    for layer in read_manifest(honest_dir).moe_layers:
+        damage(liar_dir, layer, list(range(n)))
+    key_file = tmp_path / "swarm.key"
+    key_file.write_text(KEY_TEXT)
+    argv = [
+        "status",
+        str(honest_dir),
+        "--mdns-interface",
+        "127.0.0.1",
+        "--key-file",
+        str(key_file),
+        "--wait",
+        "1.5",
+    ]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "with 1 holder" in out and "with 2 holders" not in out, out  # the liar's slabs do not count
+    assert f"{liar.address}: BANNED: its answer for layer" in out
+    assert [ln for ln in out.splitlines() if ln.startswith(honest.address)][0].rstrip().endswith("ok")
+
+
+def test_settling_holds_open_work_and_catches(tmp_path):
+    """The books alone: an answer counts as checked only once a later audit of its node passed."""
+    from swarm.node.source import load_slabs
+    from swarm.node.store import ExpertStore
+
+    loaded = load_slabs(MODEL)
+    auditor = Auditor(ExpertStore(loaded.slabs), "native", torch.float32, rate=0.0, seed=1)
+    x = torch.randn(2, 256)
+    right = auditor.expected(0, [0, 1], [1, 1], x)
+    assert torch.equal(auditor.answered("a", 0, [0, 1], [1, 1], x, right), right)
+    assert auditor.settle() is Verdict.OPEN
+    assert auditor.settle(force=True) is Verdict.SETTLED  # the forced audit of a's last call passed
+    wrong = right.clone()
+    wrong[0, 0] += 1e-3
+    auditor.answered("b", 0, [0, 1], [1, 1], x, wrong)
+    assert auditor.settle(force=True) is Verdict.CAUGHT
+    assert auditor.is_banned("b") and not auditor.is_banned("a")
+    assert auditor.settle() is Verdict.SETTLED
+
+
+def test_audit_rate_is_checked(capsys):
+    assert main(["run", str(MODEL), "--audit", "1.5", "--prompt", "x", "--no-mdns"]) == 2
+    assert "--audit 1.5" in capsys.readouterr().err
