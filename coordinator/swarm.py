@@ -55,10 +55,13 @@ FAILOVER_CODES = frozenset(
 )
 
 
-# A node that failed a call is passed over for this long, then tried again (it may have been busy, not gone).
-DOWN_SECONDS = 10.0
-# Tries per expert and step across holders (the same holder again when it is the only one).
-MAX_ATTEMPTS = 3
+# A node that failed a call is passed over for a while, then tried again (it may have been restarted, or
+# busy rather than gone): 0.5 s after its first failure, doubling with each failure in a row, at most 30 s.
+# An answer resets it; a node back from a failure is probed again before its next pair (with an auditor).
+DOWN_SECONDS = 0.5
+MAX_DOWN_SECONDS = 30.0
+# While every holder of an expert is down, how often to look again (until the call's --timeout).
+RETRY_SECONDS = 0.05
 # Hedging: a call still unanswered after HEDGE_FACTOR times what this node usually takes for that many rows
 # (and at least HEDGE_AFTER_MIN s) is sent again to another holder of its experts, and the first complete
 # answer is used: both compute the same rows in the same matmul blocks, so either gives the same bits. A node
@@ -81,6 +84,7 @@ class Placement:
         self._holders: dict[SlabKey, list[str]] = {}
         self._down: dict[str, float] = {}  # address -> until when it is passed over
         self._banned: set[str] = set()  # caught computing wrong: never picked again
+        self._failures: dict[str, int] = {}  # address -> failures in a row
         self._lock = threading.Lock()
         self._clock = clock
 
@@ -109,9 +113,26 @@ class Placement:
         with self._lock:
             self._banned.add(address)
 
-    def mark_down(self, address: str, seconds: float = DOWN_SECONDS) -> None:
+    def is_banned(self, address: str) -> bool:
+        return address in self._banned
+
+    def mark_down(self, address: str, seconds: float | None = None) -> None:
+        """Pass the node over for a while: exponential backoff over its failures in a row."""
         with self._lock:
+            n = self._failures[address] = self._failures.get(address, 0) + 1
+            if seconds is None:
+                seconds = min(MAX_DOWN_SECONDS, DOWN_SECONDS * 2 ** (n - 1))
             self._down[address] = self._clock() + seconds
+
+    def mark_up(self, address: str) -> None:
+        """The node answered: its failures are forgotten."""
+        if address in self._failures:
+            with self._lock:
+                self._failures.pop(address, None)
+                self._down.pop(address, None)
+
+    def failures(self, address: str) -> int:
+        return self._failures.get(address, 0)
 
     def _is_down(self, address: str) -> bool:
         until = self._down.get(address)
@@ -218,6 +239,7 @@ class _SwarmPending:
         out = torch.empty(self.rows.shape, dtype=torch.float32)
         pending = list(self.calls)
         failed: dict[int, list[str]] = {}  # expert index -> holders that failed it, in order
+        deadline = time.monotonic() + self.backend.timeout  # failover keeps trying holders until then
         while pending:
             c = pending.pop(0)
             try:
@@ -226,11 +248,10 @@ class _SwarmPending:
                 if e.code not in FAILOVER_CODES:
                     raise
                 log.warning("node %s failed layer %d (%s); trying other holders", c.address, self.layer, e)
-                self.backend.placement.mark_down(c.address)
-                self.backend.failovers += 1
+                self.backend.node_failed(c.address)
                 for i in {p.index for p in c.parts}:
                     failed.setdefault(i, []).append(c.address)
-                pending.extend(self.backend._send(self.layer, g, self.rows, c.parts, failed))
+                pending.extend(self.backend._send(self.layer, g, self.rows, c.parts, failed, deadline))
                 continue
             for call, result in answers:
                 auditor = self.backend.auditor
@@ -328,12 +349,15 @@ class SwarmExperts:
         rows: torch.Tensor,
         parts: Iterable[Part],
         failed: dict[int, list[str]],
+        deadline: float | None = None,
     ) -> list[_Call]:
         """Compute calls for `parts` of the packed rows: one per chosen holder, or several when its rows
         exceed call_bytes."""
         by_node: dict[str, list[Part]] = {}
+        if deadline is None:
+            deadline = time.monotonic() + self.timeout
         for p in parts:
-            address = self._holder_for(layer, groups.expert_ids[p.index], failed.get(p.index, []))
+            address = self._holder_for(layer, groups.expert_ids[p.index], failed.get(p.index, []), deadline)
             by_node.setdefault(address, []).append(p)
         offsets = groups.offsets()
         max_rows = max(1, self.call_bytes // max(1, rows.shape[1] * rows.element_size()))
@@ -406,16 +430,25 @@ class SwarmExperts:
                 grpc.StatusCode.INTERNAL,
                 f"answered rows of shape {list(result.shape)} for a call of shape {list(expect)}",
             )
+        self.placement.mark_up(c.address)
         if c.call.seconds is not None:
             pace = c.call.seconds / max(1, sum(p.rows for p in c.parts))
             old = self._pace.get(c.address)
             self._pace[c.address] = pace if old is None else 0.8 * old + 0.2 * pace
         return c, result
 
-    def _holder_for(self, layer: int, expert: int, failed: list[str]) -> str:
-        """An admitted holder that has not failed this expert yet; else, within MAX_ATTEMPTS, any holder."""
+    def node_failed(self, address: str) -> None:
+        """A call to this node failed (gone, deadline, refused): back off from it; probe it again when it is
+        back (a restarted node may be another process)."""
+        self.placement.mark_down(address)
+        self._admitted.discard(address)
+        self.failovers += 1
+
+    def _holder_for(self, layer: int, expert: int, failed: list[str], deadline: float | None = None) -> str:
+        """An admitted live holder that has not failed this expert in this step; else one back from its
+        backoff; while every holder is down, wait for one until `deadline` (the call's --timeout)."""
         while True:
-            address = self._pick(layer, expert, failed)
+            address = self._pick(layer, expert, failed, deadline)
             if self._admit(address):
                 return address
 
@@ -442,18 +475,28 @@ class SwarmExperts:
         self._admitted.add(address)
         return True
 
-    def _pick(self, layer: int, expert: int, failed: list[str]) -> str:
-        address = self.placement.pick(layer, expert, avoid=failed)
-        if address is None and failed and len(failed) < MAX_ATTEMPTS:
-            address = self.placement.pick(layer, expert, include_down=True)
-        if address is not None:
-            return address
-        if failed:
-            raise UserError(
-                f"layer {layer} expert {expert}: every holder failed ({', '.join(failed)}); "
-                f"check those nodes (`swarm node` logs), add replicas, or raise --timeout"
-            )
-        raise UserError(describe_missing({layer: [expert]}, self.source))
+    def _pick(self, layer: int, expert: int, failed: list[str], deadline: float | None) -> str:
+        while True:
+            address = self.placement.pick(layer, expert, avoid=failed)
+            if address is None and failed:
+                address = self.placement.pick(layer, expert)  # one that failed before, back from its backoff
+            if address is not None:
+                return address
+            if not failed and not any(
+                a
+                for a in self.placement.holders().get((layer, expert), ())
+                if not self.placement.is_banned(a)
+            ):
+                raise UserError(describe_missing({layer: [expert]}, self.source))
+            if deadline is None or time.monotonic() >= deadline:
+                failed = failed or [a for a in self.placement.holders().get((layer, expert), [])]
+                raise UserError(
+                    f"layer {layer} expert {expert}: every holder failed ({', '.join(dict.fromkeys(failed))}) "
+                    f"for {self.timeout:g} s; check those nodes (`swarm node` logs), add replicas, or raise "
+                    "--timeout"
+                )
+            time.sleep(RETRY_SECONDS)
+            self.follow_mdns()
 
     def close(self) -> None:
         if self.browser is not None:

@@ -293,6 +293,24 @@ def test_placement_passes_over_a_failed_node_for_a_while():
     now[0] = 6.0
     assert p.pick(0, 1) == "a:1"
     assert p.addresses() == ["a:1", "b:1"]
+    # failures in a row back off exponentially (0.5 s, 1 s, 2 s, ... at most 30 s); an answer resets it
+    for n, wait in enumerate([0.5, 1.0, 2.0, 4.0], start=1):
+        p.mark_down("b:1")
+        assert p.failures("b:1") == n and p.pick(0, 0, avoid=["a:1"]) is None
+        now[0] += wait - 0.01
+        assert p.pick(0, 0, avoid=["a:1"]) is None
+        now[0] += 0.02
+        assert p.pick(0, 0, avoid=["a:1"]) == "b:1"
+    for _ in range(20):
+        p.mark_down("b:1")
+    now[0] += 30.01
+    assert p.pick(0, 0, avoid=["a:1"]) == "b:1"
+    p.mark_up("b:1")
+    p.mark_down("b:1")
+    now[0] += 0.51
+    assert p.failures("b:1") == 1 and p.pick(0, 0, avoid=["a:1"]) == "b:1"
+    p.ban("b:1")
+    assert p.pick(0, 0, avoid=["a:1"]) is None and p.pick(0, 0, include_down=True) == "a:1"
 
 
 @pytest.mark.slow
