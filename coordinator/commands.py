@@ -47,6 +47,13 @@ def add_swarm_args(p: argparse.ArgumentParser) -> None:
         "Needs the model's expert slabs here (a GGUF, or a shard directory with its experts/); 0: trust",
     )
     g.add_argument(
+        "--degraded",
+        action="store_true",
+        help="when no live node holds an expert, leave it out and renormalize the weights of the experts that "
+        "answered (hivemind's k_min) instead of waiting for a holder: answers go on, but differ from the "
+        "model's (the run's report counts the pairs left out). Off by default",
+    )
+    g.add_argument(
         "--device", default=None, help="torch device for the dense path (default: cuda if present)"
     )
     add_numerics_args(g)
@@ -177,6 +184,7 @@ def _open(args: argparse.Namespace) -> Any:
         key=key,
         timeout=args.timeout,
         audit=DEFAULT_RATE if args.audit is None else _audit_rate(args.audit),
+        degraded=args.degraded,
         progress=True,
         numerics="exact" if args.exact else "native",
     )
@@ -259,6 +267,12 @@ def report(engine: Any, stats: Any, err: Any = None) -> None:
             )
         if engine.experts.failovers:
             print(f"  failovers: {engine.experts.failovers}", file=err)
+        if engine.experts.dropped_pairs:
+            print(
+                f"  DEGRADED: {engine.experts.dropped_pairs} (token, expert) pairs had no live holder and were "
+                "left out; this answer is not the model's exact one",
+                file=err,
+            )
         auditor = engine.experts.auditor
         if auditor is not None:
             r = auditor.report

@@ -101,6 +101,7 @@ def open_engine(
     numerics: Numerics = NATIVE,
     audit: float = DEFAULT_RATE,
     audit_seed: int | None = None,
+    degraded: bool = False,
 ) -> Engine:
     """The model at `path` with its experts computed here (`local`) or by the swarm's nodes.
     `progress`: progress bars on stderr (only when it is a terminal) while slabs and weights load.
@@ -134,6 +135,7 @@ def open_engine(
             timeout=timeout,
             numerics=numerics,
         )
+        experts.degraded = degraded
         if audit > 0:
             experts.auditor = make_auditor(path, numerics, wire_dtype, audit, audit_seed)
     try:

@@ -232,6 +232,11 @@ class _SwarmPending:
     ) -> None:
         self.backend, self.layer, self.groups, self.rows = backend, layer, groups, rows
         self.calls, self.t, self.k, self.device = calls, t, k, device
+        self._dropped: list[Part] = []
+        self.dropped: torch.Tensor | None = None  # [T, K] True where a pair was left out (degraded mode)
+
+    def drop(self, parts: list[Part]) -> None:
+        self._dropped += parts
 
     def wait(self) -> torch.Tensor:
         g = self.groups
@@ -251,7 +256,9 @@ class _SwarmPending:
                 self.backend.node_failed(c.address)
                 for i in {p.index for p in c.parts}:
                     failed.setdefault(i, []).append(c.address)
-                pending.extend(self.backend._send(self.layer, g, self.rows, c.parts, failed, deadline))
+                pending.extend(
+                    self.backend._send(self.layer, g, self.rows, c.parts, failed, deadline, self._dropped)
+                )
                 continue
             for call, result in answers:
                 auditor = self.backend.auditor
@@ -267,6 +274,18 @@ class _SwarmPending:
                     begin = offsets[p.index] + p.start
                     out[begin : begin + p.rows] = result[at : at + p.rows].float()
                     at += p.rows
+        if self._dropped:
+            mask = torch.zeros(self.rows.shape[0], 1)
+            for p in self._dropped:
+                begin = offsets[p.index] + p.start
+                out[begin : begin + p.rows] = 0.0
+                mask[begin : begin + p.rows] = 1.0
+            self.dropped = g.unpack(mask, self.t, self.k)[..., 0].bool().to(self.device)  # [T, K]
+            self.backend.dropped_pairs += sum(p.rows for p in self._dropped)
+            experts = sorted({g.expert_ids[p.index] for p in self._dropped})
+            log.warning(
+                "degraded: layer %d experts %s have no live holder; left out of the sum", self.layer, experts
+            )
         return g.unpack(out.to(self.device), self.t, self.k)
 
     def _answer(self, c: _Call) -> list[tuple[_Call, torch.Tensor]]:
@@ -325,6 +344,10 @@ class SwarmExperts:
         self.hedge_wins = 0  # ... and the other holder answered first
         self.wait_seconds = 0.0
         self.auditor: Auditor | None = None  # checks answers (probes, sampled audits); None: trusts them
+        # Opt-in degraded mode (hivemind's k_min): an expert with no live holder is left out of the sum and
+        # the weights of the experts that answered are renormalized, instead of waiting for a holder.
+        self.degraded = False
+        self.dropped_pairs = 0  # (token, slot) pairs left out that way
         self._admitted: set[str] = set()  # nodes probed (or not needing it) before their first pair
         self._pace: dict[str, float] = {}  # address -> seconds per row, a moving average of answered calls
         # mDNS keeps running after connect: nodes that join are used from the next layer on, nodes that
@@ -339,8 +362,11 @@ class SwarmExperts:
         groups = group_expert_major(ids)
         rows = groups.pack(x, k).to(device="cpu", dtype=self.wire_dtype)  # [N, D], what the wire carries
         parts = [Part(i, 0, n) for i, n in enumerate(groups.counts)]
-        calls = self._send(layer, groups, rows, parts, {})
-        return _TimedPending(self, _SwarmPending(self, layer, groups, rows, calls, t, k, x.device))
+        dropped: list[Part] = []
+        calls = self._send(layer, groups, rows, parts, {}, dropped=dropped)
+        pending = _SwarmPending(self, layer, groups, rows, calls, t, k, x.device)
+        pending.drop(dropped)
+        return _TimedPending(self, pending)
 
     def _send(
         self,
@@ -350,14 +376,22 @@ class SwarmExperts:
         parts: Iterable[Part],
         failed: dict[int, list[str]],
         deadline: float | None = None,
+        dropped: list[Part] | None = None,
     ) -> list[_Call]:
         """Compute calls for `parts` of the packed rows: one per chosen holder, or several when its rows
-        exceed call_bytes."""
+        exceed call_bytes. In degraded mode, parts no live node holds are added to `dropped` instead."""
+        dropped = dropped if dropped is not None else []
         by_node: dict[str, list[Part]] = {}
         if deadline is None:
             deadline = time.monotonic() + self.timeout
         for p in parts:
-            address = self._holder_for(layer, groups.expert_ids[p.index], failed.get(p.index, []), deadline)
+            try:
+                address = self._holder_for(
+                    layer, groups.expert_ids[p.index], failed.get(p.index, []), deadline
+                )
+            except _NoHolder:
+                dropped.append(p)
+                continue
             by_node.setdefault(address, []).append(p)
         offsets = groups.offsets()
         max_rows = max(1, self.call_bytes // max(1, rows.shape[1] * rows.element_size()))
@@ -482,6 +516,8 @@ class SwarmExperts:
                 address = self.placement.pick(layer, expert)  # one that failed before, back from its backoff
             if address is not None:
                 return address
+            if self.degraded:
+                raise _NoHolder()
             if not failed and not any(
                 a
                 for a in self.placement.holders().get((layer, expert), ())
@@ -506,11 +542,19 @@ class SwarmExperts:
             c.close()
 
 
+class _NoHolder(Exception):
+    """Degraded mode: no live node holds this expert now."""
+
+
 class _TimedPending:
     """Counts the time the model spends blocked on the swarm (what overlapping did not hide)."""
 
     def __init__(self, backend: SwarmExperts, inner: _SwarmPending) -> None:
         self.backend, self.inner = backend, inner
+
+    @property
+    def dropped(self) -> torch.Tensor | None:
+        return self.inner.dropped
 
     def wait(self) -> torch.Tensor:
         t0 = time.perf_counter()

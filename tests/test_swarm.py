@@ -528,3 +528,54 @@ def test_a_node_answering_the_wrong_shape_is_failed_over(tmp_path):
         backend.close()
         bad.stop(0)
         good.stop(0)
+
+
+class _Without:
+    """In-process experts with some experts gone: their pairs zeroed and flagged, as degraded mode does."""
+
+    def __init__(self, inner: LocalExperts, gone: set[int]) -> None:
+        self.inner, self.gone = inner, torch.tensor(sorted(gone))
+
+    def start(self, layer: int, x: torch.Tensor, ids: torch.Tensor):
+        out = self.inner.start(layer, x, ids).wait()
+        mask = torch.isin(ids, self.gone)
+        out = out.masked_fill(mask[..., None], 0.0)
+
+        class Done:
+            dropped = mask
+
+            def wait(self) -> torch.Tensor:
+                return out
+
+        return Done()
+
+
+@pytest.mark.slow
+def test_degraded_mode_renormalizes_over_the_experts_that_answered(tmp_path):
+    name = "qwen3moe-tiny"
+    shard_dir = tmp_path / "m.swarm"
+    shard_model(FIXTURES / name / "model-f32.gguf", shard_dir)
+    _, prompts = _prompts(name)
+    kept, gone = start_nodes([(shard_dir, ["--experts", "0-23"]), (shard_dir, ["--experts", "24-31"])],
+                             tmp_path / "nodes", env=KEYED)  # fmt: skip
+    open_ = dict(mdns_interfaces=LOOPBACK, wait=10.0, device="cpu", key=KEY, timeout=2.0)
+    strict = open_engine(shard_dir, **open_)
+    degraded = open_engine(shard_dir, degraded=True, **open_)
+    local = open_engine(shard_dir, local=True, device="cpu")
+    try:
+        full = forward_one(local.model, prompts[0], local.model.new_state(), "cpu")
+        assert torch.equal(forward_one(degraded.model, prompts[0], degraded.model.new_state(), "cpu"), full)
+        assert degraded.experts.dropped_pairs == 0
+        gone.stop()  # no other node holds experts 24-31
+        with pytest.raises(UserError, match=r"no node holds layer \d+: experts|every holder failed"):
+            forward_one(strict.model, prompts[0], strict.model.new_state(), "cpu")
+        got = forward_one(degraded.model, prompts[0], degraded.model.new_state(), "cpu")
+        assert degraded.experts.dropped_pairs > 0
+        local.model.set_experts(_Without(local.experts, set(range(24, 32))))
+        expect = forward_one(local.model, prompts[0], local.model.new_state(), "cpu")
+        assert torch.equal(got, expect)
+        assert not torch.equal(got, full)
+    finally:
+        for e in (strict, degraded, local):
+            e.close()
+        kept.stop()

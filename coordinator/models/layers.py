@@ -169,6 +169,12 @@ class MoE(nn.Module):
             x, shared_gate[0] if shared_gate else None
         )  # overlaps with the experts in flight
         out = pending.wait()  # [T, K, D]
+        dropped = getattr(pending, "dropped", None)  # [T, K] bool: degraded mode left these pairs out
+        if dropped is not None:
+            kept = weights.masked_fill(dropped, 0.0)
+            weights = kept * (
+                weights.sum(-1, keepdim=True) / kept.sum(-1, keepdim=True).clamp_min(RENORM_MIN)
+            )
         # Sum over K in slot order: the result does not depend on which holder answered first.
         routed = (out * weights.unsqueeze(-1)).sum(dim=1)
         return routed if shared is None else routed + shared
