@@ -94,3 +94,25 @@ class LocalExperts:
         out = self.store.compute(layer, groups.expert_ids, groups.counts, rows, self.numerics)
         out = out.to(self.wire_dtype)
         return _Done(groups.unpack(out.to(device=x.device, dtype=torch.float32), t, k))
+
+
+class _Dropped:
+    def __init__(self, out: torch.Tensor, dropped: torch.Tensor) -> None:
+        self._out, self.dropped = out, dropped
+
+    def wait(self) -> torch.Tensor:
+        return self._out
+
+
+class WithoutExperts:
+    """In-process experts with some experts gone, as the swarm's degraded mode leaves them out: their pairs
+    are zeroed and flagged in `dropped` [T, K], and the MoE block renormalizes over the rest. The oracle
+    for degraded mode, and how its quality cost is measured."""
+
+    def __init__(self, inner: ExpertBackend, gone: set[int]) -> None:
+        self.inner, self.gone = inner, torch.tensor(sorted(gone), dtype=torch.long)
+
+    def start(self, layer: int, x: torch.Tensor, ids: torch.Tensor) -> PendingExperts:
+        out = self.inner.start(layer, x, ids).wait()
+        mask = torch.isin(ids, self.gone.to(ids.device))  # [T, K]
+        return _Dropped(out.masked_fill(mask[..., None], 0.0), mask)

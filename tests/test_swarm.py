@@ -14,7 +14,7 @@ from conftest import FIXTURES
 from reference import assert_logits_close
 
 from swarm.coordinator.engine import open_engine
-from swarm.coordinator.experts import LocalExperts
+from swarm.coordinator.experts import LocalExperts, WithoutExperts
 from swarm.coordinator.generate import forward_one
 from swarm.coordinator.swarm import Part, Placement, connect, split_parts
 from swarm.node.auth import KEY_ENV, SwarmKey, generate_key_text
@@ -530,26 +530,6 @@ def test_a_node_answering_the_wrong_shape_is_failed_over(tmp_path):
         good.stop(0)
 
 
-class _Without:
-    """In-process experts with some experts gone: their pairs zeroed and flagged, as degraded mode does."""
-
-    def __init__(self, inner: LocalExperts, gone: set[int]) -> None:
-        self.inner, self.gone = inner, torch.tensor(sorted(gone))
-
-    def start(self, layer: int, x: torch.Tensor, ids: torch.Tensor):
-        out = self.inner.start(layer, x, ids).wait()
-        mask = torch.isin(ids, self.gone)
-        out = out.masked_fill(mask[..., None], 0.0)
-
-        class Done:
-            dropped = mask
-
-            def wait(self) -> torch.Tensor:
-                return out
-
-        return Done()
-
-
 @pytest.mark.slow
 def test_degraded_mode_renormalizes_over_the_experts_that_answered(tmp_path):
     name = "qwen3moe-tiny"
@@ -571,7 +551,7 @@ def test_degraded_mode_renormalizes_over_the_experts_that_answered(tmp_path):
             forward_one(strict.model, prompts[0], strict.model.new_state(), "cpu")
         got = forward_one(degraded.model, prompts[0], degraded.model.new_state(), "cpu")
         assert degraded.experts.dropped_pairs > 0
-        local.model.set_experts(_Without(local.experts, set(range(24, 32))))
+        local.model.set_experts(WithoutExperts(local.experts, set(range(24, 32))))
         expect = forward_one(local.model, prompts[0], local.model.new_state(), "cpu")
         assert torch.equal(got, expect)
         assert not torch.equal(got, full)
