@@ -102,6 +102,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt", required=True, help="the prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--system", default=None, help="system message (with --chat)")
+    p.add_argument(
+        "--stats",
+        default=None,
+        metavar="FILE",
+        help="add how often the router picked each (layer, expert) to this JSON file (for `swarm plan --stats`)",
+    )
     add_sampling_args(p)
     add_swarm_args(p)
     p.set_defaults(func=cmd_run)
@@ -296,12 +302,21 @@ def cmd_run(args: argparse.Namespace) -> int:
     set_wait_policy(experts_remote=not args.local)
     engine = _open(args)
     try:
+        stats_of = None
+        if args.stats:
+            from swarm.coordinator.experts import RoutingStats
+
+            stats_of = RoutingStats(engine.experts)
+            engine.model.set_experts(stats_of)
         params = _sampling(args, engine.tokenizer.eos_ids)
         ids = prompt_ids(engine, args.prompt, args.chat, args.system)
         if not ids:
             raise UserError("the prompt is empty after tokenization; give some text")
         _, stats = stream_answer(engine, ids, params)
         report(engine, stats)
+        if stats_of is not None:
+            stats_of.save(args.stats, engine.fingerprint)
+            print(f"routing statistics of {stats_of.tokens} tokens added to {args.stats}", file=sys.stderr)
     finally:
         engine.close()
     return 0

@@ -9,13 +9,17 @@ same whichever backend (or node) computed the pairs.
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
-from typing import Protocol
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
 from swarm.node.kernels import NATIVE, Numerics
 from swarm.node.store import ExpertStore
+from swarm.sharding.errors import UserError
 
 
 class PendingExperts(Protocol):
@@ -116,3 +120,44 @@ class WithoutExperts:
         out = self.inner.start(layer, x, ids).wait()
         mask = torch.isin(ids, self.gone.to(ids.device))  # [T, K]
         return _Dropped(out.masked_fill(mask[..., None], 0.0), mask)
+
+
+class RoutingStats:
+    """Counts how often the router picks each (layer, expert) while passing the work on to `inner`: what
+    `swarm run --stats FILE` records and `swarm plan --stats FILE` replicates hot experts by."""
+
+    def __init__(self, inner: ExpertBackend) -> None:
+        self.inner = inner
+        self.counts: dict[tuple[int, int], int] = {}
+        self.tokens = 0
+        self._first_layer: int | None = None
+
+    def start(self, layer: int, x: torch.Tensor, ids: torch.Tensor) -> PendingExperts:
+        if self._first_layer is None or layer < self._first_layer:
+            self._first_layer = layer
+        if layer == self._first_layer:
+            self.tokens += int(ids.shape[0])
+        experts, n = torch.unique(ids.reshape(-1).cpu(), return_counts=True)
+        for e, c in zip(experts.tolist(), n.tolist(), strict=True):
+            self.counts[(layer, e)] = self.counts.get((layer, e), 0) + c
+        return self.inner.start(layer, x, ids)
+
+    def save(self, path: str | Path, model: str) -> None:
+        """Add these counts to the file's (made if missing), atomically."""
+        p = Path(path)
+        data: dict[str, Any] = {"model": model, "tokens": 0, "counts": {}}
+        if p.exists():
+            try:
+                data = json.loads(p.read_text())
+                ok = data.get("model") == model and isinstance(data.get("counts"), dict)
+            except (OSError, ValueError, AttributeError):
+                ok = False
+            if not ok:
+                raise UserError(f"{p}: not routing statistics of this model; give another --stats file")
+        counts = data["counts"]
+        for (layer, e), n in self.counts.items():
+            counts[f"{layer}:{e}"] = int(counts.get(f"{layer}:{e}", 0)) + n
+        data["tokens"] = int(data.get("tokens", 0)) + self.tokens
+        tmp = p.with_name(p.name + f".tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(data, sort_keys=True) + "\n")
+        os.replace(tmp, p)

@@ -85,6 +85,7 @@ class Placement:
         self._down: dict[str, float] = {}  # address -> until when it is passed over
         self._banned: set[str] = set()  # caught computing wrong: never picked again
         self._failures: dict[str, int] = {}  # address -> failures in a row
+        self._turns: dict[int, int] = {}  # layer -> its calls so far: the replicas of its experts take turns
         self._lock = threading.Lock()
         self._clock = clock
 
@@ -104,6 +105,10 @@ class Placement:
                 if address in holders:
                     holders.remove(address)
             self._down.pop(address, None)
+
+    def next_turn(self, layer: int) -> None:
+        """A new call of this layer: its experts' replicas take the next turn."""
+        self._turns[layer] = self._turns.get(layer, 0) + 1
 
     def holders(self) -> dict[SlabKey, list[str]]:
         with self._lock:
@@ -146,8 +151,9 @@ class Placement:
     def pick(
         self, layer: int, expert: int, avoid: Iterable[str] = (), include_down: bool = False
     ) -> str | None:
-        """A live holder of (layer, expert) not in `avoid`, or None. Replicas share the load by a fixed rule,
-        so the same swarm always sends the same expert to the same node (reproducible, cache-friendly)."""
+        """A live holder of (layer, expert) not in `avoid`, or None. Replicas share the load by a fixed
+        rule that rotates with each call of the layer (`next_turn`): over a run every holder of an expert gets an
+        equal share of its pairs, the share `swarm plan` counts on, and within one call the choice is fixed."""
         avoid = set(avoid)
         with self._lock:
             live = [
@@ -157,7 +163,7 @@ class Placement:
             ]
         if not live:
             return None
-        return live[(layer * 31 + expert) % len(live)]
+        return live[(layer * 31 + expert + self._turns.get(layer, 0)) % len(live)]
 
     def missing(self, needed: Iterable[SlabKey]) -> dict[int, list[int]]:
         """layer -> experts with no live holder."""
@@ -358,6 +364,7 @@ class SwarmExperts:
 
     def start(self, layer: int, x: torch.Tensor, ids: torch.Tensor) -> PendingExperts:
         self.follow_mdns()
+        self.placement.next_turn(layer)
         t, k = ids.shape
         groups = group_expert_major(ids)
         rows = groups.pack(x, k).to(device="cpu", dtype=self.wire_dtype)  # [N, D], what the wire carries

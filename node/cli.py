@@ -13,21 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from swarm.sharding.errors import UserError
-from swarm.sharding.ranges import format_ranges, parse_ranges
+from swarm.sharding.ranges import format_slabs, parse_ranges, parse_size
 
 MAX_PROBLEM_LINES = 20  # refused slabs named one per line, then a count
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
-
-
-def parse_size(text: str) -> int:
-    """ "4GiB", "4G", "4GB", "512MiB", "123456" -> bytes. K/M/G/T are powers of 1024 with or without the "i":
-    this is a memory budget, and people write "4G" meaning 4 GiB."""
-    m = _SIZE_RE.match(text)
-    if m is None:
-        raise UserError(f"bad size {text!r}; write it like 4GiB, 512MiB or a number of bytes")
-    value, unit = float(m.group(1)), m.group(2).lower()
-    return int(value * 1024 ** " kmgt".index(unit or " "))
 
 
 def parse_slab_specs(specs: list[str]) -> set[tuple[int, int]]:
@@ -50,11 +38,7 @@ def parse_slab_specs(specs: list[str]) -> set[tuple[int, int]]:
 
 def describe_held(keys: set[tuple[int, int]] | list[tuple[int, int]]) -> str:
     """ "0-3:0-7;5:1-2": layer ranges : expert ranges, one group per distinct expert set."""
-    from swarm.proto.codec import from_ranges, group_slabs
-
-    return ";".join(
-        f"{format_ranges(from_ranges(ls))}:{format_ranges(from_ranges(es))}" for ls, es in group_slabs(keys)
-    )
+    return format_slabs(keys)
 
 
 def add_key_argument(g: Any) -> None:

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from swarm.sharding.errors import UserError
-from swarm.sharding.ranges import parse_ranges
+from swarm.sharding.ranges import format_slabs, parse_ranges, parse_size
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -43,6 +43,89 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("path", metavar="MODEL.gguf|DIR", help="a GGUF file or a shard directory")
     p.set_defaults(func=run_inspect)
+
+    p = sub.add_parser(
+        "plan",
+        help="assign every expert slab of a shard directory to devices, with replicas, within capacities",
+        description=(
+            "Assign every (layer, expert) slab of DIR to the devices given by --capacities: each slab on "
+            "--replicas distinct devices, hot experts (from --stats, written by `swarm run --stats`) on more "
+            "while memory is left, the per-token load spread evenly. Prints the `swarm node` command of each "
+            "device and a summary; exits 1 and says by how much when the slabs do not fit."
+        ),
+    )
+    p.add_argument("dir", metavar="DIR", help="a `swarm shard` directory")
+    p.add_argument(
+        "--capacities", required=True, help="bytes each device may hold, comma-separated: 4GiB,2GiB,512MiB"
+    )
+    p.add_argument("--names", default=None, help="device names, comma-separated (default: node0, node1, ...)")
+    p.add_argument("--replicas", type=int, default=2, help="devices holding each slab (default 2)")
+    p.add_argument(
+        "--stats", default=None, metavar="FILE", help="routing statistics from `swarm run --stats`"
+    )
+    p.add_argument(
+        "--json", action="store_true", help="the plan as JSON (for scripts and `swarm node --plan`)"
+    )
+    p.set_defaults(func=run_plan)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from swarm.sharding.plan import Device, loads_from_stats, plan, uniform_loads
+    from swarm.sharding.slabs import read_manifest
+
+    m = read_manifest(args.dir)
+    caps = [parse_size(c) for c in args.capacities.split(",") if c.strip()]
+    if not caps:
+        raise UserError("--capacities: give one size per device, e.g. 4GiB,2GiB")
+    names = (
+        [n.strip() for n in args.names.split(",")] if args.names else [f"node{i}" for i in range(len(caps))]
+    )
+    if len(names) != len(caps) or len(set(names)) != len(names):
+        raise UserError(f"--names: give {len(caps)} distinct names, one per capacity")
+    slabs = {(s.layer, s.expert): s.size for s in m.slabs}
+    if not slabs:
+        raise UserError(f"{args.dir}: its manifest lists no slabs")
+    loads = (
+        loads_from_stats(args.stats, slabs, m.n_expert_used, m.n_expert)
+        if args.stats
+        else uniform_loads(slabs, m.n_expert_used, m.n_expert)
+    )
+    try:
+        result = plan(slabs, [Device(n, c) for n, c in zip(names, caps, strict=True)], args.replicas, loads)
+    except UserError as e:
+        print(f"swarm plan: {e}", file=sys.stderr)
+        return 1
+    total = sum(a.load for a in result.nodes)
+    rows = []
+    for a in result.nodes:
+        command = (
+            f"swarm node {args.dir} --slab '{format_slabs(a.slabs)}' --host 0.0.0.0 --key-file swarm.key"
+        )
+        rows.append((a, command))
+    lo, mean = result.replicas()
+    if args.json:
+        print(json.dumps({
+            "model": m.fingerprint,
+            "replicas": {"min": lo, "mean": round(mean, 3)},
+            "nodes": [
+                {"name": a.device.name, "capacity_bytes": a.device.capacity, "bytes": a.bytes,
+                 "load_share": round(a.load / total, 6) if total else 0.0,
+                 "slabs": sorted([list(k) for k in a.slabs]), "command": cmd}
+                for a, cmd in rows
+            ],
+        }))  # fmt: skip
+        return 0
+    for a, cmd in rows:
+        share = a.load / total if total else 0.0
+        print(f"# {a.device.name}: {len(a.slabs)} slabs, {a.bytes / 2**30:.2f} of {a.device.capacity / 2**30:.2f} "
+              f"GiB, {100 * share:.1f}% of the per-token expert load")  # fmt: skip
+        print(cmd)
+    busiest = max(a.load for a in result.nodes)
+    print(f"\n{len(slabs)} slabs on {len(result.nodes)} devices; replicas min {lo}, mean {mean:.2f}; busiest "
+          f"device {busiest / (total / len(result.nodes)):.2f}x the mean load", file=sys.stderr)  # fmt: skip
+    return 0
 
 
 def run_shard(args: argparse.Namespace) -> int:
