@@ -3,6 +3,7 @@ covered.
 
     swarm status                    every node mDNS finds (any model), one line each
     swarm status q36.swarm          the nodes of that model, and whether every expert has a holder
+    swarm status q36.swarm --json   the same for scripts: nodes, their load and answers, the coverage map
 
 Nodes are found as a coordinator finds them (mDNS, and --peer for those it does not reach) and asked for
 their Info and Stats over gRPC. With a model, the exit status says whether a coordinator could start on
@@ -12,13 +13,15 @@ it now: 0 when every expert has a holder, 1 when some have none (they are named)
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections import Counter
 from typing import Any
 
 from swarm.coordinator.commands import add_discovery_args
-from swarm.node.cli import swarm_key
+from swarm.node.cli import describe_held, swarm_key
 from swarm.sharding.errors import UserError
+from swarm.sharding.ranges import format_ranges
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -35,6 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("model", nargs="?", default=None, help="a GGUF or `swarm shard` directory (optional)")
     p.add_argument("--no-probe", action="store_true", help="do not probe the nodes' answers")
+    p.add_argument("--json", action="store_true", help="the nodes and the coverage map as JSON (for scripts)")
     add_discovery_args(p, 2.0, "seconds to listen for nodes")
     p.set_defaults(func=cmd_status)
 
@@ -70,7 +74,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
         auditor = make_auditor(args.model, "native", torch.float32, 1.0, None)
     holders: Counter[tuple[int, int]] = Counter()
-    rows: list[list[str]] = []
+    nodes: list[dict[str, Any]] = []
     for address in addresses:
         client = NodeClient(address, key=key, tls=found.get(address))
         try:
@@ -80,48 +84,29 @@ def cmd_status(args: argparse.Namespace) -> int:
                 continue  # a static peer of another model
             checked = _probe(auditor, client, info)
         except NodeCallError as e:
-            rows.append([address, "-", f"not answering: {e.code.name}", "", "", "", "", "", ""])
+            nodes.append({"address": address, "answering": False, "error": e.code.name})
             continue
         finally:
             client.close()
-        if checked.startswith("BANNED"):
-            print(f"{address}: {checked}")
-        else:
+        if not checked.startswith("BANNED"):
             holders.update(info.held)
-        lookups = stats.cache_hits + stats.cache_misses
-        rows.append(
-            [
-                address,
-                info.fingerprint[:12],
-                _held(info.held),
-                info.device,
-                _size(info.memory_budget_bytes),
-                f"{stats.calls:,}",
-                f"{100 * stats.cache_hits / lookups:.0f}%" if lookups else "-",
-                f"{stats.busy_seconds:.1f}s / {stats.uptime_seconds:.0f}s",
-                checked.split(":")[0],
-            ]
-        )
-    _table(
-        [
-            "node",
-            "model",
-            "holds (layers:experts)",
-            "device",
-            "memory",
-            "calls",
-            "cache hits",
-            "busy / up",
-            "answers",
-        ],
-        rows,
-    )
+        nodes.append(_node_record(address, info, stats, checked))
+    coverage = _coverage(needed, holders) if identity is not None else []
+    if args.json:
+        print(json.dumps({"model": args.model, "nodes": nodes, "coverage": coverage}, indent=1))
+    else:
+        _print_nodes(nodes)
     if identity is None:
         return 0
     missing: dict[int, list[int]] = {}
     for layer, expert in needed:
         if not holders[(layer, expert)]:
             missing.setdefault(layer, []).append(expert)
+    if args.json:
+        return 1 if missing else 0
+    print("\ncoverage (slabs with 0 / 1 / 2+ live holders):")
+    for line in _coverage_lines(coverage):
+        print(f"  {line}")
     if missing:
         print(f"\nnot covered: {describe_missing(missing, args.model)}")
         return 1
@@ -129,6 +114,79 @@ def cmd_status(args: argparse.Namespace) -> int:
     spread = ", ".join(f"{n} with {k} holder{'s' if k > 1 else ''}" for k, n in sorted(replicas.items()))
     print(f"\nevery expert of {args.model} has a holder: {len(needed)} slabs, {spread}")
     return 0
+
+
+def _node_record(address: str, info: Any, stats: Any, checked: str) -> dict[str, Any]:
+    lookups = stats.cache_hits + stats.cache_misses
+    return {
+        "address": address,
+        "answering": True,
+        "name": info.name,
+        "fingerprint": info.fingerprint,
+        "held": describe_held(info.held),
+        "slabs": len(info.held),
+        "device": info.device,
+        "memory_budget_bytes": info.memory_budget_bytes,
+        "calls": stats.calls,
+        "rows": stats.rows,
+        "errors": stats.errors,
+        "in_flight": stats.in_flight,
+        "load": stats.busy_seconds / stats.uptime_seconds if stats.uptime_seconds > 0 else 0.0,
+        "ms_per_call": 1e3 * stats.busy_seconds / stats.calls if stats.calls else None,
+        "cache_hit_rate": stats.cache_hits / lookups if lookups else None,
+        "busy_seconds": stats.busy_seconds,
+        "uptime_seconds": stats.uptime_seconds,
+        "answers": checked.split(":")[0],
+        "banned_because": checked.split(": ", 1)[1] if checked.startswith("BANNED") else None,
+    }
+
+
+def _coverage(needed: list[tuple[int, int]], holders: Counter[tuple[int, int]]) -> list[dict[str, int]]:
+    """Per layer: how many of its slabs have 0, 1 and 2+ live (not banned) holders."""
+    by_layer: dict[int, list[int]] = {}
+    for layer, expert in needed:
+        by_layer.setdefault(layer, [0, 0, 0])[min(2, holders[(layer, expert)])] += 1
+    return [
+        {"layer": layer, "none": c[0], "one": c[1], "two_or_more": c[2]}
+        for layer, c in sorted(by_layer.items())
+    ]
+
+
+def _coverage_lines(coverage: list[dict[str, int]]) -> list[str]:
+    """Runs of layers with the same counts as one line: "layers 0-39: 0 / 128 / 128"."""
+    lines: list[str] = []
+    run: list[int] = []
+    counts: tuple[int, int, int] | None = None
+    for c in [*coverage, None]:
+        this = (c["none"], c["one"], c["two_or_more"]) if c is not None else None
+        if this != counts and run and counts is not None:
+            lines.append(f"layers {format_ranges(run)}: {counts[0]} / {counts[1]} / {counts[2]}")
+            run = []
+        if c is not None:
+            run.append(c["layer"])
+            counts = this
+    return lines
+
+
+def _print_nodes(nodes: list[dict[str, Any]]) -> None:
+    rows = []
+    for n in nodes:
+        if not n["answering"]:
+            rows.append([n["address"], "-", f"not answering: {n['error']}", "", "", "", "", "", "", ""])
+            continue
+        if n["banned_because"]:
+            print(f"{n['address']}: BANNED: {n['banned_because']}")
+        held = n["held"] if len(n["held"]) <= 40 else n["held"][:37] + "..."
+        hit = n["cache_hit_rate"]
+        ms = n["ms_per_call"]
+        rows.append([
+            n["address"], n["fingerprint"][:12], held, n["device"], _size(n["memory_budget_bytes"]),
+            f"{n['calls']:,}", f"{100 * n['load']:.0f}%", f"{ms:.1f}" if ms is not None else "-",
+            f"{100 * hit:.0f}%" if hit is not None else "-", n["answers"],
+        ])  # fmt: skip
+    header = ["node", "model", "holds (layers:experts)", "device", "memory", "calls", "load", "ms/call",
+              "cache hits", "answers"]  # fmt: skip
+    _table(header, rows)
 
 
 STATUS_PROBE_SLABS = 32  # a status check has time to look further than a coordinator's admission probe
@@ -148,13 +206,6 @@ def _probe(auditor: Any, client: Any, info: Any) -> str:
     if auditor.probe(info.address, sorted(info.held), compute, info.hidden_size, STATUS_PROBE_SLABS):
         return "ok"
     return f"BANNED: {auditor.report.banned[info.address]}"
-
-
-def _held(keys: Any) -> str:
-    from swarm.node.cli import describe_held
-
-    text = describe_held(keys)
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _size(n: int) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from conftest import FIXTURES
 
 from swarm.coordinator.cli import main
@@ -41,6 +43,18 @@ def test_status_lists_the_nodes_and_names_what_no_node_holds(tmp_path, capsys):
         assert main(argv) == 0
         out = capsys.readouterr().out
         assert "has a holder: 128 slabs, 96 with 1 holder, 32 with 2 holders" in out, out
+        assert "layers 0-3: 0 / 24 / 8" in out, out  # the coverage map: slabs with 0 / 1 / 2+ holders
+
+        assert main([*argv, "--json"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        by_address = {n["address"]: n for n in report["nodes"]}
+        assert set(by_address) == {n.address for n in nodes}
+        for n, held, count in zip(nodes, ["0-3:0-15", "0-3:8-23", "0-3:24-31"], [64, 64, 32], strict=True):
+            rec = by_address[n.address]
+            assert rec["answering"] and rec["held"] == held and rec["slabs"] == count
+            assert rec["fingerprint"] == n.fingerprint and rec["answers"] == "ok"
+            assert rec["calls"] >= 0 and 0.0 <= rec["load"] <= 1.0
+        assert report["coverage"] == [{"layer": i, "none": 0, "one": 24, "two_or_more": 8} for i in range(4)]
     finally:
         for n in nodes:
             n.stop()
