@@ -139,6 +139,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--no-mdns", action="store_true", help="do not advertise by mDNS (static --peer use only)")
     p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="serve Prometheus metrics on http://HOST:PORT/metrics (0: any free port; default: none)",
+    )
+    p.add_argument(
         "--mdns-interface",
         action="append",
         default=None,
@@ -279,6 +286,17 @@ def run_node(args: argparse.Namespace) -> int:
         name=args.name or "",
         source_sha256=loaded.source_sha256,
     ).start()
+    metrics_server, metrics_port = None, None
+    if args.metrics_port is not None:
+        from swarm.node.metrics import serve_metrics
+
+        try:
+            metrics_server, metrics_port = serve_metrics(
+                server.servicer.stats, store, args.name or server.address, args.host, args.metrics_port
+            )
+        except OSError as e:
+            server.stop(grace=0)
+            raise UserError(f"cannot serve metrics on port {args.metrics_port} ({e}); pick another") from None
     stop = threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:
@@ -313,6 +331,7 @@ def run_node(args: argparse.Namespace) -> int:
                 "held": held,
                 "device": str(store.device),
                 "problems": loaded.problems,
+                "metrics_port": metrics_port,
             },
         )
     advertiser = None
@@ -347,5 +366,7 @@ def run_node(args: argparse.Namespace) -> int:
         if advertiser is not None:
             advertiser.close()  # goodbye first, so coordinators stop routing here before the port closes
         server.stop(grace=2.0)
+        if metrics_server is not None:
+            metrics_server.shutdown()
     print("swarm node: stopped", flush=True)
     return 0

@@ -94,7 +94,10 @@ def nodes(models, tmp_path_factory):
         "mixed": (models["mixed"], ["--no-mdns", "--memory", str(MIXED_BUDGET)]),
         "f32": (F32_GGUF, ["--no-mdns", "--key-file", str(key_file)]),
         "bf16": (BF16_GGUF, ["--no-mdns", "--experts", "0-7", "--layers", "0-3"]),
-        "q4km": (Q4KM_GGUF, ["--no-mdns", "--slab", "0:0-3", "--slab", "3:5", "--workers", "4"]),
+        "q4km": (
+            Q4KM_GGUF,
+            ["--no-mdns", "--slab", "0:0-3", "--slab", "3:5", "--workers", "4", "--metrics-port", "0"],
+        ),
         "q8_0": (models["q8_0_shard"], ["--no-mdns", "--experts", "0-3", "--layers", "0-1"]),
     }
     started = start_nodes(list(specs.values()), tmp_path_factory.mktemp("nodes"), timeout=180)
@@ -342,6 +345,36 @@ def test_bad_calls_get_status_codes_and_the_node_keeps_serving(nodes, clients):
     assert c.stats().errors - errors_before == 8  # every refusal above except the oversized message
     assert nodes["q4km"].process.poll() is None
     check_call(c, Q4KM_GGUF, 0, [1], [2], 256)
+
+
+def test_prometheus_metrics_follow_the_calls(nodes, clients):
+    from urllib.request import urlopen
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    c = clients["q4km"]
+    port = nodes["q4km"].ready["metrics_port"]
+    assert isinstance(port, int) and port > 0
+    for _ in range(3):
+        c.compute(3, [5], [2], torch.randn(2, 256))
+
+    def scrape() -> dict[str, float]:
+        with urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
+            text = r.read().decode()
+        return {
+            s.name + ("" if "layer" not in s.labels else f"[{s.labels['layer']}]"): s.value
+            for fam in text_string_to_metric_families(text)
+            for s in fam.samples
+        }
+
+    m = scrape()
+    stats = c.stats()
+    assert m["swarm_node_calls_total"] == stats.calls and m["swarm_node_rows_total"] == stats.rows
+    assert m["swarm_node_errors_total"] == stats.errors and m["swarm_node_slabs"] == 5
+    assert m["swarm_node_layer_rows_total[3]"] >= 6
+    c.compute(0, [1], [4], torch.randn(4, 256))
+    assert scrape()["swarm_node_rows_total"] == stats.rows + 4
 
 
 def test_swarm_key_is_required_except_for_health(nodes, clients):
