@@ -536,9 +536,12 @@ def test_degraded_mode_renormalizes_over_the_experts_that_answered(tmp_path):
     shard_dir = tmp_path / "m.swarm"
     shard_model(FIXTURES / name / "model-f32.gguf", shard_dir)
     _, prompts = _prompts(name)
+    text = generate_key_text()  # a swarm of its own: the module's other nodes of this model hold 24-31 too
     kept, gone = start_nodes([(shard_dir, ["--experts", "0-23"]), (shard_dir, ["--experts", "24-31"])],
-                             tmp_path / "nodes", env=KEYED)  # fmt: skip
-    open_ = dict(mdns_interfaces=LOOPBACK, wait=10.0, device="cpu", key=KEY, timeout=2.0)
+                             tmp_path / "nodes", env={KEY_ENV: text})  # fmt: skip
+    open_ = dict(
+        mdns_interfaces=LOOPBACK, wait=10.0, device="cpu", key=SwarmKey.from_text(text), timeout=10.0
+    )
     strict = open_engine(shard_dir, **open_)
     degraded = open_engine(shard_dir, degraded=True, **open_)
     local = open_engine(shard_dir, local=True, device="cpu")
