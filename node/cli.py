@@ -41,6 +41,28 @@ def describe_held(keys: set[tuple[int, int]] | list[tuple[int, int]]) -> str:
     return format_slabs(keys)
 
 
+def planned_slabs(plan: Path | None, name: str | None) -> set[tuple[int, int]]:
+    """The slabs `swarm plan --json` gave the node called `name` (none without a plan)."""
+    if plan is None:
+        return set()
+    if not name:
+        raise UserError("--plan needs --name: which node of the plan this is")
+    try:
+        nodes = json.loads(plan.read_text())["nodes"]
+        mine = [n for n in nodes if n["name"] == name]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"{plan}: not a `swarm plan --json` file ({e})") from None
+    if not mine:
+        names = ", ".join(str(n.get("name")) for n in nodes[:8])
+        raise UserError(
+            f"{plan}: has no node named {name!r} (it has {names}{', ...' if len(nodes) > 8 else ''})"
+        )
+    try:
+        return {(int(layer), int(e)) for layer, e in mine[0]["slabs"]}
+    except (KeyError, TypeError, ValueError) as e:
+        raise UserError(f"{plan}: node {name!r} has a damaged slab list ({e})") from None
+
+
 def add_key_argument(g: Any) -> None:
     """--key-file: where a command finds the swarm key (never on the command line itself, where every
     process listing would show it)."""
@@ -97,6 +119,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=[],
         metavar="LAYER:EXPERT",
         help="hold one slab (repeatable; ranges allowed: 0-3:0-7); adds to --experts/--layers",
+    )
+    p.add_argument(
+        "--plan",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="hold the slabs a `swarm plan --json` file gives this node (--name says which node)",
     )
     p.add_argument(
         "--host",
@@ -230,7 +259,7 @@ def open_store(args: argparse.Namespace, device: str = "cpu", memory: int = 0) -
 
     layers = parse_ranges(args.layers, "layer") if args.layers else None
     experts = parse_ranges(args.experts, "expert") if args.experts else None
-    slab_keys = parse_slab_specs(args.slab)
+    slab_keys = parse_slab_specs(args.slab) | planned_slabs(args.plan, args.name)
     with slab_progress("checking slabs" if not args.no_verify else "opening slabs") as progress:
         loaded = load_slabs(
             args.source, layers, experts, slab_keys, verify=not args.no_verify, progress=progress

@@ -101,7 +101,8 @@ def run_plan(args: argparse.Namespace) -> int:
     rows = []
     for a in result.nodes:
         command = (
-            f"swarm node {args.dir} --slab '{format_slabs(a.slabs)}' --host 0.0.0.0 --key-file swarm.key"
+            f"swarm node {args.dir} --slab '{format_slabs(a.slabs)}' --name {a.device.name} --host 0.0.0.0 "
+            "--key-file swarm.key"
         )
         rows.append((a, command))
     lo, mean = result.replicas()

@@ -54,6 +54,30 @@ def test_heterogeneous_capacities_replicas_two(shard_dir, capsys):
     assert set(held) == set(slabs) and min(held.values()) >= 2
 
 
+@pytest.mark.slow
+def test_a_node_started_from_the_plan_holds_exactly_its_slabs(shard_dir, tmp_path, capsys):
+    from swarm.node.client import NodeClient
+    from swarm.node.launch import start_nodes
+
+    total = sum(s.size for s in read_manifest(shard_dir).slabs)
+    caps = ",".join(str(total // 2 + 50_000) for _ in range(4))
+    assert main(["plan", str(shard_dir), "--capacities", caps, "--names", "a,b,c,d", "--json"]) == 0
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(capsys.readouterr().out)
+    nodes = json.loads(plan_file.read_text())["nodes"]
+    (node,) = start_nodes(
+        [(shard_dir, ["--plan", str(plan_file), "--name", "c", "--no-mdns"])], tmp_path / "n"
+    )
+    try:
+        with NodeClient(node.address) as c:
+            held = c.info().held
+        assert held == {tuple(k) for k in next(n for n in nodes if n["name"] == "c")["slabs"]}
+    finally:
+        node.stop()
+    assert main(["node", str(shard_dir), "--plan", str(plan_file), "--name", "zz"]) == 2
+    assert "has no node named 'zz'" in capsys.readouterr().err
+
+
 def test_a_tight_plan_still_fits_and_an_impossible_one_says_by_how_much(shard_dir, capsys):
     m = read_manifest(shard_dir)
     slabs = {(s.layer, s.expert): s.size for s in m.slabs}
