@@ -62,8 +62,21 @@ def ggml_lib():  # noqa: ANN201 - the ggml-python module
                 import ggml
 
                 ggml.ggml_cpu_init()
+                if ggml.ggml_cpu_has_avx512():
+                    log.warning(AVX512_WARNING)
                 _ggml = ggml
     return _ggml
+
+
+# ggml built for an AVX-512 CPU takes AVX-512 code paths in some quantized dot products whose float sums round
+# differently from the AVX2 ones: the same slab gives other bits than on an AVX2 node (an audit would then ban
+# an honest node) and strays from llama.cpp's own kernels (which take the AVX2 paths for these types on both).
+# On x86, ggml is built for the AVX2 baseline (README: the install command's CMAKE_ARGS).
+GGML_CMAKE_ARGS = "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
+AVX512_WARNING = (
+    "ggml was built with AVX-512 kernels: its results differ in the last bits from AVX2 machines' and from "
+    f'llama.cpp\'s; reinstall ggml-python with CMAKE_ARGS="{GGML_CMAKE_ARGS}" (see the README)'
+)
 
 
 def set_threads(n: int) -> None:

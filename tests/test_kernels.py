@@ -180,3 +180,18 @@ def test_threads_are_one_budget() -> None:
             kernels.set_threads(0)
     finally:
         kernels.set_threads(before)
+
+
+def test_x86_kernels_are_built_for_the_avx2_baseline():
+    """The same slab must give the same bits on AVX2 and AVX-512 machines (audits compare for equality, and
+    llama.cpp's own kernels take the AVX2 paths there): ggml is built without its AVX-512 paths on x86
+    (the README's install command)."""
+    import platform
+
+    from swarm.node.kernels import ggml_lib
+
+    g = ggml_lib()
+    if platform.machine() in ("x86_64", "AMD64"):
+        assert g.ggml_cpu_has_avx2() and not g.ggml_cpu_has_avx512(), (
+            "ggml-python was built with AVX-512 kernels: reinstall it with the README's CMAKE_ARGS"
+        )
