@@ -260,7 +260,9 @@ def run_swarm(
     workdir: Path,
     threads: int,
     numerics: str,
+    audit: float | None = None,
 ) -> Run:
+    """`swarm run` over loopback nodes; `audit`: the share of node answers checked (None: the default)."""
     set_threads(threads)
     n_expert = read_manifest(shard_dir).n_expert
     specs = [
@@ -283,7 +285,13 @@ def run_swarm(
     clients: list[NodeClient] = []
     try:
         engine = open_engine(
-            shard_dir, local=False, mdns_interfaces=[LOOPBACK], wait=20.0, device="cpu", numerics=numerics
+            shard_dir,
+            local=False,
+            mdns_interfaces=[LOOPBACK],
+            wait=20.0,
+            device="cpu",
+            numerics=numerics,
+            **({} if audit is None else {"audit": audit}),
         )
         assert isinstance(engine.experts, SwarmExperts)
         if len(engine.experts.clients) != n_nodes:
@@ -406,6 +414,7 @@ def render(
     names = {
         "in-process": "in-process experts",
         "swarm": f"swarm, {args.nodes} loopback nodes",
+        "swarm-noaudit": f"swarm, {args.nodes} loopback nodes, `--audit 0` (answers trusted, as RPC does)",
         "llama.cpp": f"llama.cpp (llama-bench, {args.threads} threads)",
         "llama.cpp-rpc": f"llama.cpp RPC, {args.rpc_servers} local rpc-servers",
         "in-process-exact": "in-process experts, `--exact`",
@@ -459,7 +468,8 @@ def render(
             "(ours decodes after the prompt, so it attends over 64 more positions; at 4 layers with 1 "
             "full-attention layer that is a small part of a step). RPC: `llama-bench --rpc ... -ngl 99` puts "
             "the layers on the rpc-servers (llama.cpp splits by layer, not by expert); "
-            f"each rpc-server runs `-t {args.rpc_threads}`.",
+            f"each rpc-server runs `-t {args.rpc_threads}`."
+            + (f" {args.llama_note}" if args.llama_note else ""),
             "",
             "Building it (outside the repo; nothing of it is committed; 8 min on these 2 cores):",
             "",
@@ -564,13 +574,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nodes", type=int, default=4)
     p.add_argument("--node-threads", type=int, default=1, help="compute threads of each node")
     p.add_argument("--rpc-servers", type=int, default=4)
+    p.add_argument("--llama-note", default="", help="a sentence about the llama.cpp build used, for the doc")
     p.add_argument("--rpc-threads", type=int, default=1, help="threads of each llama.cpp rpc-server")
     p.add_argument("--llama-bench", type=Path, default=DEFAULT_BUILD / "llama-bench")
     p.add_argument("--rpc-server", type=Path, default=DEFAULT_BUILD / "ggml-rpc-server")
     p.add_argument(
         "--only",
         default=None,
-        help="comma list of configurations: in-process,swarm,llama.cpp,llama.cpp-rpc,in-process-exact,swarm-exact",
+        help="comma list of configurations: in-process,swarm,swarm-noaudit,llama.cpp,llama.cpp-rpc,"
+        "in-process-exact,swarm-exact",
     )
     p.add_argument("--workdir", type=Path, default=None, help="keep/reuse the synthesized model here")
     p.add_argument(
@@ -582,7 +594,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     cmd = "python bench/decode.py" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
 
-    configs = ["in-process", "swarm", "in-process-exact", "swarm-exact"]
+    configs = ["in-process", "swarm", "swarm-noaudit", "in-process-exact", "swarm-exact"]
     unavailable: dict[str, str] = {}
     llama_ver = None
     if MODELS[args.model]["llama"]:
@@ -636,6 +648,18 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 for sfx, numerics in (("", "native"), ("-exact", "exact"))
             },
+            "swarm-noaudit": partial(
+                run_swarm,
+                shard_dir,
+                args.nodes,
+                args.node_threads,
+                args.prompt_tokens,
+                args.decode_tokens,
+                workdir,
+                args.threads,
+                "native",
+                0.0,
+            ),
             "llama.cpp": partial(
                 llama_bench, args.llama_bench, gguf, args.threads, args.prompt_tokens, args.decode_tokens
             ),
@@ -654,7 +678,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         # Our engine runs in a child process per pass: a cold start each time (and the exact numerics' float32
         # working copies, 10-13 GB, are surely given back before the next configuration starts).
-        for key in ("in-process", "swarm", "in-process-exact", "swarm-exact"):
+        for key in ("in-process", "swarm", "swarm-noaudit", "in-process-exact", "swarm-exact"):
             runners[key] = _in_child(runners[key], experts_remote=key.startswith("swarm"))
         active = [c for c in configs if c not in unavailable]
         results: dict[str, list[Run]] = {c: [] for c in active}
@@ -680,7 +704,8 @@ def main(argv: list[str] | None = None) -> int:
                     time.perf_counter() - t0,
                 )
         for sfx, label in (("", "native"), ("-exact", "exact")):
-            ours = [r.tokens for k in ("in-process" + sfx, "swarm" + sfx) for r in results.get(k, [])]
+            keys = ("in-process" + sfx, "swarm" + sfx, *(("swarm-noaudit",) if not sfx else ()))
+            ours = [r.tokens for k in keys for r in results.get(k, [])]
             if ours:
                 same = all(t == ours[0] for t in ours)
                 notes.append(
