@@ -87,6 +87,7 @@ class Auditor:
         self._rng = random.Random(seed) if seed is not None else random.SystemRandom()
         self._books: dict[str, _NodeBook] = {}
         self._verified: dict[SlabKey, bool] = {}
+        self._entries: dict[SlabKey, Any] | None = None  # the shard manifest's slab entries, read once
         self._caught = False
         self._lock = threading.Lock()
         self.report = AuditReport()
@@ -108,12 +109,15 @@ class Auditor:
     def _verify(self, key: SlabKey) -> bool:
         if self.shard_dir is None:
             return True  # the coordinator's own GGUF
-        from swarm.sharding.slabs import slabs_from_shard
+        from swarm.sharding.slabs import check_slab_file, read_manifest
 
-        _, problems = slabs_from_shard(self.shard_dir, [key[0]], [key[1]], verify=True)
-        if problems:
-            log.warning("cannot audit with slab %d:%d of this coordinator: %s", key[0], key[1], problems[0])
-        return not problems
+        if self._entries is None:
+            self._entries = {(s.layer, s.expert): s for s in read_manifest(self.shard_dir).slabs}
+        entry = self._entries.get(key)
+        problem = check_slab_file(self.shard_dir, entry) if entry is not None else "not in the manifest"
+        if problem:
+            log.warning("cannot audit with slab %d:%d of this coordinator: %s", key[0], key[1], problem)
+        return problem is None
 
     def expected(
         self, layer: int, expert_ids: list[int], counts: list[int], rows: torch.Tensor
