@@ -627,6 +627,16 @@ def main(argv: list[str] | None = None) -> int:
     notes: list[str] = []
     try:
         gguf, shard_dir = prepare(args.model, args.layers, workdir)
+        swarm = partial(
+            run_swarm,
+            shard_dir,
+            args.nodes,
+            args.node_threads,
+            args.prompt_tokens,
+            args.decode_tokens,
+            workdir,
+            args.threads,
+        )
         runners: dict[str, Callable[[], Run]] = {
             **{
                 f"in-process{sfx}": partial(
@@ -634,32 +644,9 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 for sfx, numerics in (("", "native"), ("-exact", "exact"))
             },
-            **{
-                f"swarm{sfx}": partial(
-                    run_swarm,
-                    shard_dir,
-                    args.nodes,
-                    args.node_threads,
-                    args.prompt_tokens,
-                    args.decode_tokens,
-                    workdir,
-                    args.threads,
-                    numerics,
-                )
-                for sfx, numerics in (("", "native"), ("-exact", "exact"))
-            },
-            "swarm-noaudit": partial(
-                run_swarm,
-                shard_dir,
-                args.nodes,
-                args.node_threads,
-                args.prompt_tokens,
-                args.decode_tokens,
-                workdir,
-                args.threads,
-                "native",
-                0.0,
-            ),
+            "swarm": partial(swarm, "native"),
+            "swarm-exact": partial(swarm, "exact"),
+            "swarm-noaudit": partial(swarm, "native", 0.0),
             "llama.cpp": partial(
                 llama_bench, args.llama_bench, gguf, args.threads, args.prompt_tokens, args.decode_tokens
             ),

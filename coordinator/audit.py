@@ -57,8 +57,6 @@ class _Call:
 class _NodeBook:
     last_call: _Call | None = None
     open_calls: int = 0  # calls answered since this node's last passed audit
-    audits: int = 0
-    passed: int = 0
 
 
 @dataclass
@@ -179,10 +177,8 @@ class Auditor:
             same = torch.equal(own_rows, call.answer.index_select(0, idx))
         with self._lock:
             book = self._books.setdefault(address, _NodeBook())
-            book.audits += 1
             self.report.audits += 1
             if same:
-                book.passed += 1
                 if book.last_call is call:
                     book.open_calls = 0
                 return None

@@ -49,6 +49,12 @@ WEAK_KEY_CHARS = 16
 TLS_NAME = "swarm"  # the name in every swarm certificate; clients check it instead of a host name
 
 
+def is_loopback_host(host: str) -> bool:
+    """Whether a host name or address is this machine's loopback (where the wire needs no privacy)."""
+    h = host.strip("[]").lower()
+    return h == "localhost" or h == "::1" or h.startswith("127.")
+
+
 def generate_key_text() -> str:
     return KEY_PREFIX + base64.urlsafe_b64encode(secrets.token_bytes(KEY_BYTES)).decode().rstrip("=")
 

@@ -214,14 +214,11 @@ def run_keygen(args: argparse.Namespace) -> int:
     return 0
 
 
-def _is_loopback_host(host: str) -> bool:
-    h = host.strip("[]").lower()
-    return h == "localhost" or h == "::1" or h.startswith("127.")
-
-
 def _tls(mode: str, has_key: bool, host: str) -> bool:
     """Whether the node serves TLS; refuses the setups that would leave a network-facing node open."""
-    loopback = _is_loopback_host(host)
+    from swarm.node.auth import is_loopback_host
+
+    loopback = is_loopback_host(host)
     if not has_key:
         if not loopback:
             raise UserError(

@@ -27,7 +27,7 @@ import grpc
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from swarm.node.auth import AUTH_METADATA, TLS_NAME, Signer, SwarmKey
+from swarm.node.auth import AUTH_METADATA, TLS_NAME, Signer, SwarmKey, is_loopback_host
 from swarm.node.identity import ModelIdentity
 from swarm.proto import expert_pb2 as pb
 from swarm.proto.channel import CHANNEL_OPTIONS, PROTOCOL_VERSION, SERVICE_NAME
@@ -139,8 +139,7 @@ def wait_calls(calls: Iterable[ComputeCall], timeout: float | None = None) -> No
 
 def is_loopback(address: str) -> bool:
     """Whether "host:port" names this machine's loopback (where the wire needs no privacy)."""
-    host = address.rsplit(":", 1)[0].strip("[]").lower()
-    return host == "localhost" or host == "::1" or host.startswith("127.")
+    return is_loopback_host(address.rsplit(":", 1)[0])
 
 
 class NodeClient:

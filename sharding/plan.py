@@ -130,8 +130,7 @@ def plan(
     _replicate_hot(nodes, holders, slabs, loads, replicas)
     _spread_hot(nodes, holders, slabs, loads, replicas)
     _swap_balance(nodes, holders, slabs, loads)
-    for a in nodes:
-        a.load = sum(loads[k] / len(holders[k]) for k in a.slabs)
+    _recompute_loads(nodes, holders, loads)
     names = [a.device.name for a in nodes]
     return Plan(nodes, {k: [names[i] for i in v] for k, v in holders.items()}, dict(loads))
 
@@ -149,8 +148,7 @@ def _swap_balance(
     def per(k: SlabKey) -> float:
         return loads[k] / len(holders[k])
 
-    for a in nodes:
-        a.load = sum(per(k) for k in a.slabs)
+    _recompute_loads(nodes, holders, loads)
     mean = sum(a.load for a in nodes) / len(nodes)
     for _ in range(max_swaps):
         hi = max(range(len(nodes)), key=lambda i: nodes[i].load)
@@ -258,6 +256,30 @@ def _least_loaded(nodes: list[Assignment], size: int, exclude: list[int]) -> int
     return best
 
 
+def _recompute_loads(
+    nodes: list[Assignment], holders: dict[SlabKey, list[int]], loads: Mapping[SlabKey, float]
+) -> None:
+    """Each device's share of the per-token load: its slabs' loads, each split among that slab's holders."""
+    for a in nodes:
+        a.load = sum(loads[k] / len(holders[k]) for k in a.slabs)
+
+
+def _add_holder(
+    nodes: list[Assignment],
+    holders: dict[SlabKey, list[int]],
+    slabs: Mapping[SlabKey, int],
+    loads: Mapping[SlabKey, float],
+    key: SlabKey,
+    target: int,
+) -> None:
+    """One more holder of `key`: the holders it had give up part of their share of its load to it."""
+    before, after = loads[key] / len(holders[key]), loads[key] / (len(holders[key]) + 1)
+    for i in holders[key]:
+        nodes[i].load -= before - after
+    _put(nodes[target], key, slabs[key], after)
+    holders[key].append(target)
+
+
 def _put(a: Assignment, key: SlabKey, size: int, share: float) -> None:
     a.slabs.add(key)
     a.bytes += size
@@ -283,11 +305,7 @@ def _replicate_hot(
             target = _least_loaded(nodes, slabs[key], exclude=holders[key])
             if target is None:
                 break
-            before, after = loads[key] / len(holders[key]), loads[key] / (len(holders[key]) + 1)
-            for i in holders[key]:
-                nodes[i].load -= before - after
-            _put(nodes[target], key, slabs[key], after)
-            holders[key].append(target)
+            _add_holder(nodes, holders, slabs, loads, key, target)
 
 
 def _spread_hot(
@@ -298,9 +316,7 @@ def _spread_hot(
     replicas: int,
 ) -> None:
     """More holders for the slabs that weigh most on the busiest devices, while memory is left."""
-
-    for a in nodes:
-        a.load = sum(loads[k] / len(holders[k]) for k in a.slabs)
+    _recompute_loads(nodes, holders, loads)
     mean = sum(a.load for a in nodes) / len(nodes)
     # each step moves part of the busiest device's heaviest slab to another device; bounded by the slab count
     for _ in range(len(slabs)):
@@ -323,10 +339,7 @@ def _spread_hot(
             after = loads[key] / (len(holders[key]) + 1)
             if nodes[target].load + after >= nodes[busiest].load - (before - after):
                 continue  # it would only move the peak
-            for i in holders[key]:
-                nodes[i].load -= before - after
-            _put(nodes[target], key, slabs[key], after)
-            holders[key].append(target)
+            _add_holder(nodes, holders, slabs, loads, key, target)
             placed = True
             break
         if not placed:
