@@ -41,14 +41,31 @@ def describe_held(keys: set[tuple[int, int]] | list[tuple[int, int]]) -> str:
     return format_slabs(keys)
 
 
+def _read_plan(plan: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(plan.read_text())
+        if not isinstance(data, dict) or not isinstance(data["nodes"], list):
+            raise TypeError("no list of nodes")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"{plan}: not a `swarm plan --json` file ({e})") from None
+    return data
+
+
+def planned_model(plan: Path | None) -> str | None:
+    """The model fingerprint a `swarm plan --json` file was made for (None without a plan)."""
+    if plan is None:
+        return None
+    return str(_read_plan(plan).get("model") or "") or None
+
+
 def planned_slabs(plan: Path | None, name: str | None) -> set[tuple[int, int]]:
     """The slabs `swarm plan --json` gave the node called `name` (none without a plan)."""
     if plan is None:
         return set()
     if not name:
         raise UserError("--plan needs --name: which node of the plan this is")
+    nodes = _read_plan(plan)["nodes"]
     try:
-        nodes = json.loads(plan.read_text())["nodes"]
         mine = [n for n in nodes if n["name"] == name]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise UserError(f"{plan}: not a `swarm plan --json` file ({e})") from None
@@ -107,7 +124,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         ),
     )
     p.add_argument(
-        "source", metavar="DIR_OR_GGUF", help="shard directory (swarm shard output) or a .gguf model"
+        "source",
+        metavar="DIR_OR_GGUF",
+        help="shard directory (swarm shard output) or a .gguf model; with --fetch, the (empty) directory to fill",
     )
     p.add_argument(
         "--experts", help="expert ids to hold in every chosen layer, e.g. 0-63 or 0-7,16 (default: all)"
@@ -192,6 +211,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="stop when the process that started this node is gone (for nodes that tools start: "
         "swarm demo, tests, benchmarks; they must not outlive a launcher that was killed)",
     )
+    from swarm.node.fetch_cli import add_fetch_arguments
+
+    add_fetch_arguments(p)
     p.set_defaults(func=run_node)
 
 
@@ -248,40 +270,43 @@ def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+def requested_slabs(
+    args: argparse.Namespace,
+) -> tuple[list[int] | None, list[int] | None, set[tuple[int, int]]]:
+    """(layers, experts, single slabs) as --layers, --experts, --slab and --plan/--name ask for them."""
+    layers = parse_ranges(args.layers, "layer") if args.layers else None
+    experts = parse_ranges(args.experts, "expert") if args.experts else None
+    return layers, experts, parse_slab_specs(args.slab) | planned_slabs(args.plan, args.name)
+
+
+def report_problems(problems: list[str]) -> None:
+    """Refused slabs on stderr, one line each, then a count."""
+    for problem in problems[:MAX_PROBLEM_LINES]:
+        print(f"swarm node: refused {problem}", file=sys.stderr)
+    if len(problems) > MAX_PROBLEM_LINES:
+        print(f"swarm node: refused {len(problems) - MAX_PROBLEM_LINES} more slabs", file=sys.stderr)
+
+
 def open_store(args: argparse.Namespace, device: str = "cpu", memory: int = 0) -> tuple[Any, Any]:
     """The slabs `swarm node` was asked for, checked and opened: (LoadedSlabs, ExpertStore). Slabs refused
     are named on stderr (one line each, then a count); a source with none to serve is a UserError."""
     from swarm.node.source import load_slabs, slab_progress
-    from swarm.node.store import ExpertStore
 
-    layers = parse_ranges(args.layers, "layer") if args.layers else None
-    experts = parse_ranges(args.experts, "expert") if args.experts else None
-    slab_keys = parse_slab_specs(args.slab) | planned_slabs(args.plan, args.name)
+    layers, experts, slab_keys = requested_slabs(args)
     with slab_progress("checking slabs" if not args.no_verify else "opening slabs") as progress:
         loaded = load_slabs(
             args.source, layers, experts, slab_keys, verify=not args.no_verify, progress=progress
         )
-    for problem in loaded.problems[:MAX_PROBLEM_LINES]:
-        print(f"swarm node: refused {problem}", file=sys.stderr)
-    if len(loaded.problems) > MAX_PROBLEM_LINES:
-        print(
-            f"swarm node: refused {len(loaded.problems) - MAX_PROBLEM_LINES} more slabs",
-            file=sys.stderr,
-        )
+    report_problems(loaded.problems)
     if not loaded.slabs:
         raise UserError(f"{args.source}: none of the requested slabs can be served; see the lines above")
-    try:
-        store = ExpertStore(loaded.slabs, device=device, memory_budget=memory)
-    except ValueError as e:
-        raise UserError(f"{args.source}: {e}") from e
-    return loaded, store
+    return loaded, _store(loaded, device, memory, args.source)
 
 
 def run_node(args: argparse.Namespace) -> int:
     from swarm.node.openmp import set_wait_policy
 
     set_wait_policy(experts_remote=True)  # before torch loads: a node shares its device (see openmp)
-    from swarm.node.server import NodeServer
     from swarm.node.store import default_memory_budget
 
     parent = os.getppid() if args.exit_with_parent else None  # read first: it may go while slabs load
@@ -299,8 +324,67 @@ def run_node(args: argparse.Namespace) -> int:
     key = swarm_key(args, "node")
     tls = _tls(args.tls, key is not None, args.host)
 
-    loaded, store = open_store(args, device, memory)
+    fetch = None
+    if args.fetch:
+        from swarm.node.fetch_cli import NodeFetch
 
+        fetch = NodeFetch(args, key, requested_slabs(args), planned_model(args.plan))
+        try:
+            loaded = fetch.loaded()
+            report_problems(loaded.problems)
+            store = _store(loaded, device, memory, args.source)
+        except BaseException:
+            fetch.close()
+            raise
+    else:
+        loaded, store = open_store(args, device, memory)
+    try:
+        return _serve(args, loaded, store, key, tls, memory, parent, fetch)
+    finally:
+        if fetch is not None:
+            fetch.close()
+
+
+def _store(loaded: Any, device: str, memory: int, source: str) -> Any:
+    from swarm.node.store import ExpertStore
+
+    try:
+        return ExpertStore(loaded.slabs, device=device, memory_budget=memory)
+    except ValueError as e:
+        raise UserError(f"{source}: {e}") from e
+
+
+def _shard_files(args: argparse.Namespace, store: Any) -> Any:
+    """The files a node on a verified shard directory gives out (None for a whole GGUF or --no-verify)."""
+    from swarm.node.files import ShardFiles
+    from swarm.sharding.manifest import read_manifest
+
+    if not Path(args.source).is_dir() or args.no_verify:
+        return None
+    files = ShardFiles(args.source)
+    manifest = read_manifest(args.source)
+    for layer, expert in store.held():
+        entry = manifest.slab(layer, expert)
+        assert entry is not None  # the store holds only slabs that verified against this manifest
+        files.add_slab(layer, expert, entry.size)
+    return files
+
+
+def _serve(
+    args: argparse.Namespace,
+    loaded: Any,
+    store: Any,
+    key: Any,
+    tls: bool,
+    memory: int,
+    parent: int | None,
+    fetch: Any,
+) -> int:
+    """Serve (and fetch, with --fetch) until a signal, or the process that started this node is gone."""
+    from swarm.node.server import NodeServer
+    from swarm.sharding.slabs import read_slab_file
+
+    files = _shard_files(args, store)
     server = NodeServer(
         store,
         loaded.fingerprint,
@@ -311,6 +395,7 @@ def run_node(args: argparse.Namespace) -> int:
         tls=tls,
         name=args.name or "",
         source_sha256=loaded.source_sha256,
+        files=files,
     ).start()
     metrics_server, metrics_port = None, None
     if args.metrics_port is not None:
@@ -331,9 +416,8 @@ def run_node(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
 
-    held = describe_held(store.held())
     print(
-        f"swarm node: serving address={server.address} slabs={len(store.slabs)} held={held} "
+        f"swarm node: serving address={server.address} slabs={len(store.slabs)} held={describe_held(store.held())} "
         f"fingerprint={loaded.fingerprint} device={store.device} pid={os.getpid()}",
         flush=True,
     )
@@ -343,52 +427,91 @@ def run_node(args: argparse.Namespace) -> int:
             "can use it (make a key with `swarm keygen` and pass --key-file)",
             file=sys.stderr,
         )
-    if args.ready_file:
-        _write_json_atomic(
-            args.ready_file,
-            {
-                "address": server.address,
-                "host": args.host,
-                "port": server.port,
-                "pid": os.getpid(),
-                "fingerprint": loaded.fingerprint,
-                "source_sha256": loaded.source_sha256,
-                "slabs": len(store.slabs),
-                "held": held,
-                "device": str(store.device),
-                "problems": loaded.problems,
-                "metrics_port": metrics_port,
-            },
-        )
+
+    def write_ready() -> None:
+        if args.ready_file:
+            _write_json_atomic(
+                args.ready_file,
+                {
+                    "address": server.address,
+                    "host": args.host,
+                    "port": server.port,
+                    "pid": os.getpid(),
+                    "fingerprint": loaded.fingerprint,
+                    "source_sha256": loaded.source_sha256,
+                    "slabs": len(store.slabs),
+                    "held": describe_held(store.held()),
+                    "device": str(store.device),
+                    "problems": loaded.problems,
+                    "metrics_port": metrics_port,
+                    # --fetch: slabs still to fetch, and those it could not (rewritten when the fetch ends)
+                    "pending": fetch.pending if fetch is not None else 0,
+                    "fetch_failed": fetch.failed() if fetch is not None else [],
+                },
+            )
+
+    write_ready()
     advertiser = None
     if not args.no_mdns:
         from swarm.node.discovery import Advertiser, default_mdns_interfaces, node_properties
 
+        def properties() -> dict[str, str]:
+            return node_properties(
+                loaded.fingerprint,
+                store.held(),
+                store.hidden_size or 0,
+                memory,
+                args.workers,
+                str(store.device),
+                source_sha256=loaded.source_sha256,
+                key=key,
+                tls=tls,
+                serves_files=files is not None,
+            )
+
         interfaces = args.mdns_interface if args.mdns_interface else default_mdns_interfaces(args.host)
-        props = node_properties(
-            loaded.fingerprint,
-            store.held(),
-            store.hidden_size or 0,
-            memory,
-            args.workers,
-            str(store.device),
-            source_sha256=loaded.source_sha256,
-            key=key,
-            tls=tls,
-        )
         try:
-            advertiser = Advertiser(server.port, args.host, props, interfaces, args.name).start()
+            advertiser = Advertiser(server.port, args.host, properties(), interfaces, args.name).start()
         except OSError as e:
             print(
                 f"swarm node: warning: mDNS advertising failed ({e}); reach this node by --peer",
                 file=sys.stderr,
             )
+    grown = threading.Event()  # slabs fetched since the last announcement
+    if fetch is not None:
+        fetch.sources.exclude(server.address)
+
+        def verified(entry: Any) -> None:
+            store.add((entry.layer, entry.expert), read_slab_file(Path(args.source) / entry.path))
+            files.add_slab(entry.layer, entry.expert, entry.size)
+            grown.set()
+
+        fetch.start(stop, verified)
+    fetching = fetch is not None
     try:
         while not stop.wait(0.5):
             if parent is not None and os.getppid() != parent:
                 print("swarm node: the process that started this node is gone; stopping", file=sys.stderr)
                 break
+            if grown.is_set() or (fetching and fetch.done()):
+                grown.clear()
+                if advertiser is not None:
+                    advertiser.update(properties())
+            if fetching and fetch.done():
+                fetching = False
+                for line in fetch.report():
+                    print(line, file=sys.stderr, flush=True)
+                print(
+                    f"swarm node: serving slabs={len(store.slabs)} held={describe_held(store.held())}",
+                    flush=True,
+                )
+                write_ready()
     finally:
+        if fetching:
+            stop.set()
+            fetch.join(timeout=10.0)
+            for line in fetch.report():
+                print(line, file=sys.stderr, flush=True)
         if advertiser is not None:
             advertiser.close()  # goodbye first, so coordinators stop routing here before the port closes
         server.stop(grace=2.0)

@@ -16,7 +16,7 @@ UNAUTHENTICATED, UNAVAILABLE, DEADLINE_EXCEEDED, ...) and the node's message.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, CancelledError, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from concurrent.futures import wait as futures_wait
@@ -65,6 +65,7 @@ class NodeInfo:
     name: str
     version: str
     source_sha256: str = ""  # the source GGUF's header hash; "" from an older node
+    serves_files: bool = False  # gives out manifest.json and its held slabs' files (Fetch)
 
     @property
     def identity(self) -> ModelIdentity:
@@ -84,6 +85,25 @@ class NodeStats:
     busy_seconds: float
     uptime_seconds: float
     in_flight: int
+
+
+class FileStream:
+    """One Fetch call: iterate for (offset, bytes, file size) pieces; `cancel()` ends it from another thread.
+    A failure surfaces as NodeCallError while iterating."""
+
+    def __init__(self, address: str, call: Any) -> None:
+        self.address = address
+        self._call = call
+
+    def __iter__(self) -> Iterator[tuple[int, bytes, int]]:
+        try:
+            for chunk in self._call:
+                yield chunk.offset, chunk.data, chunk.size
+        except grpc.RpcError as e:
+            raise _wrap(self.address, "Fetch", e) from None
+
+    def cancel(self) -> None:
+        self._call.cancel()
 
 
 class ComputeCall:
@@ -173,16 +193,20 @@ class NodeClient:
             self._channel = grpc.secure_channel(address, creds, options=options)
         else:
             self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-        self._methods: dict[str, grpc.UnaryUnaryMultiCallable] = {}
+        self._methods: dict[str, Any] = {}
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._calls = ThreadPoolExecutor(max_in_flight, thread_name_prefix=f"swarm-call-{address}")
 
-    def _call(self, method: str, request: Any, reply: Any, timeout: float | None) -> Any:
-        """One unary call: the request serialized once, so that the tag covers exactly the bytes sent."""
+    def _call(
+        self, method: str, request: Any, reply: Any, timeout: float | None, stream: bool = False
+    ) -> Any:
+        """One call (unary, or answered by a stream): the request serialized once, so that the tag covers
+        exactly the bytes sent."""
         path = f"/{SERVICE_NAME}/{method}"
         stub = self._methods.get(path)
         if stub is None:
-            stub = self._methods[path] = self._channel.unary_unary(
+            make = self._channel.unary_stream if stream else self._channel.unary_unary
+            stub = self._methods[path] = make(
                 path, request_serializer=None, response_deserializer=reply.FromString
             )
         body = request.SerializeToString()
@@ -226,6 +250,13 @@ class NodeClient:
     ) -> torch.Tensor:
         return self.compute_async(layer, expert_ids, counts, rows, timeout, out_dtype, numerics).result()
 
+    def fetch(self, path: str, offset: int = 0, timeout: float | None = None) -> FileStream:
+        """Stream one file of the node's shard directory from byte `offset` on (see FetchRequest)."""
+        request = pb.FetchRequest(
+            fingerprint=self.fingerprint, protocol_version=PROTOCOL_VERSION, path=path, offset=offset
+        )
+        return FileStream(self.address, self._call("Fetch", request, pb.FileChunk, timeout, stream=True))
+
     def info(self, timeout: float | None = 10.0) -> NodeInfo:
         try:
             r = self._call("Info", pb.InfoRequest(), pb.InfoReply, timeout)
@@ -244,6 +275,7 @@ class NodeClient:
             name=r.node_name,
             version=r.version,
             source_sha256=r.source_sha256,
+            serves_files=r.serves_files,
         )
 
     def stats(self, timeout: float | None = 10.0) -> NodeStats:

@@ -88,6 +88,7 @@ class DiscoveredNode:
     source_sha256: str = ""
     key_id: str = ""  # key_id() of the node's swarm key; "" when it has none
     tls: bool = False  # the node serves TLS (with its swarm key's identity)
+    serves_files: bool = False  # it gives out manifest.json and its held slabs' files (Fetch)
 
     @property
     def identity(self) -> ModelIdentity:
@@ -123,6 +124,7 @@ def node_properties(
     source_sha256: str = "",
     key: SwarmKey | None = None,
     tls: bool = False,
+    serves_files: bool = False,
 ) -> dict[str, str]:
     chunks = pack_slabs(held)
     props = {
@@ -140,6 +142,8 @@ def node_properties(
         props["kid"] = key_id(key)
     if tls:
         props["tls"] = "1"
+    if serves_files:
+        props["fs"] = "1"  # gives out manifest.json and its held slabs' files (Fetch)
     props.update({f"s{i}": c for i, c in enumerate(chunks)})
     return props
 
@@ -171,6 +175,7 @@ def parse_service(info: ServiceInfo) -> DiscoveredNode:
         source_sha256=_text(props, "src"),
         key_id=_text(props, "kid"),
         tls=_text(props, "tls") == "1",
+        serves_files=_text(props, "fs") == "1",
     )
 
 
@@ -260,6 +265,19 @@ class Advertiser:
             self._zc.register_service(self.info, allow_name_change=True)
         log.info("advertised %s on %s", self.info.name, self.interfaces or "all interfaces")
         return self
+
+    def update(self, properties: dict[str, str]) -> None:
+        """Announce new properties (a node that fetched more slabs holds more now); browsers update the node."""
+        self.info = ServiceInfo(
+            self.info.type,
+            self.info.name,
+            addresses=self.info.addresses,
+            port=self.info.port,
+            properties=properties,
+            server=self.info.server,
+        )
+        if self._zc is not None:
+            self._zc.update_service(self.info)
 
     def close(self) -> None:
         zc, self._zc = self._zc, None

@@ -10,7 +10,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -21,6 +21,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from swarm.node.auth import AUTH_METADATA, SwarmKey, Verifier
+from swarm.node.files import BadPath, NotOffered, ShardFiles, chunks
 from swarm.node.store import BadCall, ExpertStore, MissingSlabs
 from swarm.proto import expert_pb2 as pb
 from swarm.proto import expert_pb2_grpc as pb_grpc
@@ -43,6 +44,9 @@ from swarm.sharding.errors import UserError
 log = logging.getLogger(__name__)
 
 DEFAULT_WORKERS = 8
+# A Fetch stream holds one of the node's worker threads while it lasts: at most a quarter of them (and at
+# least one) give out files at once, so that fetching nodes never starve the Compute calls.
+FETCH_SHARE = 4
 _HEALTH_PREFIX = "/grpc.health.v1.Health/"
 
 Reply = TypeVar("Reply")
@@ -108,9 +112,11 @@ def _answer(method: Callable[..., Reply]) -> Callable[..., Reply]:
             return method(self, request, context)
         except Refused as e:
             code, msg = e.code, str(e)
-        except MissingSlabs as e:
+        except (MissingSlabs, NotOffered) as e:
             code, msg = grpc.StatusCode.NOT_FOUND, str(e)
-        except (BadCall, CodecError) as e:
+        except FileNotFoundError as e:
+            code, msg = grpc.StatusCode.NOT_FOUND, f"{e.filename}: gone from this node; ask another holder"
+        except (BadCall, CodecError, BadPath) as e:
             code, msg = grpc.StatusCode.INVALID_ARGUMENT, str(e)
         except (MemoryError, torch.OutOfMemoryError) as e:
             code, msg = (
@@ -134,15 +140,18 @@ class ExpertServicer(pb_grpc.ExpertNodeServicer):
         name: str = "",
         stats: CallStats | None = None,
         source_sha256: str = "",
+        files: ShardFiles | None = None,
     ) -> None:
         self.store = store
+        self.files = files
         self.fingerprint = fingerprint
         self.source_sha256 = source_sha256
         self.workers = workers
         self.name = name
         self.stats = stats or CallStats()
+        self._fetch_slots = threading.BoundedSemaphore(max(1, workers // FETCH_SHARE))
 
-    def _check_model(self, request: pb.ComputeRequest) -> None:
+    def _check_model(self, request: pb.ComputeRequest | pb.FetchRequest) -> None:
         if request.fingerprint and self.fingerprint and request.fingerprint != self.fingerprint:
             raise Refused(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -187,6 +196,7 @@ class ExpertServicer(pb_grpc.ExpertNodeServicer):
             node_name=self.name,
             version=software_version(),
             source_sha256=self.source_sha256,
+            serves_files=self.files is not None,
         )
 
     @_answer
@@ -212,10 +222,46 @@ class ExpertServicer(pb_grpc.ExpertNodeServicer):
                 in_flight=s.in_flight,
             )
 
+    @_answer
+    def Fetch(self, request: pb.FetchRequest, context: grpc.ServicerContext) -> Iterator[pb.FileChunk]:
+        """The checks and the opening happen here, in the call (so that a refusal is a status code); the
+        returned generator only reads."""
+        self._check_model(request)
+        if self.files is None:
+            raise Refused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "this node serves a whole GGUF and has no slab files to give; fetch from a node started on "
+                "a shard directory",
+            )
+        f, size = self.files.open(request.path, request.offset)
+        log.debug("fetch %s from byte %d of %d", request.path, request.offset, size)
+        return self._stream(request.path, f, request.offset, size, context)
+
+    def _stream(
+        self, path: str, f: Any, offset: int, size: int, context: grpc.ServicerContext
+    ) -> Iterator[pb.FileChunk]:
+        if not self._fetch_slots.acquire(blocking=False):
+            f.close()
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "this node is giving out files to as many fetchers as it may; ask another holder or again soon",
+            )
+        try:
+            for at, data in chunks(f, offset, size):
+                yield pb.FileChunk(offset=at, data=data, size=size)
+        except OSError as e:
+            log.warning("fetch of %s failed: %s", path, e)
+            context.abort(
+                grpc.StatusCode.INTERNAL, f"{path}: cannot be read on this node ({e}); ask another holder"
+            )
+        finally:
+            self._fetch_slots.release()
+
 
 class GateInterceptor(grpc.ServerInterceptor):
-    """Every call but health checks passes here first: with a swarm key, refused (UNAUTHENTICATED) unless its
-    swarm-auth token verifies; bytes that are not the method's message are INVALID_ARGUMENT.
+    """Every call but health checks passes here first (Fetch's stream included): with a swarm key, refused
+    (UNAUTHENTICATED) unless its swarm-auth token verifies; bytes that are not the method's message are
+    INVALID_ARGUMENT.
 
     The check runs on the raw request bytes before they are parsed (the tag covers their digest), so an
     unauthenticated call costs the node one hash and never reaches the parser or the servicer.
@@ -241,18 +287,27 @@ class GateInterceptor(grpc.ServerInterceptor):
             except DecodeError as e:
                 return grpc.StatusCode.INVALID_ARGUMENT, f"not a {method.rsplit('/', 1)[-1]} request ({e})"
 
-        def behavior(checked: tuple[grpc.StatusCode | None, Any], context: grpc.ServicerContext) -> Any:
-            code, request = checked
-            if code is not None:
-                context.abort(code, request)
-            return handler.unary_unary(request, context)
+        def gated(serve: Callable[[Any, grpc.ServicerContext], Any]) -> Callable[..., Any]:
+            def behavior(checked: tuple[grpc.StatusCode | None, Any], context: grpc.ServicerContext) -> Any:
+                code, request = checked
+                if code is not None:
+                    context.abort(code, request)
+                return serve(request, context)
 
-        if handler.unary_unary is None:  # every method of this service is unary; anything else is refused
+            return behavior
+
+        # Every method of this service takes one request: unary (Compute, Info, Stats) or answered by a stream
+        # (Fetch); the stream's request is checked the same way, before its first reply. Anything else is refused.
+        if handler.unary_unary is not None:
+            make, serve = grpc.unary_unary_rpc_method_handler, handler.unary_unary
+        elif handler.unary_stream is not None:
+            make, serve = grpc.unary_stream_rpc_method_handler, handler.unary_stream
+        else:
             return grpc.unary_unary_rpc_method_handler(
                 lambda r, c: c.abort(grpc.StatusCode.UNIMPLEMENTED, "unknown method")
             )
-        return grpc.unary_unary_rpc_method_handler(
-            behavior, request_deserializer=deserialize, response_serializer=handler.response_serializer
+        return make(
+            gated(serve), request_deserializer=deserialize, response_serializer=handler.response_serializer
         )
 
 
@@ -275,13 +330,16 @@ class NodeServer:
         tls: bool = False,
         name: str = "",
         source_sha256: str = "",
+        files: ShardFiles | None = None,
     ) -> None:
         self.store = store
         self.host = host
         self.tls = tls
         if tls and key is None:
             raise UserError("TLS needs a swarm key (its identity is derived from it): give --key-file")
-        self.servicer = ExpertServicer(store, fingerprint, workers, name, source_sha256=source_sha256)
+        self.servicer = ExpertServicer(
+            store, fingerprint, workers, name, source_sha256=source_sha256, files=files
+        )
         self.health = health.HealthServicer()
         interceptors = [GateInterceptor(Verifier(key) if key is not None else None)]
         self._server = grpc.server(

@@ -41,13 +41,15 @@ class LoadedSlabs:
         return ModelIdentity(self.fingerprint, self.source_sha256)
 
 
-def _wanted(
+def wanted_slabs(
     layers: Iterable[int] | None,
     experts: Iterable[int] | None,
     slabs: Iterable[SlabKey],
     all_layers: list[int],
     n_expert: int,
 ) -> set[SlabKey]:
+    """The slabs a node is asked for: `slabs` plus layers x experts (either None: all); everything when
+    nothing at all is asked for."""
     want: set[SlabKey] = set(slabs)
     if layers is not None or experts is not None or not want:
         ls = list(layers) if layers is not None else all_layers
@@ -67,7 +69,7 @@ def load_from_gguf(
         )
     all_layers = sorted({et.layer for et in ets})
     n_expert = max(et.n_expert for et in ets)
-    want = _wanted(layers, experts, slab_keys, all_layers, n_expert)
+    want = wanted_slabs(layers, experts, slab_keys, all_layers, n_expert)
     got = slabs_from_gguf(path, {k[0] for k in want}, {k[1] for k in want})
     slabs = {k: v for k, v in got.items() if k in want}
     problems = []

@@ -268,6 +268,25 @@ class ExpertStore:
         self._bytes = 0
         self._hits = self._misses = self._evictions = 0
 
+    def add(self, key: SlabKey, parts: dict[str, SlabTensor]) -> None:
+        """Serve one more slab from now on (a fetched slab, once it verified). Calls in flight read the
+        slab tables without a lock, so each table is replaced whole, never changed under them."""
+        d, _ = _slab_dims(key, parts)
+        layer, expert = key
+        with self._lock:
+            if self.hidden_size is not None and d != self.hidden_size:
+                raise ValueError(
+                    f"slab {layer}:{expert} is {d} wide but the other slabs are {self.hidden_size}; "
+                    "it is from another model"
+                )
+            self._load_locks.setdefault(key, threading.Lock())
+            self._experts_of = {**self._experts_of, layer: self._experts_of.get(layer, set()) | {expert}}
+            self.slabs = {**self.slabs, key: parts}
+            self._stacks.pop(layer, None)
+            self._native.pop(key, None)
+            self.hidden_size = d
+        pages.populate((s.data for s in parts.values()), background=False)  # the caller's thread: one slab
+
     def held(self) -> list[SlabKey]:
         return sorted(self.slabs)
 

@@ -7,7 +7,11 @@ from __future__ import annotations
 
 # Bumped when a change to expert.proto or its meaning breaks older peers.
 # 2: ComputeRequest.numerics (native ggml kernels vs exact float32); a node of version 1 computes float32 only.
-PROTOCOL_VERSION = 2
+# 3: Fetch (a node gives out its shard files) and InfoReply.serves_files.
+PROTOCOL_VERSION = 3
+
+# The most file bytes one FileChunk of a Fetch stream carries.
+FETCH_CHUNK_BYTES = 1 << 20
 
 # The largest message either end sends or accepts. A Compute call carries rows [N, D] in and out, so
 # this bounds N*D*itemsize: 64 MiB is 8192 rows of D=2048 in f32 (16384 in f16/bf16). A coordinator

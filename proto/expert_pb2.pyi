@@ -84,7 +84,7 @@ class SlabGroup(_message.Message):
     def __init__(self, layers: _Optional[_Iterable[_Union[IdRange, _Mapping]]] = ..., experts: _Optional[_Iterable[_Union[IdRange, _Mapping]]] = ...) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("fingerprint", "protocol_version", "held", "device", "memory_budget_bytes", "max_message_bytes", "workers", "hidden_size", "node_name", "version", "source_sha256")
+    __slots__ = ("fingerprint", "protocol_version", "held", "device", "memory_budget_bytes", "max_message_bytes", "workers", "hidden_size", "node_name", "version", "source_sha256", "serves_files")
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     HELD_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +96,7 @@ class InfoReply(_message.Message):
     NODE_NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SOURCE_SHA256_FIELD_NUMBER: _ClassVar[int]
+    SERVES_FILES_FIELD_NUMBER: _ClassVar[int]
     fingerprint: str
     protocol_version: int
     held: _containers.RepeatedCompositeFieldContainer[SlabGroup]
@@ -107,7 +108,8 @@ class InfoReply(_message.Message):
     node_name: str
     version: str
     source_sha256: str
-    def __init__(self, fingerprint: _Optional[str] = ..., protocol_version: _Optional[int] = ..., held: _Optional[_Iterable[_Union[SlabGroup, _Mapping]]] = ..., device: _Optional[str] = ..., memory_budget_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., workers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., node_name: _Optional[str] = ..., version: _Optional[str] = ..., source_sha256: _Optional[str] = ...) -> None: ...
+    serves_files: bool
+    def __init__(self, fingerprint: _Optional[str] = ..., protocol_version: _Optional[int] = ..., held: _Optional[_Iterable[_Union[SlabGroup, _Mapping]]] = ..., device: _Optional[str] = ..., memory_budget_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., workers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., node_name: _Optional[str] = ..., version: _Optional[str] = ..., source_sha256: _Optional[str] = ..., serves_files: _Optional[bool] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
@@ -150,3 +152,25 @@ class StatsReply(_message.Message):
     uptime_seconds: float
     in_flight: int
     def __init__(self, calls: _Optional[int] = ..., rows: _Optional[int] = ..., errors: _Optional[int] = ..., experts: _Optional[_Iterable[_Union[ExpertCount, _Mapping]]] = ..., cache_hits: _Optional[int] = ..., cache_misses: _Optional[int] = ..., cache_evictions: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., uptime_seconds: _Optional[float] = ..., in_flight: _Optional[int] = ...) -> None: ...
+
+class FetchRequest(_message.Message):
+    __slots__ = ("fingerprint", "protocol_version", "path", "offset")
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    fingerprint: str
+    protocol_version: int
+    path: str
+    offset: int
+    def __init__(self, fingerprint: _Optional[str] = ..., protocol_version: _Optional[int] = ..., path: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class FileChunk(_message.Message):
+    __slots__ = ("offset", "data", "size")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    data: bytes
+    size: int
+    def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ..., size: _Optional[int] = ...) -> None: ...

@@ -49,6 +49,11 @@ class ExpertNodeStub:
                 request_serializer=swarm_dot_proto_dot_expert__pb2.StatsRequest.SerializeToString,
                 response_deserializer=swarm_dot_proto_dot_expert__pb2.StatsReply.FromString,
                 _registered_method=True)
+        self.Fetch = channel.unary_stream(
+                '/swarm.v1.ExpertNode/Fetch',
+                request_serializer=swarm_dot_proto_dot_expert__pb2.FetchRequest.SerializeToString,
+                response_deserializer=swarm_dot_proto_dot_expert__pb2.FileChunk.FromString,
+                _registered_method=True)
 
 
 class ExpertNodeServicer:
@@ -72,6 +77,12 @@ class ExpertNodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Fetch(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExpertNodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -89,6 +100,11 @@ def add_ExpertNodeServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=swarm_dot_proto_dot_expert__pb2.StatsRequest.FromString,
                     response_serializer=swarm_dot_proto_dot_expert__pb2.StatsReply.SerializeToString,
+            ),
+            'Fetch': grpc.unary_stream_rpc_method_handler(
+                    servicer.Fetch,
+                    request_deserializer=swarm_dot_proto_dot_expert__pb2.FetchRequest.FromString,
+                    response_serializer=swarm_dot_proto_dot_expert__pb2.FileChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -172,6 +188,33 @@ class ExpertNode:
             '/swarm.v1.ExpertNode/Stats',
             swarm_dot_proto_dot_expert__pb2.StatsRequest.SerializeToString,
             swarm_dot_proto_dot_expert__pb2.StatsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Fetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/swarm.v1.ExpertNode/Fetch',
+            swarm_dot_proto_dot_expert__pb2.FetchRequest.SerializeToString,
+            swarm_dot_proto_dot_expert__pb2.FileChunk.FromString,
             options,
             channel_credentials,
             insecure,

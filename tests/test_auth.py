@@ -24,7 +24,7 @@ from swarm.node.auth import AUTH_METADATA, KEY_ENV, Signer, SwarmKey, Verifier, 
 from swarm.node.client import NodeCallError, NodeClient
 from swarm.node.launch import start_nodes, stop_nodes
 from swarm.proto import expert_pb2 as pb
-from swarm.proto.channel import CHANNEL_OPTIONS, SERVICE_NAME
+from swarm.proto.channel import CHANNEL_OPTIONS, PROTOCOL_VERSION, SERVICE_NAME
 from swarm.proto.codec import compute_request
 
 GGUF = FIXTURES / "qwen3moe-tiny" / "model-f32.gguf"  # D = 64
@@ -134,12 +134,14 @@ def test_a_listener_never_sees_the_key_and_cannot_forge_alter_or_replay(nodes):
         assert secret not in wire
 
     # what a listener could do with a captured call: send it again, change it, or make one up
-    body = compute_request(0, [0], [1], _rows()[:1], node.fingerprint, protocol_version=2).SerializeToString()
+    body = compute_request(
+        0, [0], [1], _rows()[:1], node.fingerprint, protocol_version=PROTOCOL_VERSION
+    ).SerializeToString()
     token = Signer(KEY).token(COMPUTE, body)
     assert _raw_call(node.address, body, token) == grpc.StatusCode.OK
     assert _raw_call(node.address, body, token) == grpc.StatusCode.UNAUTHENTICATED  # replayed
     altered = compute_request(
-        0, [1], [1], _rows()[:1], node.fingerprint, protocol_version=2
+        0, [1], [1], _rows()[:1], node.fingerprint, protocol_version=PROTOCOL_VERSION
     ).SerializeToString()
     assert (
         _raw_call(node.address, altered, Signer(KEY).token(COMPUTE, body)) == grpc.StatusCode.UNAUTHENTICATED
