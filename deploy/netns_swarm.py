@@ -1,20 +1,25 @@
 """A multi-host swarm on one Linux machine: every node in a network namespace of its own.
 
-    sudo python deploy/netns_swarm.py q36.swarm --nodes 3 --rate 100mbit -- --prompt "Hello" --max-tokens 16
+    sudo python deploy/netns_swarm.py q36.swarm --nodes 4 --replicas 2 --rate 100mbit -- --prompt "Hello"
 
 Builds a bridge (10.77.0.1/24 on the host side) and, per node, a namespace `swarm-TAG-nI` joined to it
 by a veth pair (10.77.0.1I/24), optionally shaped with a token bucket (`--rate`, tc tbf: the bandwidth of a
-phone on Wi-Fi), starts `swarm node DIR --host 10.77.0.1I` inside it with a disjoint expert range (plus
-`--replicas` nodes holding everything), and runs `swarm run DIR --mdns-interface 10.77.0.1 ARGS...` on the
-host. So discovery is real multicast mDNS across interfaces, and every expert call crosses a veth link:
-what loopback tests cannot show. Everything it creates is removed on the way out, Ctrl-C included.
-Needs root (or CAP_NET_ADMIN) and iproute2; `tc netem` (latency) is not needed.
+phone on Wi-Fi). Placement is `swarm plan DIR --replicas R --json` over the nodes. A seed node serves DIR
+on the bridge (host side, not advertised); every namespace node starts on an EMPTY directory with
+`swarm node EMPTY --fetch --peer SEED --plan plan.json --name nI --host 10.77.0.1I` and fetches its slabs
+across its link (from the seed, or from the other nodes as they get theirs: mDNS finds them). Once every
+node has fetched its slabs the seed stops, and `swarm run DIR --mdns-interface 10.77.0.1 ARGS...` runs on
+the host. So discovery is real multicast mDNS across interfaces, and every slab and every expert call
+crosses a veth link: what loopback tests cannot show. Traffic stays on the bridge and in the namespaces,
+and everything the rig creates is removed on the way out, Ctrl-C included. Needs root (or CAP_NET_ADMIN)
+and iproute2; `tc netem` (latency) is not needed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import signal
@@ -84,34 +89,63 @@ def tear_down(net: Net, n: int) -> None:
     sh("ip", "link", "del", net.bridge, check=False)
 
 
-def start_node(
-    net: Net, i: int, model: str, experts: str, workdir: Path, extra: list[str]
-) -> subprocess.Popen[bytes]:
-    ready = workdir / f"node{i}.ready.json"
-    log = open(workdir / f"node{i}.log", "wb")  # noqa: SIM115 - open for the node's lifetime
-    cmd = ["ip", "netns", "exec", net.ns(i), sys.executable, "-m", "swarm.coordinator.cli", "node", model,
-           "--host", net.ip(i), "--port", "0", "--experts", experts, "--threads", "1", "--ready-file",
-           str(ready), *extra]  # fmt: skip
+SWARM = (sys.executable, "-m", "swarm.coordinator.cli")
+
+
+def make_plan(model: str, n: int, replicas: int, workdir: Path) -> Path:
+    """`swarm plan` over n equal nodes with room for `replicas` copies of every slab (and a quarter more for
+    the hot experts the plan adds holders to)."""
+    manifest = json.loads((Path(model) / "manifest.json").read_text())
+    total = sum(int(s["size"]) for s in manifest["slabs"])
+    capacity = math.ceil(1.25 * replicas * total / n) + max(int(s["size"]) for s in manifest["slabs"])
+    out = subprocess.run([*SWARM, "plan", model, "--capacities", ",".join([str(capacity)] * n), "--names",
+                          ",".join(f"n{i}" for i in range(n)), "--replicas", str(replicas), "--json"],
+                         check=True, capture_output=True, text=True)  # fmt: skip
+    plan = workdir / "plan.json"
+    plan.write_text(out.stdout)
+    return plan
+
+
+def start_seed(net: Net, model: str, workdir: Path, extra: list[str]) -> subprocess.Popen[bytes]:
+    """A node on the shard directory, on the bridge's host address: where the empty nodes fetch from. It
+    is not advertised, so the coordinator never computes on it."""
+    log = open(workdir / "seed.log", "wb")  # noqa: SIM115 - open for the node's lifetime
+    cmd = [*SWARM, "node", model, "--host", net.host_ip, "--port", "0", "--no-mdns", "--threads", "1",
+           "--ready-file", str(workdir / "seed.ready.json"), *extra]  # fmt: skip
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
 
-def wait_ready(workdir: Path, n: int, procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
+def start_node(
+    net: Net, i: int, seed: str, plan: Path, workdir: Path, extra: list[str]
+) -> subprocess.Popen[bytes]:
+    """Node i in its namespace on an empty directory, fetching the slabs the plan gives it."""
+    log = open(workdir / f"node{i}.log", "wb")  # noqa: SIM115 - open for the node's lifetime
+    cmd = ["ip", "netns", "exec", net.ns(i), *SWARM, "node", str(workdir / f"node{i}.swarm"), "--fetch",
+           "--peer", seed, "--plan", str(plan), "--name", f"n{i}", "--host", net.ip(i), "--port", "0",
+           "--threads", "1", "--ready-file", str(workdir / f"node{i}.ready.json"), *extra]  # fmt: skip
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+
+def wait_ready(
+    workdir: Path, names: list[str], procs: list[subprocess.Popen[bytes]], timeout: float
+) -> list[dict[str, object]]:
+    """Each process's ready file once it serves with nothing left to fetch (SystemExit when one fails)."""
     deadline = time.monotonic() + timeout
-    for i in range(n):
-        ready = workdir / f"node{i}.ready.json"
-        while not ready.exists():
-            if procs[i].poll() is not None:
-                log = (workdir / f"node{i}.log").read_text(errors="replace")[-2000:]
-                raise SystemExit(f"node {i} exited ({procs[i].returncode}):\n{log}")
+    out = []
+    for name, proc in zip(names, procs, strict=True):
+        ready = workdir / f"{name}.ready.json"
+        while not ready.exists() or json.loads(ready.read_text()).get("pending"):
+            if proc.poll() is not None:
+                log = (workdir / f"{name}.log").read_text(errors="replace")[-2000:]
+                raise SystemExit(f"{name} exited ({proc.returncode}):\n{log}")
             if time.monotonic() > deadline:
-                raise SystemExit(f"node {i} not serving after {timeout:.0f} s")
+                raise SystemExit(f"{name} not serving all its slabs after {timeout:.0f} s")
             time.sleep(0.1)
-        json.loads(ready.read_text())
-
-
-def expert_ranges(n_expert: int, n: int) -> list[str]:
-    bounds = [round(i * n_expert / n) for i in range(n + 1)]
-    return [f"{bounds[i]}-{bounds[i + 1] - 1}" for i in range(n)]
+        info = json.loads(ready.read_text())
+        if info.get("fetch_failed"):
+            raise SystemExit(f"{name} could not fetch slabs {info['fetch_failed']}; see {name}.log")
+        out.append(info)
+    return out
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -121,8 +155,8 @@ def _interrupt(signum: int, frame: object) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="a `swarm shard` directory")
-    p.add_argument("--nodes", type=int, default=3, help="nodes with disjoint expert ranges")
-    p.add_argument("--replicas", type=int, default=0, help="extra nodes holding every expert")
+    p.add_argument("--nodes", type=int, default=3, help="nodes, each in a namespace of its own")
+    p.add_argument("--replicas", type=int, default=1, help="nodes holding each slab (swarm plan --replicas)")
     p.add_argument("--rate", default=None, help="bandwidth of each node's link, e.g. 100mbit (tc tbf)")
     p.add_argument(
         "--key-file",
@@ -145,18 +179,16 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= len(args.tag) <= 4 or not args.tag.isalnum():
         print("netns_swarm: --tag must be 1-4 letters or digits", file=sys.stderr)
         return 2
+    if not 1 <= args.replicas <= args.nodes:
+        print("netns_swarm: --replicas must be between 1 and --nodes", file=sys.stderr)
+        return 2
     net = Net(args.tag, args.subnet)
-    manifest = json.loads((Path(args.model) / "manifest.json").read_text())
-    total = args.nodes + args.replicas
-    ranges = (
-        expert_ranges(int(manifest["n_expert"]), args.nodes)
-        + [f"0-{manifest['n_expert'] - 1}"] * args.replicas
-    )
+    total = args.nodes
     workdir = Path(tempfile.mkdtemp(prefix="netns-swarm-"))
     key_file = args.key_file
     if key_file is None:
         key_file = workdir / "swarm.key"
-        subprocess.run([sys.executable, "-m", "swarm.coordinator.cli", "keygen", "--out", str(key_file)],
+        subprocess.run([*SWARM, "keygen", "--out", str(key_file)],
                        check=True, stdout=subprocess.DEVNULL)  # fmt: skip
     key_args = ["--key-file", str(key_file)]
     procs: list[subprocess.Popen[bytes]] = []
@@ -164,12 +196,30 @@ def main(argv: list[str] | None = None) -> int:
     try:
         tear_down(net, total)  # leftovers of a run that was killed
         build_network(net, total, args.rate)
-        procs = [start_node(net, i, args.model, r, workdir, key_args) for i, r in enumerate(ranges)]
-        wait_ready(workdir, total, procs, timeout=120)
-        for i, r in enumerate(ranges):
-            print(f"node {i}: namespace {net.ns(i)}, {net.ip(i)}, experts {r}", file=sys.stderr)
-        cmd = [sys.executable, "-m", "swarm.coordinator.cli", "run", args.model, "--mdns-interface", net.host_ip,
-               "--wait", "10", *key_args, *run_args]  # fmt: skip
+        plan = make_plan(args.model, total, args.replicas, workdir)
+        seed = start_seed(net, args.model, workdir, key_args)
+        procs = [seed]
+        (seed_info,) = wait_ready(workdir, ["seed"], [seed], timeout=120)
+        nodes = [start_node(net, i, str(seed_info["address"]), plan, workdir, key_args) for i in range(total)]
+        procs += nodes
+        infos = wait_ready(workdir, [f"node{i}" for i in range(total)], nodes, timeout=300)
+        seed.terminate()  # from here on the swarm is the namespace nodes alone
+        seed.wait(timeout=10)
+        for i, info in enumerate(infos):
+            print(
+                f"node {i}: namespace {net.ns(i)}, {net.ip(i)}, fetched slabs {info['held']}", file=sys.stderr
+            )
+        cmd = [
+            *SWARM,
+            "run",
+            args.model,
+            "--mdns-interface",
+            net.host_ip,
+            "--wait",
+            "10",
+            *key_args,
+            *run_args,
+        ]
         return subprocess.run(cmd).returncode
     except KeyboardInterrupt:
         return 130

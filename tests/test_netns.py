@@ -45,7 +45,7 @@ def test_a_swarm_across_network_namespaces_answers_like_in_process(tmp_path):
     tag = secrets.token_hex(2)
     subnet = f"10.77.{secrets.randbelow(200) + 20}"
     rig = subprocess.run(
-        [sys.executable, str(SCRIPT), str(shard_dir), "--nodes", "3", "--replicas", "1", "--rate", "50mbit",
+        [sys.executable, str(SCRIPT), str(shard_dir), "--nodes", "4", "--replicas", "2", "--rate", "50mbit",
          "--tag", tag, "--subnet", subnet, "--", *run],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
