@@ -32,6 +32,7 @@ from swarm.node.identity import ModelIdentity
 from swarm.proto import expert_pb2 as pb
 from swarm.proto.channel import CHANNEL_OPTIONS, PROTOCOL_VERSION, SERVICE_NAME
 from swarm.proto.codec import SlabKey, compute_request, decode_tensor, held_from_proto
+from swarm.sharding.errors import UserError
 
 
 class NodeCallError(RuntimeError):
@@ -323,3 +324,19 @@ class NodeClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def ask_peer(address: str, key: SwarmKey | None, timeout: float = 10.0) -> tuple[NodeClient, NodeInfo]:
+    """A client of a static peer (--peer) and its Info. A peer that refuses the key is the user's to fix (a
+    UserError saying so); one that does not answer raises NodeCallError (its client closed)."""
+    client = NodeClient(address, key=key)
+    try:
+        return client, client.info(timeout=timeout)
+    except NodeCallError as e:
+        client.close()
+        if e.code == grpc.StatusCode.UNAUTHENTICATED:
+            raise UserError(
+                f"peer {address} refuses this swarm key ({e.details}); give this command the key the nodes "
+                "were started with (--key-file, $SWARM_KEY_FILE or $SWARM_KEY)"
+            ) from None
+        raise

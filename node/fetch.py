@@ -35,7 +35,7 @@ from pathlib import Path
 import grpc
 
 from swarm.node.auth import SwarmKey
-from swarm.node.client import FileStream, NodeCallError, NodeClient
+from swarm.node.client import FileStream, NodeCallError, NodeClient, ask_peer
 from swarm.proto.channel import PROTOCOL_VERSION
 from swarm.proto.codec import SlabKey
 from swarm.sharding.errors import UserError
@@ -122,16 +122,9 @@ class Sources:
             self._refresh()
 
     def _add_peer(self, address: str) -> None:
-        client = NodeClient(address, key=self.key)
         try:
-            info = client.info(timeout=10.0)
+            client, info = ask_peer(address, self.key)
         except NodeCallError as e:
-            client.close()
-            if e.code == grpc.StatusCode.UNAUTHENTICATED:
-                raise UserError(
-                    f"peer {address} refuses this swarm key ({e.details}); give this node the key of the swarm "
-                    "it fetches from (--key-file, $SWARM_KEY_FILE or $SWARM_KEY)"
-                ) from None
             log.warning("peer %s does not answer (%s); fetching from the other sources", address, e.code.name)
             return
         why = self._unusable(info.serves_files, info.protocol_version)

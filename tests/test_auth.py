@@ -1,23 +1,22 @@
 """The swarm key on the wire: calls authenticated without the key crossing it; forged, altered, replayed and
 unauthenticated calls refused; TLS keeps activations private; the key never on a command line.
 
-Real node processes on 127.0.0.1, a real byte-logging TCP proxy between client and node.
+Real node processes on 127.0.0.1, a real byte-logging TCP proxy (tests/tcp_proxy.py) between client and node.
 """
 
 from __future__ import annotations
 
 import os
-import socket
 import stat
 import subprocess
 import sys
-import threading
 
 import grpc
 import psutil
 import pytest
 import torch
 from conftest import FIXTURES
+from tcp_proxy import TcpProxy
 
 from swarm.coordinator.cli import main
 from swarm.node.auth import AUTH_METADATA, KEY_ENV, Signer, SwarmKey, Verifier, generate_key_text
@@ -31,55 +30,6 @@ GGUF = FIXTURES / "qwen3moe-tiny" / "model-f32.gguf"  # D = 64
 KEY_TEXT = generate_key_text()
 KEY = SwarmKey.from_text(KEY_TEXT)
 COMPUTE = f"/{SERVICE_NAME}/Compute"
-
-
-class LoggingProxy:
-    """A TCP proxy on 127.0.0.1 that forwards to `target` and keeps every byte in both directions."""
-
-    def __init__(self, target: tuple[str, int]) -> None:
-        self.target = target
-        self.seen = bytearray()
-        self._lock = threading.Lock()
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self._listener.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(self.target)
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while data := src.recv(65536):
-                with self._lock:
-                    self.seen += data
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def close(self) -> None:
-        self._listener.close()
-
-
-def _host_port(address: str) -> tuple[str, int]:
-    host, port = address.rsplit(":", 1)
-    return host, int(port)
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +64,7 @@ def _raw_call(address: str, body: bytes, token: str | None) -> grpc.StatusCode:
 
 def test_a_listener_never_sees_the_key_and_cannot_forge_alter_or_replay(nodes):
     node = nodes["plain"]
-    proxy = LoggingProxy(_host_port(node.address))
+    proxy = TcpProxy(node.address, keep=True)
     try:
         with NodeClient(proxy.address, fingerprint=node.fingerprint, key=KEY) as client:
             out = client.compute(0, [0, 1], [1, 1], _rows())
@@ -165,7 +115,7 @@ def test_a_listener_never_sees_the_key_and_cannot_forge_alter_or_replay(nodes):
 
 def test_tls_keeps_activations_private_and_admits_only_key_holders(nodes):
     node = nodes["tls"]
-    proxy = LoggingProxy(_host_port(node.address))
+    proxy = TcpProxy(node.address, keep=True)
     try:
         with NodeClient(proxy.address, fingerprint=node.fingerprint, key=KEY, tls=True) as client:
             out = client.compute(0, [0, 1], [1, 1], _rows())

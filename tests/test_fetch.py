@@ -14,14 +14,13 @@ import json
 import re
 import shutil
 import signal
-import socket
-import threading
 import time
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
+from tcp_proxy import TcpProxy
 
 from swarm.coordinator.cli import main
 from swarm.node.auth import AUTH_METADATA, SwarmKey, generate_key_text
@@ -38,51 +37,6 @@ KEY = SwarmKey.from_text(KEY_TEXT)
 D = 512  # slab files of 3 MiB (three float32 [512, 512] matrices): several 1 MiB chunks each
 DAMAGED = (0, 3)
 MiB = 1 << 20
-
-
-class SlowProxy:
-    """A TCP proxy on 127.0.0.1 to `target` that sends the answers on at `rate` bytes/s and counts them."""
-
-    def __init__(self, target: str, rate: float) -> None:
-        host, port = target.rsplit(":", 1)
-        self.target = (host, int(port))
-        self.rate = rate
-        self.sent = 0  # bytes passed on from the target to the clients
-        self._sockets: list[socket.socket] = []
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-                upstream = socket.create_connection(self.target)
-            except OSError:
-                return
-            self._sockets += [client, upstream]
-            threading.Thread(target=self._forward, args=(client, upstream, False), daemon=True).start()
-            threading.Thread(target=self._forward, args=(upstream, client, True), daemon=True).start()
-
-    def _forward(self, src: socket.socket, dst: socket.socket, slow: bool) -> None:
-        try:
-            while data := src.recv(32768 if slow else 65536):
-                if slow:
-                    self.sent += len(data)
-                    time.sleep(len(data) / self.rate)
-                dst.sendall(data)
-        except OSError:
-            pass
-        for s in (src, dst):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-
-    def close(self) -> None:
-        self._listener.close()
-        for s in self._sockets:
-            s.close()
 
 
 @pytest.fixture(scope="module")
@@ -337,7 +291,7 @@ def _parts(d: Path) -> dict[str, int]:
 def test_a_source_killed_mid_file_is_left_for_another_holder(sources, model, work, env):
     """Two holders: a slow one (behind the proxy) and a; the slow one is SIGKILLed while it sends."""
     (doomed,) = start_nodes([(model, ["--no-mdns"])], work / "nodes", prefix="doomed", env=env)
-    proxy = SlowProxy(doomed.address, rate=3 * MiB)
+    proxy = TcpProxy(doomed.address, rate=3 * MiB)
     want = slabs(range(2), range(0, 3))
     try:
         j = fetch_node(
@@ -372,7 +326,7 @@ def test_a_source_killed_mid_file_is_left_for_another_holder(sources, model, wor
 
 @pytest.mark.slow
 def test_an_interrupted_fetch_resumes_from_its_partial_file(sources, model, work, env):
-    proxy = SlowProxy(sources["a"].address, rate=2 * MiB)
+    proxy = TcpProxy(sources["a"].address, rate=2 * MiB)
     dest = work / "k"
     args = ["--peer", proxy.address, "--no-mdns", "--slab", "1:0-1", "--fetch-parallel", "1"]
     try:
