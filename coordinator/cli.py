@@ -18,6 +18,7 @@ COMMAND_MODULES = (
     "swarm.node.cli",
     "swarm.coordinator.commands",
     "swarm.coordinator.status",
+    "swarm.coordinator.serve.cli",
 )
 
 

@@ -101,98 +101,149 @@ class Checker(Protocol):
 SETTLE_EVERY = 4
 
 
-class CheckedRun:
-    """Forward passes of one sequence whose results count only once the nodes' answers behind them are checked.
+@dataclass(eq=False)
+class Seq:
+    """One sequence of a Steps run: its model state and sampler (None: its passes give logits [T, V]),
+    its outputs (sampled tokens, or logits) that are settled (`ready`, for the caller to take) or still
+    held back (`held`), and `last`, its latest output: the token a decode entry feeds next."""
 
-    Each pass is remembered (its tokens and the token sampled after it) back to the last settled point, where
-    the sequence state and the sampler are checkpointed. When the checker catches a node, the state and the
-    sampler go back to that point and the passes are done again (the node is banned: other holders or the
-    coordinator answer for it), so nothing a wrong answer shaped survives. Without a checker every pass
-    settles at once and nothing is held back.
+    state: Any
+    sampler: Sampler | None = None
+    ready: list[Any] = field(default_factory=list)
+    held: list[Any] = field(default_factory=list)
+    last: Any = None
+    anchor: Any = (
+        None  # (state checkpoint, sampler RNG state, last) at the settled point: a redo starts there
+    )
+
+    def take(self) -> list[Any]:
+        out, self.ready = self.ready, []
+        return out
+
+
+@dataclass(frozen=True, eq=False)
+class Entry:
+    """One sequence's part of a forward pass: `tokens` to feed (None: its last output, a decode step), and
+    whether the pass yields an output for it (the token sampled after it, or its logits); a prompt chunk
+    that is not the prompt's last yields none."""
+
+    seq: Seq
+    tokens: tuple[int, ...] | None = None
+    output: bool = True
+
+
+class Steps:
+    """Forward passes over several sequences whose outputs count only once the nodes' answers behind them
+    are checked.
+
+    Each pass (one model call for all its entries: one expert fan-out per layer) is remembered back to the
+    last settled point, where every sequence's state, sampler and last output are checkpointed. When the
+    checker catches a node, the sequences go back to that point and the passes are done again in order (the
+    node is banned: other holders or the coordinator answer for it), so nothing a wrong answer shaped
+    survives; a decode entry feeds the token its sequence samples in the redo. Without a checker every
+    pass settles at once and nothing is held back. A sequence's bits never depend on the other entries of
+    its passes (see coordinator/models), so a redo, or the same sequence run alone, gives the same outputs.
     """
 
-    def __init__(
-        self,
-        model: CausalLM,
-        state: Any,
-        device: torch.device,
-        sampler: Sampler | None,
-        checker: Checker | None,
-    ) -> None:
-        self.model, self.state, self.device, self.sampler, self.checker = (
-            model,
-            state,
-            device,
-            sampler,
-            checker,
-        )
-        self.passes: list[tuple[list[int], bool]] = []  # (tokens fed, last_only) since the settled point
-        self.outputs: list[Any] = []  # what each of those passes gave (a token, or logits without a sampler)
+    def __init__(self, model: CausalLM, device: torch.device | str, checker: Checker | None = None) -> None:
+        self.model, self.device, self.checker = model, torch.device(device), checker
+        self.passes: list[list[Entry]] = []  # since the settled point
+        self.open: dict[int, Seq] = {}  # sequences joined or stepped since the settled point, by id
         self.redone = 0  # passes done again after a node was caught
-        self._anchor = self._checkpoint()
 
-    def _checkpoint(self) -> Any:
-        if self.checker is None:
-            return None
-        rng = self.sampler.generator.get_state() if self.sampler is not None else None
-        return self.state.checkpoint(), rng
+    def join(self, seq: Seq) -> None:
+        """Take a sequence in (its state as it is now is where a redo would bring it back to)."""
+        if self.checker is not None:
+            seq.anchor = self._checkpoint(seq)
+            self.open[id(seq)] = seq
 
-    def _one(self, tokens: list[int], last_only: bool) -> Any:
-        logits = forward_one(self.model, tokens, self.state, self.device, last_only=last_only)
-        return self.sampler(logits[-1]) if self.sampler is not None else logits
+    def holds(self, seq: Seq) -> bool:
+        """Whether the sequence's state may still be brought back and redone (do not reuse it yet)."""
+        return id(seq) in self.open
 
-    def step(self, tokens: Sequence[int], last_only: bool = False) -> list[Any]:
-        """Feed one pass; the outputs now settled, oldest first (several after a hold, none while open)."""
-        self.passes.append((list(tokens), last_only))
-        self.outputs.append(self._one(list(tokens), last_only))
-        return self._settle(force=len(self.passes) >= SETTLE_EVERY)
+    def step(self, entries: Sequence[Entry]) -> None:
+        """Run one pass; settled outputs land in each sequence's `ready` (several after a hold)."""
+        entries = list(entries)
+        self.passes.append(entries)
+        for e in entries:
+            if self.checker is not None:
+                self.open.setdefault(id(e.seq), e.seq)
+        self._pass(entries)
+        self._settle(force=len(self.passes) >= SETTLE_EVERY)
 
-    def finish(self) -> list[Any]:
+    def finish(self) -> None:
         """Settle whatever is still held (the end of a generation)."""
-        return self._settle(force=True) if self.passes else []
+        if self.passes:
+            self._settle(force=True)
 
-    def _settle(self, force: bool) -> list[Any]:
+    @staticmethod
+    def _checkpoint(seq: Seq) -> Any:
+        rng = seq.sampler.generator.get_state() if seq.sampler is not None else None
+        return seq.state.checkpoint(), rng, seq.last
+
+    def _pass(self, entries: list[Entry]) -> None:
+        feeds = [list(e.tokens) if e.tokens is not None else [int(e.seq.last)] for e in entries]
+        every_row = any(e.output and e.seq.sampler is None for e in entries)
+        ids = torch.tensor([t for f in feeds for t in f], dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            logits = self.model(
+                ids, [e.seq.state for e in entries], [len(f) for f in feeds], last_only=not every_row
+            )
+        start = 0
+        for i, (e, f) in enumerate(zip(entries, feeds, strict=True)):
+            rows = logits[start : start + len(f)] if every_row else logits[i : i + 1]  # [T or 1, V]
+            start += len(f)
+            if e.output:
+                out = e.seq.sampler(rows[-1]) if e.seq.sampler is not None else rows
+                e.seq.held.append(out)
+                e.seq.last = out
+
+    def _settle(self, force: bool) -> None:
         if self.checker is None:
-            out, self.passes, self.outputs = self.outputs, [], []
-            return out
+            for entries in self.passes:
+                for e in entries:
+                    e.seq.ready.extend(e.seq.held)
+                    e.seq.held.clear()
+            self.passes = []
+            return
         while True:
             verdict = self.checker.settle(force=force).value
             if verdict == "caught":
                 self._redo()
                 continue
             if verdict == "open" and not force:
-                return []
+                return
             if verdict == "open":
                 continue  # forced: the checker audits what is open until it settles or catches someone
-            out, self.passes, self.outputs = self.outputs, [], []
-            self._anchor = self._checkpoint()
-            return out
+            for seq in self.open.values():
+                seq.ready.extend(seq.held)
+                seq.held.clear()
+                seq.anchor = self._checkpoint(seq)
+            self.passes, self.open = [], {}
+            return
 
     def _redo(self) -> None:
-        state_cp, rng = self._anchor
-        self.state.restore(state_cp)
-        if self.sampler is not None and rng is not None:
-            self.sampler.generator.set_state(rng)
+        for seq in self.open.values():
+            state_cp, rng, seq.last = seq.anchor
+            seq.state.restore(state_cp)
+            if seq.sampler is not None and rng is not None:
+                seq.sampler.generator.set_state(rng)
+            seq.held.clear()
         self.redone += len(self.passes)
-        # the same passes as before: a pass's tokens are what the earlier passes sampled, so they are
-        # recomputed in order (an honest swarm gives the same bits; a changed token changes what follows)
-        passes, self.passes, self.outputs = self.passes, [], []
-        feed: list[int] | None = None
-        for i, (tokens, last_only) in enumerate(passes):
-            tokens = tokens if i == 0 or feed is None else feed
-            self.passes.append((tokens, last_only))
-            out = self._one(tokens, last_only)
-            self.outputs.append(out)
-            feed = [out] if isinstance(out, int) else None
+        for entries in self.passes:
+            self._pass(entries)
 
 
 def checked_logits(
     model: CausalLM, tokens: Sequence[int], state: Any, device: torch.device | str, checker: Checker | None
 ) -> torch.Tensor:
     """forward_one's logits [T, V], once the nodes' answers behind them are checked."""
-    run = CheckedRun(model, state, torch.device(device), None, checker)
-    out = run.step(list(tokens)) or run.finish()
-    return out[0]
+    seq, steps = Seq(state), Steps(model, device, checker)
+    steps.join(seq)
+    steps.step([Entry(seq, tuple(tokens))])
+    if not seq.ready:
+        steps.finish()
+    return seq.ready[0]
 
 
 def generate(
@@ -205,26 +256,24 @@ def generate(
     checker: Checker | None = None,
 ) -> Iterator[int]:
     """Yield generated token ids one by one; `stats` (if given) is filled in as it goes. With a `checker`,
-    tokens come once the nodes' answers behind them are checked (see CheckedRun): a few at a time."""
+    tokens come once the nodes' answers behind them are checked (see Steps): a few at a time."""
     if not prompt:
         raise ValueError("empty prompt: give at least one token")
     device = torch.device(device)
     stats = stats if stats is not None else GenerationStats()
     stats.prompt_tokens = len(prompt)
-    sampler = Sampler(params, device)
-    run = CheckedRun(model, model.new_state(), device, sampler, checker)
+    seq, steps = Seq(model.new_state(), Sampler(params, device)), Steps(model, device, checker)
+    steps.join(seq)
 
     t0 = clock()
-    ready: list[int] = run.step(prompt, last_only=True)
-    if checker is not None and not ready:
-        ready = run.finish()  # the first token is the one a user waits for: settle it at once
+    steps.step([Entry(seq, tuple(prompt))])
+    if not seq.ready:
+        steps.finish()  # the first token is the one a user waits for: settle it at once
     stats.prefill_seconds = clock() - t0
-    produced = 1  # tokens sampled so far (some may still be held back)
-    last = ready[-1] if ready else None
 
     t0 = clock()
     while True:
-        for token in ready:
+        for token in seq.take():
             stats.generated_tokens += 1
             yield token
             if token in params.stop_ids:
@@ -235,13 +284,10 @@ def generate(
                 stats.finish_reason = "length"
                 stats.decode_seconds = clock() - t0
                 return
-        held = run.outputs[-1] if run.outputs else last
-        if produced >= params.max_tokens or (held in params.stop_ids):
-            ready = run.finish()  # nothing more to compute: release what is held
+        produced = stats.generated_tokens + len(seq.held)  # sampled so far (some still held back)
+        if produced >= params.max_tokens or seq.last in params.stop_ids:
+            steps.finish()  # nothing more to compute: release what is held
         else:
-            ready = run.step([held])  # type: ignore[list-item]
-            produced += 1
-        if ready:
-            last = ready[-1]
-        stats.extra["redone_passes"] = run.redone
+            steps.step([Entry(seq)])
+        stats.extra["redone_passes"] = steps.redone
         stats.decode_seconds = clock() - t0

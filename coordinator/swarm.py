@@ -345,6 +345,8 @@ class SwarmExperts:
         self.call_bytes = call_bytes
         self.calls_per_node: Counter[str] = Counter()
         self.rows_per_node: Counter[str] = Counter()
+        self.seconds_per_node: Counter[str] = Counter()  # waiting on answers
+        self.failures_per_node: Counter[str] = Counter()
         self.failovers = 0
         self.hedges = 0  # calls sent again to another holder because the first was slow
         self.hedge_wins = 0  # ... and the other holder answered first
@@ -473,6 +475,7 @@ class SwarmExperts:
             )
         self.placement.mark_up(c.address)
         if c.call.seconds is not None:
+            self.seconds_per_node[c.address] += c.call.seconds
             pace = c.call.seconds / max(1, sum(p.rows for p in c.parts))
             old = self._pace.get(c.address)
             self._pace[c.address] = pace if old is None else 0.8 * old + 0.2 * pace
@@ -484,6 +487,7 @@ class SwarmExperts:
         self.placement.mark_down(address)
         self._admitted.discard(address)
         self.failovers += 1
+        self.failures_per_node[address] += 1
 
     def _holder_for(self, layer: int, expert: int, failed: list[str], deadline: float | None = None) -> str:
         """An admitted live holder that has not failed this expert in this step; else one back from its

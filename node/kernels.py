@@ -639,51 +639,60 @@ def delta_net_step(
     grouped: bool,
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One decode step of Gated DeltaNet for B sequences, all in one ggml graph (llama.cpp's ops):
-    depthwise conv over each sequence's window, SiLU, L2-normed q and k, the gated delta rule.
+    """T steps of Gated DeltaNet for B sequences, all in one ggml graph (llama.cpp's ops): depthwise conv
+    over each sequence's window, SiLU, L2-normed q and k, the gated delta rule.
 
-    window [B, C, Kc]: each sequence's last Kc conv inputs (the new token last); conv_weight [C, Kc];
-    g (log decay), beta [B, Hv]; state [B, Hv, S, S] in ggml's layout (see gated_delta). Key heads serve
+    window [B, C, Kc-1+T]: each sequence's Kc-1 past conv inputs, then its T new ones; conv_weight [C, Kc];
+    g (log decay), beta [B, T, Hv]; state [B, Hv, S, S] in ggml's layout (see gated_delta). Key heads serve
     value heads tiled (value head h reads key head h % Hk) or, `grouped`, in blocks (h // (Hv / Hk)).
-    -> (o [B, Hv, S], new state [B, Hv, S, S]).
+    -> (o [B, T, Hv, S], new state [B, Hv, S, S]).
+
+    Every op here computes a token's values from that token's row alone (the conv from its window, the
+    rule step by step), so a sequence read T tokens at a time, one at a time (decode) or beside other
+    sequences gets the same bits.
     """
-    b, c, kc = (int(d) for d in window.shape)
+    b, c, width = (int(d) for d in window.shape)
+    kc = int(conv_weight.shape[1])
+    t = width - (kc - 1)
     hv, s = int(state.shape[1]), int(state.shape[2])
     hk = n_k_heads
     args = [_f32_rows(a).contiguous() for a in (window, g, beta, state)]
-    n_attn = b * hv * s
+    n_attn = b * t * hv * s
     out = torch.empty(n_attn + b * hv * s * s, dtype=torch.float32)
     w = _f32_rows(conv_weight)
 
     def build(keep: bool) -> Graph:
-        gr = Graph(4 * (out.numel() + 4 * b * c) + 256 * 1024, 24, keep)
+        gr = Graph(4 * (out.numel() + 4 * b * t * c) + 256 * 1024, 24, keep)
         gm, ctx = gr.g, gr.ctx
         sx, tg, tb, ts = (
-            gr.input(kc, c, b),
-            gr.input(1, hv, 1, b),
-            gr.input(1, hv, 1, b),
+            gr.input(width, c, b),
+            gr.input(1, hv, t, b),
+            gr.input(1, hv, t, b),
             gr.input(s, s, hv, b),
         )
-        act = gm.ggml_silu(ctx, gm.ggml_ssm_conv(ctx, sx, gr.constant(w)))  # [C, 1, B]
+        act = gm.ggml_silu(ctx, gm.ggml_ssm_conv(ctx, sx, gr.constant(w)))  # [C, T, B]
 
         def heads(n_heads: int, first: int) -> object:
-            view = gm.ggml_view_4d(ctx, act, s, n_heads, 1, b, s * 4, c * 4, c * 4, first * 4)
-            return gm.ggml_cont(ctx, view)  # [S, H, 1, B]
+            view = gm.ggml_view_4d(ctx, act, s, n_heads, t, b, s * 4, c * 4, c * t * 4, first * 4)
+            return gm.ggml_cont(ctx, view)  # [S, H, T, B]
 
-        q = gm.ggml_l2_norm(ctx, heads(hk, 0), eps)
-        k = gm.ggml_l2_norm(ctx, heads(hk, hk * s), eps)
+        def l2_norm(x: object) -> object:  # llama.cpp's form: rms_norm(x, eps / S) / sqrt(S)
+            return gm.ggml_scale(ctx, gm.ggml_rms_norm(ctx, x, eps / s), 1.0 / float(np.sqrt(s)))
+
+        q = l2_norm(heads(hk, 0))
+        k = l2_norm(heads(hk, hk * s))
         v = heads(hv, 2 * hk * s)
         if grouped and hv != hk:  # value head h <- key head h // r: repeat each key head r times in place
             r = hv // hk
-            shape = gr.placed(_F32, s, r, hk, b)  # only its shape is read
+            shape = gr.placed(_F32, s, r, hk, t * b)  # only its shape is read
             q, k = (
-                gm.ggml_reshape_4d(ctx, gm.ggml_repeat(ctx, gm.ggml_reshape_4d(ctx, t, s, 1, hk, b), shape),
-                                   s, hv, 1, b)
-                for t in (q, k)
+                gm.ggml_reshape_4d(ctx, gm.ggml_repeat(ctx, gm.ggml_reshape_4d(ctx, x, s, 1, hk, t * b), shape),
+                                   s, hv, t, b)
+                for x in (q, k)
             )  # fmt: skip
         gr.output(gm.ggml_gated_delta_net(ctx, q, k, v, tg, tb, ts, 1))
         return gr
 
-    key = ("dn-step", b, c, kc, hv, s, hk, grouped, w.data_ptr()) if b <= KEEP_ROWS else None
+    key = ("dn-step", b, t, c, kc, hv, s, hk, grouped, w.data_ptr()) if b * t <= KEEP_ROWS else None
     _run(key, build, args, [out])
-    return out[:n_attn].view(b, hv, s), out[n_attn:].view(b, hv, s, s)
+    return out[:n_attn].view(b, t, hv, s), out[n_attn:].view(b, hv, s, s)

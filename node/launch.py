@@ -4,7 +4,7 @@
     ... NodeClient(nodes[0].address) ...
     for n in nodes: n.stop()
 
-Each node runs `python -m swarm.coordinator.cli node SOURCE --port 0 --ready-file ...` with its output in
+Each node runs `python -m swarm.coordinator.cli node --port 0 --ready-file ... SOURCE` with its output in
 a log file under `workdir` (no pipes to fill up); start_nodes spawns them all first and then waits, so
 their start-up overlaps.
 """
@@ -30,6 +30,7 @@ class LocalNode:
     log_file: Path
     ready: dict[str, Any] = field(default_factory=dict)
     terminated: bool = False
+    what: str = "node"
 
     @property
     def address(self) -> str:
@@ -58,11 +59,11 @@ class LocalNode:
         while not self.ready_file.exists():
             if self.process.poll() is not None:
                 raise RuntimeError(
-                    f"swarm node exited with code {self.process.returncode} before serving:\n{self.log_tail()}"
+                    f"swarm {self.what} exited with code {self.process.returncode} before serving:\n{self.log_tail()}"
                 )
             if time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError(f"swarm node not serving after {timeout} s:\n{self.log_tail()}")
+                raise RuntimeError(f"swarm {self.what} not serving after {timeout} s:\n{self.log_tail()}")
             time.sleep(0.02)
         self.ready = json.loads(self.ready_file.read_text())
         return self
@@ -94,24 +95,22 @@ def spawn_node(
     Unless `args` says otherwise the node computes on one thread: the nodes a tool starts share this
     machine's cores with each other and with the launcher, and ggml's threads wait for each other at every
     matmul, which on an oversubscribed machine costs a scheduler slice each time."""
+    threads = [] if "--threads" in args else ["--threads", "1"]
+    return spawn_swarm(["node", str(source), *threads, *args], workdir, name, env)
+
+
+def spawn_swarm(
+    command: Sequence[str], workdir: Path, name: str, env: dict[str, str] | None = None
+) -> LocalNode:
+    """Start `swarm COMMAND ...` (a node, a server) with `--port 0`, a ready file and a log in workdir, and
+    `--exit-with-parent`: a launcher killed outright (OOM, SIGKILL) must not leave processes behind."""
     workdir.mkdir(parents=True, exist_ok=True)
     ready = workdir / f"{name}.ready.json"
     log = workdir / f"{name}.log"
     ready.unlink(missing_ok=True)
-    cmd = [
-        sys.executable,
-        "-m",
-        "swarm.coordinator.cli",
-        "node",
-        str(source),
-        "--port",
-        "0",
-        "--ready-file",
-        str(ready),
-        "--exit-with-parent",  # a launcher killed outright (OOM, SIGKILL) must not leave nodes behind
-        *([] if "--threads" in args else ["--threads", "1"]),
-        *args,
-    ]
+    sub, *rest = command
+    cmd = [sys.executable, "-m", "swarm.coordinator.cli", sub, "--port", "0", "--ready-file", str(ready),
+           "--exit-with-parent", *rest]  # fmt: skip
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             cmd,
@@ -120,7 +119,7 @@ def spawn_node(
             stdin=subprocess.DEVNULL,
             env={**os.environ, **(env or {})},
         )
-    return LocalNode(proc, ready, log)
+    return LocalNode(proc, ready, log, what=sub)
 
 
 def start_nodes(

@@ -284,9 +284,9 @@ class GatedDeltaNet(nn.Module):
     """Gated DeltaNet: causal depthwise conv over [q; k; v] -> SiLU -> L2-normed q, k -> delta rule
     with per-head decay exp(g) and rate beta -> RMSNorm(o; ssm_norm) * silu(z) -> ssm_out.
 
-    The delta rule runs as ggml's op (llama.cpp's; each head's state is updated in cache, one read and one
-    write per call); a long prefill (more than RECURRENT_MAX tokens) runs the chunked form in torch. When
-    every sequence of a call brings one token (decode), their steps run as one batch.
+    Conv, SiLU, L2 norms and the delta rule run as one ggml graph (llama.cpp's ops; each head's state is
+    updated in cache, one read and one write per call); a long prefill (more than RECURRENT_MAX tokens)
+    runs the chunked form in torch. The sequences of a call that bring one token (decode) step as one batch.
     """
 
     GGUF_TRANSPARENT: ClassVar[bool] = True  # tensors are blk.N.attn_qkv, blk.N.ssm_*
@@ -357,31 +357,58 @@ class GatedDeltaNet(nn.Module):
             if st.conv is None or st.ssm is None:
                 st.conv = x.new_zeros(c.conv_dim, c.conv_kernel - 1)
                 st.ssm = x.new_zeros(hv, ds, ds)
-        if all(t == 1 for t in batch.lengths):
-            o = self._decode(mixed, g, beta, states)
-        else:
-            o = torch.cat(
-                [
-                    self._sequence(*parts, st)
-                    for *parts, st in zip(
-                        batch.split(mixed), batch.split(g), batch.split(beta), states, strict=True
-                    )
-                ]
+        parts = list(zip(batch.split(mixed), batch.split(g), batch.split(beta), states, strict=True))
+        outs: list[torch.Tensor | None] = [None] * len(parts)
+        # Sequences bringing one token (decode) step together, each longer one on its own; a token's values
+        # come out the same either way (kernels.delta_net_step), so a sequence's bits do not depend on the
+        # others in the call nor on how its tokens were split into calls.
+        ones = [i for i, p in enumerate(parts) if p[0].shape[0] == 1]
+        if ones:
+            o = self._steps(
+                *(torch.stack([parts[i][j] for i in ones]) for j in range(3)), [states[i] for i in ones]
             )
+            for j, i in enumerate(ones):
+                outs[i] = o[j]
+        for i, (m, gi, bi, st) in enumerate(parts):
+            if outs[i] is None:
+                long = m.shape[0] > RECURRENT_MAX
+                outs[i] = (
+                    self._chunked(m, gi, bi, st)
+                    if long
+                    else self._steps(m[None], gi[None], bi[None], [st])[0]
+                )
+        o = torch.cat(outs)  # type: ignore[arg-type]
         o = self.ssm_norm(o) * z.view(n, hv, ds)  # [N, Hv, Dv]
         return self.ssm_out(o.reshape(n, hv * ds))
 
-    def _sequence(
+    def _steps(
+        self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, states: list[DeltaNetState]
+    ) -> torch.Tensor:
+        """T new tokens of each of B sequences: mixed [B, T, C], g, beta [B, T, Hv] -> o [B, T, Hv, Dv]
+        (conv, SiLU, L2 norms and the delta rule in one ggml graph); the states advanced."""
+        convs = [st.conv for st in states if st.conv is not None]
+        ssms = [st.ssm for st in states if st.ssm is not None]
+        # One sequence (the common decode) needs no stacking copy of its states.
+        prev = convs[0].unsqueeze(0) if len(convs) == 1 else torch.stack(convs)  # [B, C, Kc-1]
+        window = torch.cat([prev, mixed.transpose(1, 2)], dim=-1)  # [B, C, Kc-1+T]
+        s = ssms[0].unsqueeze(0) if len(ssms) == 1 else torch.stack(ssms)  # [B, Hv, Dv, Dk]
+        c = self.cfg
+        o, s = kernels.delta_net_step(
+            window, self.ssm_conv1d.weight, g, beta, s, c.n_k_heads, not c.v_heads_tiled, L2_EPS
+        )
+        keep = c.conv_kernel - 1
+        for i, st in enumerate(states):
+            st.conv, st.ssm = window[i, :, window.shape[-1] - keep :].clone(), s[i]
+        return o
+
+    def _chunked(
         self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, st: DeltaNetState
     ) -> torch.Tensor:
-        """One sequence's T new tokens: mixed [T, C], g, beta [T, Hv] -> o [T, Hv, Dv]; st advanced."""
+        """A long prefill of one sequence (over RECURRENT_MAX tokens): mixed [T, C], g, beta [T, Hv] ->
+        o [T, Hv, Dv] by the chunked form in torch; st advanced."""
         assert st.conv is not None and st.ssm is not None
         conv, st.conv = causal_conv(mixed, st.conv, self.ssm_conv1d.weight)
         q, k, v = self._qkv(kernels.unary("silu", conv))  # [T, Hv, D], q unscaled
-        if mixed.shape[0] <= RECURRENT_MAX:
-            o, s = kernels.gated_delta(q[None], k[None], v[None], g[None], beta[None], st.ssm[None])
-            st.ssm = s[0]
-            return o[0]
         scale = 1.0 / math.sqrt(self.cfg.d_state)
         o, s = gated_delta_chunked(
             (q * scale).transpose(0, 1),
@@ -393,25 +420,6 @@ class GatedDeltaNet(nn.Module):
         )
         st.ssm = s.transpose(-1, -2).contiguous()
         return o.transpose(0, 1)
-
-    def _decode(
-        self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, states: list[DeltaNetState]
-    ) -> torch.Tensor:
-        """One token of each of B sequences: mixed [B, C] -> o [B, Hv, Dv], all steps as one batch."""
-        convs = [st.conv for st in states if st.conv is not None]
-        ssms = [st.ssm for st in states if st.ssm is not None]
-        # One sequence (the common decode) needs no stacking copy of its states.
-        prev = convs[0].unsqueeze(0) if len(convs) == 1 else torch.stack(convs)  # [B, C, Kc-1]
-        inp = torch.cat([prev, mixed.unsqueeze(-1)], dim=-1)  # [B, C, Kc]
-        s = ssms[0].unsqueeze(0) if len(ssms) == 1 else torch.stack(ssms)  # [B, Hv, Dv, Dk]
-        # conv, SiLU, L2 norms and the delta rule in one ggml graph
-        c = self.cfg
-        o, s = kernels.delta_net_step(
-            inp, self.ssm_conv1d.weight, g, beta, s, c.n_k_heads, not c.v_heads_tiled, L2_EPS
-        )
-        for i, st in enumerate(states):
-            st.conv, st.ssm = inp[i, :, 1:].clone(), s[i]
-        return o  # [B, Hv, Dv]
 
     def _qkv(self, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Activated conv output [..., T, C] -> q, k (L2-normed; q not yet scaled by 1/sqrt(D)), v, each

@@ -244,10 +244,6 @@ def _rope_block(n_rot: int, base: float, block: int) -> tuple[torch.Tensor, torc
     return angles.cos().float(), angles.sin().float()
 
 
-# Queries per chunk are capped so that one chunk's scores [H, chunk, S] stay near 2^25 floats (128 MiB).
-ATTN_SCORES_PER_CHUNK = 1 << 25
-
-
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal GQA attention of one sequence, scale 1/sqrt(hd), in q's dtype.
 
@@ -257,26 +253,21 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
 
     Written as grouped matmuls rather than SDPA: each key/value head multiplies its group of query
     heads at once, so K/V are never repeated (SDPA's GQA path on CPU is 10-20x slower for decode).
-    Long prefills run in query chunks to bound the score matrix.
+    Each query is computed as the decode step at its position computes it (the same products over exactly
+    the keys it sees, nothing masked), so a sequence read in one call, in chunks or a token at a time gets
+    the same bits: the matmul and softmax kernels pick their blocking by shape, and a masked longer row
+    would sum in another order.
     """
     h, t, hd = q.shape
     hkv, s, hdv = k.shape[0], k.shape[1], v.shape[2]
     rep = h // hkv
-    chunk = max(1, ATTN_SCORES_PER_CHUNK // (h * s))
-    out = []
-    for t0 in range(0, t, chunk):
-        t1 = min(t, t0 + chunk)
-        n_keys = s - t + t1  # the chunk's last query sees keys 0..n_keys-1
-        qc = q[:, t0:t1].reshape(hkv, rep * (t1 - t0), hd)  # [Hkv, rep*Tc, hd]
-        scores = torch.bmm(qc, k[:, :n_keys].transpose(1, 2)).mul_(hd**-0.5)  # [Hkv, rep*Tc, S']
-        if t1 - t0 > 1:  # a single query sees every key up to its own: nothing to hide
-            pos = torch.arange(s - t + t0, s - t + t1, device=q.device)  # [Tc] positions of the queries
-            hidden = torch.arange(n_keys, device=q.device)[None, :] > pos[:, None]  # [Tc, S'] future keys
-            scores = scores.view(hkv, rep, t1 - t0, n_keys).masked_fill_(hidden, float("-inf"))
-            scores = scores.view(hkv, rep * (t1 - t0), n_keys)
-        o = torch.bmm(torch.softmax(scores, dim=-1), v[:, :n_keys])  # [Hkv, rep*Tc, hdv]
-        out.append(o.view(h, t1 - t0, hdv))
-    return out[0] if len(out) == 1 else torch.cat(out, dim=1)
+    out = q.new_empty(h, t, hdv)
+    for i in range(t):
+        n_keys = s - t + i + 1
+        qi = q[:, i].reshape(hkv, rep, hd)  # [Hkv, rep, hd]
+        scores = torch.bmm(qi, k[:, :n_keys].transpose(1, 2)).mul_(hd**-0.5)  # [Hkv, rep, S']
+        out[:, i] = torch.bmm(torch.softmax(scores, dim=-1), v[:, :n_keys]).view(h, hdv)
+    return out
 
 
 def attend(
@@ -301,6 +292,7 @@ class KVCache:
 
     def __init__(self) -> None:
         self.length = 0  # S: positions held
+        self.capacity: int | None = None  # most positions it will hold (grows no further), None: no bound
         self._k: torch.Tensor | None = None  # [Hkv, capacity, hd]
         self._v: torch.Tensor | None = None
 
@@ -324,7 +316,8 @@ class KVCache:
         self.length = length
 
     def _grow(self, k: torch.Tensor, v: torch.Tensor, need: int) -> None:
-        cap = max(self.MIN_CAPACITY, need, 2 * (self._k.shape[1] if self._k is not None else 0))
+        cap = max(self.MIN_CAPACITY, 2 * (self._k.shape[1] if self._k is not None else 0))
+        cap = max(need, cap if self.capacity is None else min(cap, self.capacity))
         new_k = k.new_empty(k.shape[0], cap, k.shape[2])
         new_v = v.new_empty(v.shape[0], cap, v.shape[2])
         if self._k is not None and self._v is not None:

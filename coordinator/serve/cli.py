@@ -1,0 +1,225 @@
+"""`swarm serve`: the OpenAI-compatible server (coordinator/serve/api.py) over the scheduler."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from swarm.coordinator.commands import add_swarm_args
+from swarm.sharding.errors import UserError
+
+log = logging.getLogger(__name__)
+
+# Of the memory available when the server starts, what the slots' states may take (the rest: activations,
+# the tokenizer, the HTTP side, whatever else runs).
+STATE_SHARE = 0.8
+COVERAGE_CACHE_SECONDS = 1.0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="an OpenAI-compatible HTTP server for many users at once",
+        description=(
+            "Serve the model over HTTP with OpenAI's API (/v1/chat/completions, /v1/completions, /v1/models), "
+            "streaming as server-sent events, plus /health and /metrics (Prometheus). Up to --parallel "
+            "conversations decode together: every step carries one token of each, so each MoE layer makes one "
+            "call per node for all of them, and new prompts are read in chunks between steps. Every request "
+            "gets exactly the tokens it would get alone. A conversation sent again continues from the state "
+            "its slot holds instead of reading the history again."
+        ),
+    )
+    p.add_argument("model", metavar="DIR_OR_GGUF", help="shard directory or .gguf model")
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    g.add_argument("--port", type=int, default=8080, help="port (default 8080; 0: any free one)")
+    g.add_argument(
+        "--parallel", type=int, default=4, help="conversations decoded together (slots, default 4)"
+    )
+    g.add_argument(
+        "--ctx-size",
+        type=int,
+        default=4096,
+        help="most tokens one conversation holds, prompt + answer (default 4096)",
+    )
+    g.add_argument(
+        "--api-key",
+        default=None,
+        help="clients must send 'Authorization: Bearer KEY' (default: $SWARM_API_KEY; none: no check)",
+    )
+    g.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a slot before 429s")
+    g.add_argument(
+        "--model-id", default=None, help="the model's id in the API (default: the file or directory name)"
+    )
+    g.add_argument(
+        "--stats",
+        default=None,
+        metavar="FILE",
+        help="add how often the router picked each (layer, expert) to this JSON file at exit (`swarm plan --stats`)",
+    )
+    g.add_argument(
+        "--ready-file", type=Path, default=None, help="write JSON (url, port, ...) here once serving"
+    )
+    g.add_argument(
+        "--exit-with-parent",
+        action="store_true",
+        help="stop when the process that started this server is gone (for servers that tools start)",
+    )
+    add_swarm_args(p)
+    p.set_defaults(func=cmd_serve)
+
+
+def model_id_of(path: str) -> str:
+    name = Path(path.rstrip("/")).name
+    return name[: -len(".gguf")] if name.endswith(".gguf") else name
+
+
+def available_memory(device: Any) -> int | None:
+    """Bytes free for new tensors on the device (CUDA: its free memory; CPU: MemAvailable), or None."""
+    import torch
+
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
+
+
+def _watch_parent(parent: int) -> None:
+    """The launcher is gone: shut down as on SIGTERM (gracefully)."""
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from swarm.coordinator.commands import _open
+    from swarm.coordinator.engine import model_identity
+    from swarm.coordinator.serve.api import ServeConfig, build_app
+    from swarm.coordinator.serve.metrics import ServeMetrics
+    from swarm.coordinator.serve.scheduler import CHECKPOINT_BEFORE_END, Scheduler, slot_bytes
+    from swarm.coordinator.swarm import SwarmExperts, describe_missing
+    from swarm.node.openmp import set_wait_policy
+
+    if args.parallel < 1:
+        raise UserError("--parallel must be at least 1")
+    if args.ctx_size < 2 * CHECKPOINT_BEFORE_END:
+        raise UserError(f"--ctx-size must be at least {2 * CHECKPOINT_BEFORE_END} tokens")
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port {args.port}: give 0-65535")
+    if args.max_queue < 0:
+        raise UserError("--max-queue must be 0 or more")
+    api_key = args.api_key or os.environ.get("SWARM_API_KEY") or None
+    # bind first: a port in use is found before minutes of loading
+    try:
+        sock = socket.create_server((args.host, args.port), reuse_port=False)
+    except OSError as e:
+        raise UserError(
+            f"cannot listen on {args.host}:{args.port} ({e.strerror}); pick another --port"
+        ) from None
+    parent = os.getppid() if args.exit_with_parent else None
+    set_wait_policy(experts_remote=not args.local)
+    engine = _open(args)
+    stats_of = None
+    scheduler = None
+    try:
+        checker = engine.checker
+        copies = 3 + (checker is not None)  # live state, two prefix checkpoints, the checker's anchor
+        per_slot = slot_bytes(engine.model, args.ctx_size, copies)
+        free = available_memory(engine.device)
+        if free is not None and args.parallel * per_slot > STATE_SHARE * free:
+            fits = int(STATE_SHARE * free // per_slot) if per_slot else args.parallel
+            raise UserError(
+                f"--parallel {args.parallel} at --ctx-size {args.ctx_size} needs {args.parallel} x {gib(per_slot)} "
+                f"= {gib(args.parallel * per_slot)} for conversation state, but {gib(free)} is available on "
+                f"{engine.device} (the slots may take {STATE_SHARE:.0%}): use --parallel {max(fits, 1)} or a "
+                "smaller --ctx-size"
+            )
+        if args.stats:
+            from swarm.coordinator.experts import RoutingStats
+
+            stats_of = RoutingStats(engine.experts)
+            engine.model.set_experts(stats_of)
+        admit_check = None
+        if isinstance(engine.experts, SwarmExperts):
+            experts = engine.experts
+            _, needed = model_identity(args.model)
+            seen: list[Any] = [0.0, None]
+
+            def admit_check() -> str | None:
+                now = time.monotonic()
+                if now - seen[0] > COVERAGE_CACHE_SECONDS and not experts.degraded:
+                    experts.follow_mdns()
+                    missing = experts.placement.missing(needed)
+                    seen[:] = [now, describe_missing(missing, args.model) if missing else None]
+                return seen[1]
+
+        scheduler = Scheduler(
+            engine.model, engine.device, checker, args.parallel, args.ctx_size, args.max_queue, admit_check
+        )
+        scheduler.start()
+        config = ServeConfig(
+            model_id=args.model_id or model_id_of(args.model), api_key=api_key, ctx_size=args.ctx_size
+        )
+        metrics = ServeMetrics(engine.experts)
+        app = build_app(engine, scheduler, config, metrics)
+        host, port = sock.getsockname()[:2]
+        shown = f"[{host}]" if ":" in host else host
+        # uvicorn shuts down gracefully on SIGINT/SIGTERM (in-flight requests get up to 10 s), then raises the
+        # signal again under the handler that was there before: a SIGTERM handler that returns lets the
+        # cleanup below run (slots, node channels, --stats) instead of the default's instant death.
+        signal.signal(signal.SIGTERM, lambda signum, frame: None)
+        if args.ready_file:
+            ready = {"url": f"http://{shown}:{port}/v1", "address": f"{shown}:{port}", "host": host, "port": port,
+                     "pid": os.getpid(), "model_id": config.model_id, "slot_bytes": per_slot}  # fmt: skip
+            tmp = args.ready_file.with_name(args.ready_file.name + ".tmp")
+            tmp.write_text(json.dumps(ready))
+            tmp.replace(args.ready_file)
+        if parent is not None:
+            threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+        print(
+            f"swarm serve: {config.model_id} on http://{shown}:{port}/v1 ({args.parallel} slots x {args.ctx_size} "
+            f"tokens, {gib(per_slot)} of state each{'; API key required' if api_key else ''})",
+            file=sys.stderr,
+            flush=True,
+        )
+        if api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+            print(
+                "swarm serve: warning: no --api-key: anyone who reaches this port can use it", file=sys.stderr
+            )
+        server = uvicorn.Server(
+            uvicorn.Config(
+                app, log_level="warning", timeout_graceful_shutdown=10, lifespan="off", access_log=False
+            )
+        )
+        server.run(sockets=[sock])
+    finally:
+        if scheduler is not None:
+            scheduler.stop()
+        sock.close()
+        if stats_of is not None:
+            stats_of.save(args.stats, engine.fingerprint)
+        engine.close()
+    print("swarm serve: stopped", file=sys.stderr)
+    return 0

@@ -1,0 +1,380 @@
+"""The batcher behind `swarm serve`: up to N conversations decode together, one model pass per step.
+
+One engine thread owns the model. Each step is one forward pass (one expert fan-out per MoE layer for
+everything in it) carrying the next token of every decoding sequence and, beside them, the next chunk of
+one prompt being read, so running requests keep streaming while a new prompt is read. A sequence's bits do
+not depend on what shares its passes nor on how its prompt is cut into chunks (coordinator/models), so each
+request gets exactly the tokens it gets alone, and a redo after a caught node (generate.Steps) gives the
+same outputs.
+
+A slot keeps its state when its request ends. A later request whose prompt begins with what a slot holds
+(a chat app sends the whole conversation again) continues from there instead of reading the history again.
+The attention layers' KV cache can be cut back to any length, the linear-attention (DeltaNet) states only
+restored from a checkpoint, so a slot also keeps checkpoints at the end of its last prompt and a few tokens
+before it (where a re-rendered conversation first differs from the tokens generated).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from swarm.coordinator.generate import Checker, Entry, Sampler, SamplingParams, Seq, Steps
+from swarm.coordinator.models.layers import KVCache
+from swarm.sharding.errors import UserError
+
+log = logging.getLogger(__name__)
+
+# Prompt tokens per pass: while others decode, a chunk is what delays their next token; alone, bigger chunks
+# mean fewer passes (both stay within the DeltaNet's recurrent form, see deltanet.RECURRENT_MAX).
+CHUNK_BESIDE_DECODE = 64
+CHUNK_ALONE = 256
+# A checkpoint this many tokens before a prompt's end: a conversation sent again usually differs from what
+# a slot holds only from the last turn's generation prompt on.
+CHECKPOINT_BEFORE_END = 16
+
+
+class QueueFull(Exception):
+    """More requests wait than the queue takes."""
+
+
+@dataclass
+class Done:
+    finish_reason: str  # "stop", "length", "cancelled", or "error"
+    error: str | None = None
+    status: int = 200  # the HTTP status an error maps to
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation. `on_tokens` and `on_done` are called from the engine thread."""
+
+    prompt: list[int]
+    params: SamplingParams
+    on_tokens: Callable[[list[int]], None]
+    on_done: Callable[[Done], None]
+    submitted: float = field(default_factory=time.monotonic)
+    first_token: float | None = None
+    cached: int = 0  # prompt tokens taken from a slot's held state
+    prompt_seconds: float = 0.0  # from admission to the first token
+    cancelled: bool = False
+    admitted: float | None = None
+    produced: int = 0
+
+
+@dataclass(eq=False)
+class Slot:
+    index: int
+    state: Any = None  # the model's SequenceState, kept between requests
+    history: list[int] = field(default_factory=list)  # the tokens `state` holds (when idle)
+    checkpoints: dict[int, Any] = field(default_factory=dict)  # position -> state checkpoint
+    request: Request | None = None
+    seq: Seq | None = None
+    fed: int = 0  # prompt tokens read
+    out: list[int] = field(default_factory=list)  # tokens given to the request
+    used: float = 0.0
+
+
+@dataclass
+class SchedulerStats:
+    steps: int = 0
+    tokens_in: int = 0  # prompt tokens read (not taken from held state)
+    tokens_cached: int = 0
+    tokens_out: int = 0
+    busy_seconds: float = 0.0
+    recent: deque = field(default_factory=lambda: deque(maxlen=4096))  # (time, tokens out) per step
+
+
+class Scheduler:
+    def __init__(
+        self,
+        model: Any,
+        device: torch.device,
+        checker: Checker | None,
+        parallel: int,
+        ctx_size: int,
+        max_queue: int,
+        admit_check: Callable[[], str | None] | None = None,
+    ) -> None:
+        self.model, self.device, self.checker = model, device, checker
+        self.ctx_size, self.max_queue = ctx_size, max_queue
+        self.admit_check = admit_check  # says why no request can run now (experts without a holder), or None
+        self.slots = [Slot(i) for i in range(parallel)]
+        self.waiting: deque[Request] = deque()
+        self.stats = SchedulerStats()
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._steps = Steps(model, device, checker)
+        self._redone = 0
+        self._thread = threading.Thread(target=self._loop, name="swarm-serve-engine", daemon=True)
+
+    # --- the API side (any thread) ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, req: Request) -> None:
+        if len(req.prompt) >= self.ctx_size:
+            raise UserError(
+                f"the prompt has {len(req.prompt)} tokens; this server's context is {self.ctx_size} tokens "
+                "per conversation (--ctx-size): shorten the prompt"
+            )
+        with self._cond:
+            if self._stopping:
+                raise UserError("the server is shutting down")
+            if len(self.waiting) >= self.max_queue:
+                raise QueueFull()
+            self.waiting.append(req)
+            self._cond.notify()
+
+    def cancel(self, req: Request) -> None:
+        """The client went away (or its stop string came): free its slot at the next step."""
+        with self._cond:
+            req.cancelled = True
+            self._cond.notify()
+
+    def queue_depth(self) -> int:
+        return len(self.waiting)
+
+    def active(self) -> int:
+        return sum(1 for s in self.slots if s.request is not None)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # --- the engine thread ------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                if self._stopping:
+                    break
+                self._drop_cancelled()
+                self._admit()
+                entries, prefill, chunk = self._entries()
+                if not entries and not self._steps.passes:
+                    self._cond.wait(0.5)
+                    continue
+            t0 = time.perf_counter()
+            try:
+                if entries:
+                    self._steps.step(entries)
+                else:
+                    self._steps.finish()
+            except Exception as e:  # a step that cannot finish fails the requests in it, not the server
+                self._fail_all(e)
+                continue
+            dt = time.perf_counter() - t0
+            with self._cond:
+                self._after_pass(prefill, chunk, dt)
+        self._end_all()
+
+    def _drop_cancelled(self) -> None:
+        self.waiting = deque(r for r in self.waiting if not self._gone(r))
+        for s in self.slots:
+            if s.request is not None and s.request.cancelled:
+                self._release(s, Done("cancelled"))
+
+    def _gone(self, r: Request) -> bool:
+        if r.cancelled:
+            r.on_done(Done("cancelled"))
+        return r.cancelled
+
+    def _admit(self) -> None:
+        while self.waiting:
+            free = [s for s in self.slots if s.request is None and not self._busy(s)]
+            if not free:
+                return
+            if self.admit_check is not None:
+                why = self.admit_check()
+                if why is not None:
+                    for r in self.waiting:
+                        r.on_done(Done("error", why, 503))
+                    self.waiting.clear()
+                    return
+            req = self.waiting.popleft()
+            slot, pos = self._best_slot(free, req.prompt)
+            self._prepare(slot, pos)
+            slot.request, slot.fed, slot.out, slot.used = req, pos, [], time.monotonic()
+            slot.seq = Seq(slot.state, Sampler(req.params, self.device))
+            self._steps.join(slot.seq)
+            req.cached, req.admitted = pos, time.monotonic()
+            self.stats.tokens_cached += pos
+
+    def _busy(self, s: Slot) -> bool:
+        """A slot whose last request's passes may still be redone (a checker holds them)."""
+        return s.seq is not None and self._steps.holds(s.seq)
+
+    def _best_slot(self, free: list[Slot], prompt: list[int]) -> tuple[Slot, int]:
+        """The free slot holding the longest usable beginning of `prompt` (at least one token is left to
+        read, for the logits), and that length; the least recently used slot when none holds any."""
+        best: tuple[int, float, Slot] | None = None
+        for s in free:
+            if s.state is None:
+                continue
+            for p in sorted({*s.checkpoints, len(s.history)}, reverse=True):
+                if 0 < p < len(prompt) and s.history[:p] == prompt[:p]:
+                    if best is None or (p, -s.used) > best[:2]:
+                        best = (p, -s.used, s)
+                    break
+        if best is not None:
+            return best[2], best[0]
+        return min(free, key=lambda s: (s.state is not None, s.used)), 0
+
+    def _prepare(self, slot: Slot, pos: int) -> None:
+        """Bring the slot's state to the first `pos` tokens of its history (0: a fresh state)."""
+        if pos == 0:
+            slot.state = self.model.new_state()
+            for layer in slot.state.layers:
+                if isinstance(layer, KVCache):
+                    layer.capacity = self.ctx_size
+            slot.checkpoints, slot.history = {}, []
+            return
+        if pos != len(slot.history):
+            slot.state.restore(slot.checkpoints[pos])
+        slot.checkpoints = {p: c for p, c in slot.checkpoints.items() if p <= pos}
+        slot.history = slot.history[:pos]
+
+    def _entries(self) -> tuple[list[Entry], Slot | None, int]:
+        """This step's pass: a decode entry for every sequence that goes on, one prompt chunk beside them."""
+        entries: list[Entry] = []
+        reading: list[Slot] = []
+        for s in self.slots:
+            r, seq = s.request, s.seq
+            if r is None or seq is None:
+                continue
+            if s.fed < len(r.prompt):
+                reading.append(s)
+            elif not self._computed(s):
+                entries.append(Entry(seq))
+        if not reading:
+            return entries, None, 0
+        s = min(reading, key=lambda s: s.request.admitted or 0.0)  # type: ignore[union-attr]
+        r = s.request
+        assert r is not None and s.seq is not None
+        end = min(len(r.prompt), s.fed + (CHUNK_BESIDE_DECODE if entries else CHUNK_ALONE))
+        mark = len(r.prompt) - CHECKPOINT_BEFORE_END
+        if s.fed < mark < end:
+            end = mark  # stop there to checkpoint
+        entries.append(Entry(s.seq, tuple(r.prompt[s.fed : end]), output=end == len(r.prompt)))
+        chunk, s.fed = end - s.fed, end
+        return entries, s, chunk
+
+    def _computed(self, s: Slot) -> bool:
+        """Whether the slot's sequence needs no more passes (its last token is a stop, or it is long enough)."""
+        r, seq = s.request, s.seq
+        assert r is not None and seq is not None
+        n = len(s.out) + len(seq.ready) + len(seq.held)
+        return seq.last in r.params.stop_ids or n >= r.params.max_tokens or len(r.prompt) + n >= self.ctx_size
+
+    def _after_pass(self, prefill: Slot | None, chunk: int, seconds: float) -> None:
+        st = self.stats
+        st.steps += 1
+        st.busy_seconds += seconds
+        st.tokens_in += chunk
+        now = time.monotonic()
+        if self._steps.redone != self._redone:
+            # passes were done again after a node was caught: checkpoints taken meanwhile may hold its answers
+            self._redone = self._steps.redone
+            for s in self.slots:
+                if s.request is not None:
+                    s.checkpoints = {}
+        if prefill is not None and prefill.request is not None and prefill.state is not None:
+            r = prefill.request
+            if prefill.fed in (len(r.prompt), len(r.prompt) - CHECKPOINT_BEFORE_END):
+                prefill.checkpoints[prefill.fed] = prefill.state.checkpoint()
+        out_now = 0
+        for s in self.slots:
+            r, seq = s.request, s.seq
+            if r is None or seq is None:
+                continue
+            tokens = seq.take()
+            if not tokens:
+                continue
+            if r.first_token is None:
+                r.first_token = now
+                r.prompt_seconds = now - (r.admitted or now)
+            s.out.extend(tokens)
+            out_now += len(tokens)
+            give = tokens
+            reason = None
+            for i, t in enumerate(tokens):
+                n = len(s.out) - len(tokens) + i + 1
+                if t in r.params.stop_ids:
+                    give, reason = tokens[: i + 1], "stop"
+                    break
+                if n >= r.params.max_tokens or len(r.prompt) + n >= self.ctx_size:
+                    give, reason = tokens[: i + 1], "length"
+                    break
+            r.produced += len(give)
+            r.on_tokens(give)
+            if reason is not None:
+                self._release(s, Done(reason))
+        st.tokens_out += out_now
+        st.recent.append((now, out_now))
+
+    def _release(self, s: Slot, done: Done) -> None:
+        """End the slot's request; keep its state for a later conversation that begins the same way."""
+        r, seq = s.request, s.seq
+        assert r is not None
+        s.request = None
+        if seq is not None and self._steps.holds(seq):
+            # its passes may still be redone: the state cannot be trusted for reuse
+            s.state, s.history, s.checkpoints = None, [], {}
+        elif s.state is not None and seq is not None:
+            fed = s.state.length
+            s.history = (r.prompt + s.out + list(seq.held))[:fed]
+            s.checkpoints = {p: c for p, c in s.checkpoints.items() if p <= fed}
+        s.used = time.monotonic()
+        r.on_done(done)
+
+    def _fail_all(self, e: Exception) -> None:
+        user = isinstance(e, UserError)
+        if not user:
+            log.exception("a model step failed")
+        msg = str(e) if user else f"the model step failed: {e}"
+        with self._cond:
+            for s in self.slots:
+                if s.request is not None:
+                    r = s.request
+                    s.request, s.state, s.seq, s.history, s.checkpoints = None, None, None, [], {}
+                    r.on_done(Done("error", msg, 503 if user else 500))
+            self._steps = Steps(self.model, self.device, self.checker)
+            self._redone = 0
+
+    def _end_all(self) -> None:
+        with self._cond:
+            for r in self.waiting:
+                r.on_done(Done("error", "the server is shutting down", 503))
+            self.waiting.clear()
+            for s in self.slots:
+                if s.request is not None:
+                    r, s.request = s.request, None
+                    r.on_done(Done("cancelled"))
+
+
+def slot_bytes(model: Any, ctx_size: int, state_copies: int) -> int:
+    """Memory one slot's sequence state takes at `ctx_size` tokens: the attention layers' keys and values
+    (float32) and the linear-attention layers' conv and recurrent states, those `state_copies` times (the
+    live state, its prefix checkpoints, the checker's anchor)."""
+    from swarm.coordinator.models.deltanet import GatedDeltaNet
+
+    kv = recurrent = 0
+    for m in model.modules():
+        if isinstance(m, GatedDeltaNet):
+            c = m.cfg
+            recurrent += 4 * (c.conv_dim * (c.conv_kernel - 1) + c.n_v_heads * c.d_state * c.d_state)
+        elif hasattr(m, "attn_k") and hasattr(m, "attn_v"):
+            kv += 4 * ctx_size * (m.attn_k.d_out + m.attn_v.d_out)
+    return kv + state_copies * recurrent
