@@ -15,6 +15,7 @@ sequence, every MoE layer sees all N tokens: one expert fan-out per layer for th
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -464,6 +465,19 @@ class DecoderModel(nn.Module):
         # The head runs outside inference_mode so that callers get an ordinary tensor they may modify.
         with torch.no_grad():
             return self.output(self.output_norm(x)).float()  # [N, V]
+
+    def warm_up(self) -> None:
+        """One token through every expert of every layer (llama.cpp warms up the same way), so that the
+        weights are paged in, and every node has answered once, before the first real request."""
+        moes = [m for m in self.modules() if isinstance(m, MoE)]
+        kept = [m.cfg for m in moes]
+        for m in moes:
+            m.cfg = dataclasses.replace(m.cfg, n_expert_used=m.cfg.n_expert)
+        try:
+            self(torch.zeros(1, dtype=torch.long), [self.new_state()], [1])
+        finally:
+            for m, cfg in zip(moes, kept, strict=True):
+                m.cfg = cfg
 
     def run(self, tokens: Sequence[int] | torch.Tensor, state: SequenceState) -> torch.Tensor:
         """One sequence: feed its next tokens, get logits [T, V]."""

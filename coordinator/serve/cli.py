@@ -112,15 +112,17 @@ def _watch_parent(parent: int) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from swarm.node.openmp import set_wait_policy
+
+    set_wait_policy(experts_remote=not args.local)  # before torch loads: it is read once, then
     import uvicorn
 
-    from swarm.coordinator.commands import _open
+    from swarm.coordinator.commands import _open, _status
     from swarm.coordinator.engine import model_identity
     from swarm.coordinator.serve.api import ServeConfig, build_app
     from swarm.coordinator.serve.metrics import ServeMetrics
     from swarm.coordinator.serve.scheduler import CHECKPOINT_BEFORE_END, Scheduler, slot_bytes
     from swarm.coordinator.swarm import SwarmExperts, describe_missing
-    from swarm.node.openmp import set_wait_policy
 
     if args.parallel < 1:
         raise UserError("--parallel must be at least 1")
@@ -139,7 +141,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
             f"cannot listen on {args.host}:{args.port} ({e.strerror}); pick another --port"
         ) from None
     parent = os.getppid() if args.exit_with_parent else None
-    set_wait_policy(experts_remote=not args.local)
     engine = _open(args)
     stats_of = None
     scheduler = None
@@ -156,6 +157,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 f"{engine.device} (the slots may take {STATE_SHARE:.0%}): use --parallel {max(fits, 1)} or a "
                 "smaller --ctx-size"
             )
+        _status("swarm serve: warming up (every expert once, as llama.cpp does) ...")
+        engine.model.warm_up()
         if args.stats:
             from swarm.coordinator.experts import RoutingStats
 

@@ -32,10 +32,12 @@ from swarm.sharding.errors import UserError
 
 log = logging.getLogger(__name__)
 
-# Prompt tokens per pass: while others decode, a chunk is what delays their next token; alone, bigger chunks
-# mean fewer passes (both stay within the DeltaNet's recurrent form, see deltanet.RECURRENT_MAX).
-CHUNK_BESIDE_DECODE = 64
-CHUNK_ALONE = 256
+# Prompt tokens per pass: while others decode, the prompts read beside them delay their next token; with no
+# one decoding, more per pass means fewer passes. Several prompts may share a pass (one fan-out per layer).
+PASS_PROMPT_TOKENS_BESIDE_DECODE = 128
+PASS_PROMPT_TOKENS_ALONE = 512
+# One sequence's chunk stays within the DeltaNet's recurrent form (deltanet.RECURRENT_MAX).
+CHUNK = 256
 # A checkpoint this many tokens before a prompt's end: a conversation sent again usually differs from what
 # a slot holds only from the last turn's generation prompt on.
 CHECKPOINT_BEFORE_END = 16
@@ -162,7 +164,7 @@ class Scheduler:
                     break
                 self._drop_cancelled()
                 self._admit()
-                entries, prefill, chunk = self._entries()
+                entries, reads = self._entries()
                 if not entries and not self._steps.passes:
                     self._cond.wait(0.5)
                     continue
@@ -177,7 +179,7 @@ class Scheduler:
                 continue
             dt = time.perf_counter() - t0
             with self._cond:
-                self._after_pass(prefill, chunk, dt)
+                self._after_pass(reads, dt)
         self._end_all()
 
     def _drop_cancelled(self) -> None:
@@ -246,8 +248,9 @@ class Scheduler:
         slot.checkpoints = {p: c for p, c in slot.checkpoints.items() if p <= pos}
         slot.history = slot.history[:pos]
 
-    def _entries(self) -> tuple[list[Entry], Slot | None, int]:
-        """This step's pass: a decode entry for every sequence that goes on, one prompt chunk beside them."""
+    def _entries(self) -> tuple[list[Entry], list[tuple[Slot, int]]]:
+        """This step's pass: a decode entry for every sequence that goes on and, beside them, chunks of the
+        prompts being read (oldest first, within the pass's prompt budget); (entries, (slot, chunk) read)."""
         entries: list[Entry] = []
         reading: list[Slot] = []
         for s in self.slots:
@@ -258,18 +261,22 @@ class Scheduler:
                 reading.append(s)
             elif not self._computed(s):
                 entries.append(Entry(seq))
-        if not reading:
-            return entries, None, 0
-        s = min(reading, key=lambda s: s.request.admitted or 0.0)  # type: ignore[union-attr]
-        r = s.request
-        assert r is not None and s.seq is not None
-        end = min(len(r.prompt), s.fed + (CHUNK_BESIDE_DECODE if entries else CHUNK_ALONE))
-        mark = len(r.prompt) - CHECKPOINT_BEFORE_END
-        if s.fed < mark < end:
-            end = mark  # stop there to checkpoint
-        entries.append(Entry(s.seq, tuple(r.prompt[s.fed : end]), output=end == len(r.prompt)))
-        chunk, s.fed = end - s.fed, end
-        return entries, s, chunk
+        budget = PASS_PROMPT_TOKENS_BESIDE_DECODE if entries else PASS_PROMPT_TOKENS_ALONE
+        reads: list[tuple[Slot, int]] = []
+        for s in sorted(reading, key=lambda s: s.request.admitted or 0.0):  # type: ignore[union-attr]
+            if budget <= 0:
+                break
+            r = s.request
+            assert r is not None and s.seq is not None
+            end = min(len(r.prompt), s.fed + CHUNK, s.fed + budget)
+            mark = len(r.prompt) - CHECKPOINT_BEFORE_END
+            if s.fed < mark < end:
+                end = mark  # stop there to checkpoint
+            entries.append(Entry(s.seq, tuple(r.prompt[s.fed : end]), output=end == len(r.prompt)))
+            reads.append((s, end - s.fed))
+            budget -= end - s.fed
+            s.fed = end
+        return entries, reads
 
     def _computed(self, s: Slot) -> bool:
         """Whether the slot's sequence needs no more passes (its last token is a stop, or it is long enough)."""
@@ -278,11 +285,11 @@ class Scheduler:
         n = len(s.out) + len(seq.ready) + len(seq.held)
         return seq.last in r.params.stop_ids or n >= r.params.max_tokens or len(r.prompt) + n >= self.ctx_size
 
-    def _after_pass(self, prefill: Slot | None, chunk: int, seconds: float) -> None:
+    def _after_pass(self, reads: list[tuple[Slot, int]], seconds: float) -> None:
         st = self.stats
         st.steps += 1
         st.busy_seconds += seconds
-        st.tokens_in += chunk
+        st.tokens_in += sum(n for _, n in reads)
         now = time.monotonic()
         if self._steps.redone != self._redone:
             # passes were done again after a node was caught: checkpoints taken meanwhile may hold its answers
@@ -290,10 +297,14 @@ class Scheduler:
             for s in self.slots:
                 if s.request is not None:
                     s.checkpoints = {}
-        if prefill is not None and prefill.request is not None and prefill.state is not None:
-            r = prefill.request
-            if prefill.fed in (len(r.prompt), len(r.prompt) - CHECKPOINT_BEFORE_END):
-                prefill.checkpoints[prefill.fed] = prefill.state.checkpoint()
+        for s, _ in reads:
+            r = s.request
+            if (
+                r is not None
+                and s.state is not None
+                and s.fed in (len(r.prompt), len(r.prompt) - CHECKPOINT_BEFORE_END)
+            ):
+                s.checkpoints[s.fed] = s.state.checkpoint()
         out_now = 0
         for s in self.slots:
             r, seq = s.request, s.seq

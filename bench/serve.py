@@ -1,0 +1,300 @@
+"""Serving several users at once: aggregate tokens/s and time to first token at 1, 2, 4, 8 concurrent requests.
+
+    .venv/bin/python bench/serve.py [--reps 3] [--prompt-tokens 64] [--max-tokens 32] \
+        [--llama-server /work/llamacpp-build/noamx/bin/llama-server]
+
+On the real Qwen3.6-35B-A3B layer shape (bench/decode's model: `swarm synth` preset qwen3.6-35b-a3b, 4 layers,
+Q4_K experts, Q8_0 dense), three servers side by side, each started cold in every repetition (rotating order)
+and given one short warm-up request:
+  - `swarm serve GGUF --local` (experts in process),
+  - `swarm serve SHARD_DIR` over 4 loopback `swarm node` processes (one expert quarter each, found by --peer),
+  - llama.cpp's own `llama-server -np 8` on the same GGUF, same threads.
+For each concurrency N, N streamed requests (each its own prompt of --prompt-tokens random token ids, the same
+ids for every server) are sent at once through the official `openai` client; aggregate tokens/s = completion
+tokens of all N / wall time from the first send to the last token, and time to first token per request.
+Medians over the repetitions. Figures go to the `bench:serve` section of docs/BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import logging
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from functools import partial
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import openai  # noqa: E402
+from _doc import publish  # noqa: E402
+from decode import LOOPBACK, free_port, llama_version, prepare, split  # noqa: E402
+
+from swarm.coordinator.serve.launch import spawn_server  # noqa: E402
+from swarm.node.launch import LocalNode, start_nodes, stop_nodes  # noqa: E402
+from swarm.sharding.gguf_io import open_gguf  # noqa: E402
+from swarm.sharding.ranges import format_ranges  # noqa: E402
+from swarm.sharding.slabs import read_manifest  # noqa: E402
+
+log = logging.getLogger("bench.serve")
+CONCURRENCY = (1, 2, 4, 8)
+DEFAULT_LLAMA = Path("/work/llamacpp-build/noamx/bin/llama-server")
+N_NODES = 4
+
+
+class Target:
+    """A server under test: start() -> base URL of its OpenAI API; stop()."""
+
+    name = ""
+    model = ""  # the id its API serves the model under
+
+    def start(self) -> str:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+
+class SwarmServe(Target):
+    def __init__(
+        self,
+        source: Path,
+        args: list[str],
+        work: Path,
+        name: str,
+        nodes: list[tuple[Path, list[str]]] | None = None,
+    ) -> None:
+        self.source, self.args, self.work, self.name, self.node_specs = source, args, work, name, nodes or []
+        self.proc: LocalNode | None = None
+        self.nodes: list[LocalNode] = []
+
+    def start(self) -> str:
+        peers: list[str] = []
+        if self.node_specs:
+            self.nodes = start_nodes(self.node_specs, self.work / "nodes", timeout=180.0)
+            peers = [a for n in self.nodes for a in ("--peer", n.address)]
+        self.proc = spawn_server(self.source, [*self.args, *peers], self.work, "serve").wait_ready(300)
+        self.model = self.proc.ready["model_id"]
+        return self.proc.ready["url"]
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.stop()
+        stop_nodes(self.nodes)
+        self.nodes = []
+
+
+class LlamaServer(Target):
+    def __init__(self, binary: Path, gguf: Path, threads: int, parallel: int, ctx: int, work: Path) -> None:
+        self.binary, self.gguf, self.threads, self.parallel, self.ctx, self.work = (
+            binary,
+            gguf,
+            threads,
+            parallel,
+            ctx,
+            work,
+        )
+        self.name = f"llama-server -np {parallel}"
+        self.proc: subprocess.Popen | None = None
+        self.model = gguf.stem
+
+    def start(self) -> str:
+        port = free_port()
+        cmd = [str(self.binary), "-m", str(self.gguf), "-t", str(self.threads), "-np", str(self.parallel),
+               "-c", str(self.ctx * self.parallel), "--host", LOOPBACK, "--port", str(port), "-a", self.model]  # fmt: skip
+        self.log = open(self.work / "llama-server.log", "wb")  # noqa: SIM115 (closed in stop)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://{LOOPBACK}:{port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"llama-server did not come up; see {self.work / 'llama-server.log'}")
+            time.sleep(0.2)
+        return f"http://{LOOPBACK}:{port}/v1"
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.log.close()
+
+
+def one_request(
+    client: openai.OpenAI, model: str, prompt: list[int], max_tokens: int, t0: float
+) -> tuple[float, float, int]:
+    """(seconds to the first token, seconds to the last, completion tokens) of one streamed request."""
+    first = None
+    chunks = 0
+    usage = None
+    stream = client.completions.create(
+        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    for ch in stream:
+        if ch.usage is not None:
+            usage = ch.usage.completion_tokens
+        if ch.choices and ch.choices[0].text:
+            chunks += 1
+            if first is None:
+                first = time.perf_counter() - t0
+    end = time.perf_counter() - t0
+    return (first if first is not None else end), end, int(usage if usage is not None else chunks)
+
+
+def measure(url: str, model: str, prompts: list[list[int]], max_tokens: int) -> dict[int, dict[str, float]]:
+    client = openai.OpenAI(base_url=url, api_key="-", max_retries=0, timeout=600)
+    one_request(
+        client, model, prompts[-1][:8], max_tokens=4, t0=time.perf_counter()
+    )  # warm-up: page the weights in
+    out: dict[int, dict[str, float]] = {}
+    for n in CONCURRENCY:
+        t0 = time.perf_counter()
+        with cf.ThreadPoolExecutor(n) as ex:
+            results = list(
+                ex.map(partial(one_request, client, model, max_tokens=max_tokens, t0=t0), prompts[:n])
+            )
+        wall = max(r[1] for r in results)
+        tokens = sum(r[2] for r in results)
+        out[n] = {"tps": tokens / wall, "ttft": statistics.median(r[0] for r in results), "tokens": tokens}
+        log.info("  %d at once: %.1f tok/s aggregate, TTFT median %.2f s", n, out[n]["tps"], out[n]["ttft"])
+    return out
+
+
+def vocab_size(gguf: Path) -> int:
+    reader = open_gguf(gguf)
+    field = reader.fields["tokenizer.ggml.tokens"]
+    return len(field.data)
+
+
+def render(
+    args: argparse.Namespace, names: list[str], runs: dict[str, list[dict[int, dict[str, float]]]], llama: str
+) -> str:
+    def med(name: str, n: int, key: str) -> float:
+        return statistics.median(r[n][key] for r in runs[name])
+
+    lines = [
+        "<!-- bench:serve -->",
+        "## bench/serve: several users at once (issue 10)",
+        "",
+        f"`.venv/bin/python bench/serve.py --reps {args.reps} --prompt-tokens {args.prompt_tokens} "
+        f"--max-tokens {args.max_tokens}` on {platform.machine()} ({args.cpu}), {args.threads} threads per server; "
+        f"model: Qwen3.6-35B-A3B layer shape, 4 layers, Q4_K experts, Q8_0 dense ({args.gguf_gb:.1f} GB); "
+        f"{llama}. Medians of {args.reps} repetitions, each server started cold per repetition (one warm-up "
+        f"request). N streamed requests at once, {args.prompt_tokens}-token prompts, {args.max_tokens} tokens each.",
+        "",
+        "| server | " + " | ".join(f"{n} at once: tok/s, TTFT s" for n in CONCURRENCY) + " | 8 vs 1 |",
+        "| --- | " + " | ".join("---:" for _ in CONCURRENCY) + " | ---: |",
+    ]
+    for name in names:
+        cells = [f"{med(name, n, 'tps'):.1f}, {med(name, n, 'ttft'):.2f}" for n in CONCURRENCY]
+        lines.append(
+            f"| {name} | " + " | ".join(cells) + f" | {med(name, 8, 'tps') / med(name, 1, 'tps'):.2f}x |"
+        )
+    llama_name = next((n for n in names if n.startswith("llama")), None)
+    if llama_name:
+        lines += [
+            "",
+            "Aggregate at 8 against llama-server's, side by side in each repetition (median of the ratios):",
+            "",
+        ]
+        for name in names:
+            if name == llama_name:
+                continue
+            ratios = [a[8]["tps"] / b[8]["tps"] for a, b in zip(runs[name], runs[llama_name], strict=True)]
+            lines.append(f"- {name}: {statistics.median(ratios):.2f}x")
+    lines += ["", "<!-- /bench:serve -->"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--llama-server", type=Path, default=DEFAULT_LLAMA)
+    p.add_argument("--workdir", type=Path, default=Path("/work/bench-models/decode"))
+    p.add_argument("--only", default=None, help="comma-separated server names to run (default all)")
+    p.add_argument("--no-write", action="store_true", help="print, do not write docs/BENCHMARKS.md")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    gguf, shard_dir = prepare("qwen35moe", 4, args.workdir)
+    args.gguf_gb = gguf.stat().st_size / 1e9
+    args.cpu = next(
+        (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+        "?",
+    )
+    rng = random.Random(0)
+    vocab = vocab_size(gguf)
+    prompts = [
+        [rng.randrange(256, vocab - 256) for _ in range(args.prompt_tokens)] for _ in range(max(CONCURRENCY))
+    ]
+    ctx = args.prompt_tokens + args.max_tokens + 64
+    work = Path(tempfile.mkdtemp(prefix="bench-serve-"))
+    common = [
+        "--parallel",
+        "8",
+        "--ctx-size",
+        str(ctx),
+        "--threads",
+        str(args.threads),
+        "--model-id",
+        gguf.stem,
+    ]
+    n_expert = read_manifest(shard_dir).n_expert
+    node_specs = [
+        (shard_dir, ["--host", LOOPBACK, "--experts", format_ranges(r), "--threads", "1", "--no-verify"])
+        for r in split(n_expert, N_NODES)
+    ]
+    targets: list[Target] = [
+        SwarmServe(gguf, ["--local", *common], work / "local", "swarm serve --local"),
+        SwarmServe(
+            shard_dir,
+            ["--no-mdns", *common],
+            work / "nodes",
+            f"swarm serve, {N_NODES} loopback nodes",
+            node_specs,
+        ),
+    ]
+    llama = "llama.cpp not run"
+    if args.llama_server.exists():
+        targets.append(LlamaServer(args.llama_server, gguf, args.threads, 8, ctx, work))
+        llama = f"llama-server {llama_version(args.llama_server)}"
+    if args.only:
+        keep = set(args.only.split(","))
+        targets = [t for t in targets if t.name in keep]
+    runs: dict[str, list[dict[int, dict[str, float]]]] = {t.name: [] for t in targets}
+    for rep in range(args.reps):
+        order = targets[rep % len(targets) :] + targets[: rep % len(targets)]
+        for t in order:
+            (work / t.name.replace(" ", "_")).mkdir(exist_ok=True)
+            log.info("rep %d: %s", rep + 1, t.name)
+            url = t.start()
+            try:
+                runs[t.name].append(measure(url, t.model, prompts, args.max_tokens))
+            finally:
+                t.stop()
+    text = render(args, [t.name for t in targets], runs, llama)
+    publish("serve", text, not args.no_write)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
