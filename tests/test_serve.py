@@ -330,3 +330,18 @@ def test_over_nodes_equal_to_in_process_and_503_when_experts_have_no_holder(
             assert s.stop() == 0
     finally:
         stop_nodes(nodes)
+
+
+def test_a_parallel_that_cannot_fit_is_refused_with_the_numbers(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "swarm.coordinator.cli", "serve", str(MODEL), "--local", "--port", "0",
+         "--parallel", "1000", "--ctx-size", "10000000"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    err = proc.stderr.strip().splitlines()[-1]
+    assert "--parallel 1000 at --ctx-size 10000000 needs 1000 x" in err and "available" in err
+    assert "Traceback" not in proc.stderr
