@@ -10,10 +10,14 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from swarm.sharding.errors import UserError
 from swarm.sharding.ranges import format_slabs, parse_ranges, parse_size
+
+if TYPE_CHECKING:
+    from swarm.node.fetch_cli import NodeFetch
+    from swarm.sharding.manifest import SlabEntry
 
 MAX_PROBLEM_LINES = 20  # refused slabs named one per line, then a count
 
@@ -378,7 +382,7 @@ def _serve(
     tls: bool,
     memory: int,
     parent: int | None,
-    fetch: Any,
+    fetch: NodeFetch | None,
 ) -> int:
     """Serve (and fetch, with --fetch) until a signal, or the process that started this node is gone."""
     from swarm.node.server import NodeServer
@@ -480,8 +484,9 @@ def _serve(
     grown = threading.Event()  # slabs fetched since the last announcement
     if fetch is not None:
         fetch.sources.exclude(server.address)
+        assert files is not None  # --fetch fills a directory and verifies: it gives out what it holds
 
-        def verified(entry: Any) -> None:
+        def verified(entry: SlabEntry) -> None:
             store.add((entry.layer, entry.expert), read_slab_file(Path(args.source) / entry.path))
             files.add_slab(entry.layer, entry.expert, entry.size)
             grown.set()

@@ -253,7 +253,10 @@ def local_manifest(directory: Path) -> Manifest | None:
         raise UserError(f"{directory}: not a directory; --fetch fills a directory (give an empty one)")
     if (directory / MANIFEST_NAME).exists():
         return read_manifest(directory)
-    if directory.exists() and any(directory.iterdir()):
+    # a manifest.json.tmp-PID is what an interrupted atomic write of the manifest leaves: not the user's
+    if directory.exists() and any(
+        not p.name.startswith(MANIFEST_NAME + ".tmp-") for p in directory.iterdir()
+    ):
         raise UserError(
             f"{directory}: is not empty and holds no {MANIFEST_NAME}; give --fetch an empty directory "
             "(or the one an earlier --fetch filled)"

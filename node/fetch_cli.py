@@ -12,6 +12,7 @@ import contextlib
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -172,7 +173,7 @@ class NodeFetch:
             return 0
         return len(self.job.to_fetch) - (self._progress.done_slabs if self._progress else 0)
 
-    def start(self, stop: threading.Event, on_verified: Any) -> None:
+    def start(self, stop: threading.Event, on_verified: Callable[[SlabEntry], None]) -> None:
         """Fetch the rest on a thread; `on_verified(entry)` for each slab once it is in place."""
         to_fetch = self.job.to_fetch
         self._progress = progress = Progress(sum(e.size for e in to_fetch), len(to_fetch))

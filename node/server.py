@@ -230,8 +230,8 @@ class ExpertServicer(pb_grpc.ExpertNodeServicer):
         if self.files is None:
             raise Refused(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                "this node serves a whole GGUF and has no slab files to give; fetch from a node started on "
-                "a shard directory",
+                "this node gives out no files (it serves a whole GGUF, or slabs it did not verify: "
+                "--no-verify); fetch from a node started on a shard directory",
             )
         f, size = self.files.open(request.path, request.offset)
         log.debug("fetch %s from byte %d of %d", request.path, request.offset, size)

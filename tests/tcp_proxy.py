@@ -59,7 +59,17 @@ class TcpProxy:
                 except OSError:
                     pass
 
+    def cut(self) -> None:
+        """The link goes down: every connection through the proxy drops at once, bytes in flight with it
+        (what the kernel's buffers still held of a killed process's answers never arrives)."""
+        for s in self._sockets:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
     def close(self) -> None:
         self._listener.close()
+        self.cut()
         for s in self._sockets:
             s.close()
