@@ -266,12 +266,16 @@ def local_manifest(directory: Path) -> Manifest | None:
 
 def choose_model(sources: Sources, have: Manifest | None, fingerprint: str | None) -> str:
     """The fingerprint to fetch: the directory's model, else the one asked for (a prefix will do), else the
-    only model the sources serve; a UserError when that is not clear or nobody serves it."""
+    only model the sources serve; a UserError when that is not clear or nobody serves it (with none found,
+    a directory's own model stands: what it still lacks is refused later, slab by slab)."""
     found = sources.all()
     served = sorted({s.fingerprint for s in found})
     where = ", ".join(
         f"{fp[:12]} at {next(s.address for s in found if s.fingerprint == fp)}" for fp in served
     )
+    if not found and have is not None and not fingerprint:
+        sources.fingerprint = have.fingerprint  # nothing may be left to fetch: the job decides
+        return have.fingerprint
     if not found:
         raise UserError(
             "no source found to fetch from: start `swarm node` on a shard directory (any node that holds the "

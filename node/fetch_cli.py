@@ -218,6 +218,10 @@ class NodeFetch:
             return [
                 "swarm node: fetch interrupted; the partial files are kept: run the same command to resume"
             ]
+        if not self.job.to_fetch:
+            return [
+                f"swarm node: nothing to fetch: the {len(self.job.present)} slabs asked for are here and verify"
+            ]
         lines = []
         if r.fetched or not r.failed:
             resumed = f", {r.resumed / MiB:.1f} MiB resumed from partial files" if r.resumed else ""
