@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import logging
+import multiprocessing
 import platform
 import random
 import statistics
@@ -28,6 +29,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from concurrent.futures import ProcessPoolExecutor
 from functools import partial
 from pathlib import Path
 
@@ -176,6 +178,35 @@ def measure(url: str, model: str, prompts: list[list[int]], max_tokens: int) -> 
     return out
 
 
+def model_level(gguf: Path, threads: int, prompts: list[list[int]]) -> dict[str, float]:
+    """Where a server's time goes, without HTTP: the in-process model (as `swarm serve --local` runs it) reading
+    1 and 8 prompts in one pass, and decode steps of 1 and 8 sequences. Run in a child process (its own threads)."""
+    import torch
+
+    from swarm.coordinator.engine import open_engine
+    from swarm.node.kernels import set_threads
+
+    set_threads(threads)
+    engine = open_engine(gguf, local=True, device="cpu")
+    m = engine.model
+    m.warm_up()
+    out: dict[str, float] = {}
+    with torch.inference_mode():
+        for b in (1, 8):
+            states = [m.new_state() for _ in range(b)]
+            ids = torch.tensor([t for p in prompts[:b] for t in p])
+            t0 = time.perf_counter()
+            m(ids, states, [len(p) for p in prompts[:b]], last_only=True)
+            out[f"prefill{b}"] = len(ids) / (time.perf_counter() - t0)
+            steps = 8
+            t0 = time.perf_counter()
+            for i in range(steps):
+                m(torch.tensor([p[i] for p in prompts[:b]]), states, [1] * b, last_only=True)
+            out[f"decode{b}"] = b * steps / (time.perf_counter() - t0)
+    engine.close()
+    return out
+
+
 def vocab_size(gguf: Path) -> int:
     reader = open_gguf(gguf)
     field = reader.fields["tokenizer.ggml.tokens"]
@@ -183,7 +214,11 @@ def vocab_size(gguf: Path) -> int:
 
 
 def render(
-    args: argparse.Namespace, names: list[str], runs: dict[str, list[dict[int, dict[str, float]]]], llama: str
+    args: argparse.Namespace,
+    names: list[str],
+    runs: dict[str, list[dict[int, dict[str, float]]]],
+    llama: str,
+    levels: list[dict[str, float]],
 ) -> str:
     def med(name: str, n: int, key: str) -> float:
         return statistics.median(r[n][key] for r in runs[name])
@@ -218,6 +253,15 @@ def render(
                 continue
             ratios = [a[8]["tps"] / b[8]["tps"] for a, b in zip(runs[name], runs[llama_name], strict=True)]
             lines.append(f"- {name}: {statistics.median(ratios):.2f}x")
+    if levels:
+        lv = {k: statistics.median(x[k] for x in levels) for k in levels[0]}
+        lines += [
+            "",
+            f"The in-process model without HTTP (the same {args.threads} threads; medians): reading 1 prompt of "
+            f"{args.prompt_tokens} tokens in one pass {lv['prefill1']:.0f} tok/s, 8 prompts in one pass "
+            f"{lv['prefill8']:.0f} tok/s; decode steps of 1 sequence {lv['decode1']:.1f} tok/s, of 8 sequences "
+            f"{lv['decode8']:.1f} tok/s ({lv['decode8'] / lv['decode1']:.2f}x).",
+        ]
     lines += ["", "<!-- /bench:serve -->"]
     return "\n".join(lines)
 
@@ -281,7 +325,11 @@ def main(argv: list[str] | None = None) -> int:
         keep = set(args.only.split(","))
         targets = [t for t in targets if t.name in keep]
     runs: dict[str, list[dict[int, dict[str, float]]]] = {t.name: [] for t in targets}
+    levels: list[dict[str, float]] = []
     for rep in range(args.reps):
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            levels.append(pool.submit(model_level, gguf, args.threads, prompts).result())
+        log.info("rep %d: model level %s", rep + 1, {k: round(v, 1) for k, v in levels[-1].items()})
         order = targets[rep % len(targets) :] + targets[: rep % len(targets)]
         for t in order:
             (work / t.name.replace(" ", "_")).mkdir(exist_ok=True)
@@ -291,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
                 runs[t.name].append(measure(url, t.model, prompts, args.max_tokens))
             finally:
                 t.stop()
-    text = render(args, [t.name for t in targets], runs, llama)
+    text = render(args, [t.name for t in targets], runs, llama, levels)
     publish("serve", text, not args.no_write)
     return 0
 

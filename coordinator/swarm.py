@@ -27,7 +27,7 @@ import torch
 from swarm.coordinator.audit import Auditor
 from swarm.coordinator.experts import ExpertMajor, PendingExperts, group_expert_major
 from swarm.node.auth import SwarmKey
-from swarm.node.client import ComputeCall, NodeCallError, NodeClient, wait_calls
+from swarm.node.client import ComputeCall, NodeCallError, NodeClient, ask_peer, wait_calls
 from swarm.node.identity import Match, ModelIdentity
 from swarm.node.kernels import NATIVE, Numerics
 from swarm.node.store import ROWS_PER_MATMUL
@@ -89,9 +89,11 @@ class Placement:
         self._lock = threading.Lock()
         self._clock = clock
 
-    def add(self, address: str, held: Iterable[SlabKey]) -> None:
+    def add(self, address: str, held: Iterable[SlabKey], revive: bool = True) -> None:
+        """`address` holds `held` (too); `revive`: it is up now (a node that has just been found)."""
         with self._lock:
-            self._down.pop(address, None)
+            if revive:
+                self._down.pop(address, None)
             for key in held:
                 holders = self._holders.setdefault(key, [])
                 if address not in holders:
@@ -362,7 +364,7 @@ class SwarmExperts:
         # say goodbye are dropped before a call to them can fail.
         self.browser, self.key = browser, key
         self._browser_version = -1
-        self._advertised: set[str] = set()
+        self._advertised: dict[str, set[SlabKey]] = {}  # address -> slabs its mDNS record announced
 
     def start(self, layer: int, x: torch.Tensor, ids: torch.Tensor) -> PendingExperts:
         self.follow_mdns()
@@ -435,12 +437,18 @@ class SwarmExperts:
                     address, fingerprint=n.identity.fingerprint, key=self.key, tls=n.tls
                 )
                 log.info("node joined: %s (%d slabs)", address, len(n.held))
-            if address not in self._advertised:
-                self.placement.add(address, n.held)
-        for address in self._advertised - now.keys():
+            held = set(n.held)
+            known = self._advertised.get(address)
+            if known is None:
+                self.placement.add(address, held)
+            elif held - known:  # a fetching node announces the slabs it has verified since
+                self.placement.add(address, held - known, revive=False)
+                log.info("node %s holds %d more slabs", address, len(held - known))
+            self._advertised[address] = held | (known or set())
+        for address in self._advertised.keys() - now.keys():
             self.placement.remove(address)
             log.info("node left: %s; its experts go to the other holders", address)
-        self._advertised = set(now)
+        self._advertised = {a: h for a, h in self._advertised.items() if a in now}
 
     def hedge_after(self, c: _Call) -> float | None:
         """How long to wait for call c before asking another holder; None: no estimate for its node yet."""
@@ -609,16 +617,9 @@ def connect(
         placement.add(address, held)
 
     for peer in peers:
-        client = NodeClient(peer, key=key)
         try:
-            info = client.info(timeout=min(wait, 10.0) if wait > 0 else 10.0)
+            client, info = ask_peer(peer, key, timeout=min(wait, 10.0) if wait > 0 else 10.0)
         except NodeCallError as e:
-            client.close()
-            if e.code == grpc.StatusCode.UNAUTHENTICATED:
-                raise UserError(
-                    f"peer {peer} refuses this swarm key ({e.details}); give the coordinator the key its nodes "
-                    "were started with (--key-file, $SWARM_KEY_FILE or $SWARM_KEY)"
-                ) from None
             raise UserError(
                 f"peer {peer} does not answer ({e.code.name}); is `swarm node` running there?"
             ) from None

@@ -118,3 +118,26 @@ def test_hot_experts_get_more_holders_from_run_statistics(shard_dir, tmp_path, c
     assert out["replicas"]["mean"] > 2
     shares = [n["load_share"] for n in out["nodes"]]
     assert max(shares) <= 1.5 / len(shares)
+
+
+def test_a_running_coordinator_takes_in_slabs_a_node_announces_later() -> None:
+    """A node that fetches its slabs announces them by mDNS as they verify; the coordinator routes to it from
+    then on, without forgetting that it is down if it is."""
+    from types import SimpleNamespace
+
+    from swarm.coordinator.swarm import Placement, SwarmExperts
+
+    node = SimpleNamespace(
+        address="127.0.0.1:1", identity=SimpleNamespace(fingerprint="f"), tls=False, held=[(0, 0)]
+    )
+    browser = SimpleNamespace(version=1, nodes=lambda: [node], close=lambda: None)
+    experts = SwarmExperts({}, Placement(), "m.swarm", browser=browser)  # type: ignore[arg-type]
+    experts.follow_mdns()
+    assert experts.placement.pick(0, 0) == node.address and experts.placement.pick(0, 1) is None
+    experts.placement.mark_down(node.address, 60.0)
+    node.held = [(0, 0), (0, 1)]
+    browser.version = 2
+    experts.follow_mdns()
+    assert experts.placement.holders()[(0, 1)] == [node.address]
+    assert experts.placement.pick(0, 1) is None  # still backing off: announcing more is not answering
+    experts.close()

@@ -153,7 +153,7 @@ def test_a_long_prompt_is_read_beside_decoding_requests(server: Server) -> None:
 
 def test_a_resent_conversation_continues_from_its_held_state(server: Server) -> None:
     c = server.client()
-    history = [{"role": "user", "content": " ".join(f"word{i}" for i in range(120))}]
+    history = [{"role": "user", "content": " ".join(f"word{i}" for i in range(200))}]
     first = c.chat.completions.create(model=MODEL_ID, messages=history, max_tokens=12, temperature=0)  # type: ignore[arg-type]
     history += [
         {"role": "assistant", "content": first.choices[0].message.content},
@@ -242,15 +242,26 @@ def test_a_full_queue_gets_429_with_retry_after(tmp_path: Path) -> None:
     s = Server(tmp_path, "--local", "--parallel", "1", "--max-queue", "1")
     try:
         c = s.client()
-        with cf.ThreadPoolExecutor(2) as ex:
-            busy = [ex.submit(complete, c, "The list", temperature=0, max_tokens=300) for _ in range(2)]
-            time.sleep(1.0)  # one decodes, one waits
-            status, body, headers = s.raw(
-                "/v1/completions", json.dumps({"model": MODEL_ID, "prompt": "x"}).encode()
-            )
-            assert status == 429 and body["error"]["type"] == "rate_limit_error"
-            assert int(headers["Retry-After"]) >= 1
-            assert all(f.result() for f in busy)
+        running = c.completions.create(
+            model=MODEL_ID, prompt="The list", max_tokens=3000, temperature=0, stream=True
+        )
+        next(iter(running))  # it holds the one slot
+        waiting = threading.Thread(
+            target=lambda: complete(s.client(), "x", temperature=0, max_tokens=2), daemon=True
+        )
+        waiting.start()
+        deadline = time.monotonic() + 30
+        while s.raw("/health", None)[1]["queued"] < 1:  # the second waits in the queue
+            assert time.monotonic() < deadline, "the second request never queued"
+            time.sleep(0.05)
+        status, body, headers = s.raw(
+            "/v1/completions", json.dumps({"model": MODEL_ID, "prompt": "x"}).encode()
+        )
+        assert status == 429 and body["error"]["type"] == "rate_limit_error"
+        assert int(headers["Retry-After"]) >= 1
+        running.close()  # frees the slot: the waiting one is served
+        waiting.join(60)
+        assert not waiting.is_alive()
     finally:
         assert s.stop() == 0
 
