@@ -196,6 +196,14 @@ def test_errors_are_openai_error_objects(server: Server) -> None:
     assert status == 400 and "messages" in body["error"]["message"]
     status, body, _ = server.raw("/v1/completions", json.dumps({"prompt": "x"}).encode())
     assert status == 400 and body["error"]["param"] == "model"
+    for bad in ({"prompt": "x", "stream_options": "yes"}, {"prompt": "x", "max_tokens": -1}, {"prompt": [1, "a"]},
+                {"prompt": "x", "temperature": "hot"}, {"prompt": "x", "stop": [1]}, {"prompt": "x", "n": 2}):  # fmt: skip
+        status, body, _ = server.raw("/v1/completions", json.dumps({"model": MODEL_ID, **bad}).encode())
+        assert status == 400 and body["error"]["type"] == "invalid_request_error", (bad, body)
+    status, body, _ = server.raw(
+        "/v1/chat/completions", json.dumps({"model": MODEL_ID, "messages": [1]}).encode()
+    )
+    assert status == 400 and body["error"]["param"] == "messages"
 
     with pytest.raises(openai.AuthenticationError):
         server.client(key="wrong").models.list()

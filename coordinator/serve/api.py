@@ -316,8 +316,13 @@ def build_app(
                 check_key(request)
                 body = await body_of(request)
                 job = make(body)
-                stream = bool(body.get("stream", False))
-                include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
+                stream = body.get("stream", False)
+                options = body.get("stream_options") or {}
+                if not isinstance(stream, bool) or not isinstance(options, dict):
+                    raise ApiError(
+                        400, "'stream' must be true or false and 'stream_options' an object", param="stream"
+                    )
+                include_usage = bool(options.get("include_usage", False))
                 rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
                 created = int(time.time())
                 gen = run(job, request)
@@ -347,6 +352,10 @@ def build_app(
             except ApiError as e:
                 metrics.request(kind, e.status)
                 return e.response()
+            except Exception as e:  # a bug, not the client's fault: still an OpenAI error object
+                log.exception("%s request failed", kind)
+                metrics.request(kind, 500)
+                return ApiError(500, f"internal error: {e}", "server_error").response()
 
         async def sse(
             gen: AsyncIterator[tuple[str, str | None, sched.Request]],

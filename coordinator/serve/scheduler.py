@@ -131,7 +131,8 @@ class Scheduler:
         with self._cond:
             if self._stopping:
                 raise UserError("the server is shutting down")
-            if len(self.waiting) >= self.max_queue:
+            free = sum(1 for s in self.slots if s.request is None)
+            if len(self.waiting) >= self.max_queue + free:  # --max-queue counts those that must wait
                 raise QueueFull()
             self.waiting.append(req)
             self._cond.notify()
