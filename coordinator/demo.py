@@ -90,9 +90,9 @@ def run_demo(
     workdir: str | None = None,
     numerics: str = "native",
 ) -> int:
-    from swarm.coordinator.commands import prompt_ids, report, stream_answer
     from swarm.coordinator.engine import open_engine
     from swarm.coordinator.generate import SamplingParams
+    from swarm.coordinator.session import prompt_ids, report, stream_answer
     from swarm.node.auth import KEY_ENV, SwarmKey, generate_key_text
     from swarm.node.client import NodeClient
     from swarm.node.launch import start_nodes

@@ -18,7 +18,7 @@ import sys
 from collections import Counter
 from typing import Any
 
-from swarm.coordinator.commands import add_discovery_args
+from swarm.coordinator.session import add_discovery_args
 from swarm.node.cli import describe_held, swarm_key
 from swarm.sharding.errors import UserError
 from swarm.sharding.ranges import format_ranges

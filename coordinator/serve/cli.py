@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from swarm.coordinator.commands import add_swarm_args
+from swarm.coordinator.session import add_swarm_args
 from swarm.sharding.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -117,11 +117,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     set_wait_policy(experts_remote=not args.local)  # before torch loads: it is read once, then
     import uvicorn
 
-    from swarm.coordinator.commands import _open, _status
     from swarm.coordinator.engine import model_identity
     from swarm.coordinator.serve.api import ServeConfig, build_app
     from swarm.coordinator.serve.metrics import ServeMetrics
     from swarm.coordinator.serve.scheduler import CHECKPOINT_BEFORE_END, Scheduler, slot_bytes
+    from swarm.coordinator.session import open_from_args, status_line
     from swarm.coordinator.swarm import SwarmExperts, describe_missing
 
     if args.parallel < 1:
@@ -141,7 +141,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             f"cannot listen on {args.host}:{args.port} ({e.strerror}); pick another --port"
         ) from None
     parent = os.getppid() if args.exit_with_parent else None
-    engine = _open(args)
+    engine = open_from_args(args)
     stats_of = None
     scheduler = None
     try:
@@ -157,7 +157,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 f"{engine.device} (the slots may take {STATE_SHARE:.0%}): use --parallel {max(fits, 1)} or a "
                 "smaller --ctx-size"
             )
-        _status("swarm serve: warming up (every expert once, as llama.cpp does) ...")
+        status_line("swarm serve: warming up (every expert once, as llama.cpp does) ...")
         engine.model.warm_up()
         if args.stats:
             from swarm.coordinator.experts import RoutingStats
