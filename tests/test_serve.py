@@ -291,7 +291,8 @@ def test_a_client_that_goes_away_frees_its_slot(tmp_path: Path) -> None:
 
 
 def test_sigterm_ends_in_flight_requests_cleanly(tmp_path: Path) -> None:
-    s = Server(tmp_path, "--local", "--parallel", "2")
+    stats = tmp_path / "routing.json"
+    s = Server(tmp_path, "--local", "--parallel", "2", "--stats", str(stats))
     got: list[object] = []
 
     def ask() -> None:
@@ -310,6 +311,7 @@ def test_sigterm_ends_in_flight_requests_cleanly(tmp_path: Path) -> None:
     t.join(20)
     assert got and isinstance(got[0], str)  # finished within the grace period
     assert "swarm serve: stopped" in s.proc.log_tail()
+    assert json.loads(stats.read_text())  # the routing statistics were saved on the way out
 
 
 def test_over_nodes_equal_to_in_process_and_503_when_experts_have_no_holder(
