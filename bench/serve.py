@@ -12,7 +12,8 @@ and given one short warm-up request:
 For each concurrency N, N streamed requests (each its own prompt of --prompt-tokens random token ids, the same
 ids for every server) are sent at once through the official `openai` client; aggregate tokens/s = completion
 tokens of all N / wall time from the first send to the last token, and time to first token per request.
-Medians over the repetitions. Figures go to the `bench:serve` section of docs/BENCHMARKS.md.
+Medians over the repetitions. Figures go to the `bench:serve` section of docs/BENCHMARKS.md (`--section` names
+another, for another workload).
 """
 
 from __future__ import annotations
@@ -224,11 +225,11 @@ def render(
         return statistics.median(r[n][key] for r in runs[name])
 
     lines = [
-        "<!-- bench:serve -->",
-        "## bench/serve: several users at once (issue 10)",
+        f"<!-- bench:{args.section} -->",
+        f"## bench/serve: several users at once (issue 10), {args.prompt_tokens}-token prompts, {args.max_tokens} tokens each",
         "",
         f"`.venv/bin/python bench/serve.py --reps {args.reps} --prompt-tokens {args.prompt_tokens} "
-        f"--max-tokens {args.max_tokens}` on {platform.machine()} ({args.cpu}), {args.threads} threads per server; "
+        f"--max-tokens {args.max_tokens}{'' if args.section == 'serve' else ' --section ' + args.section}` on {platform.machine()} ({args.cpu}), {args.threads} threads per server; "
         f"model: Qwen3.6-35B-A3B layer shape, 4 layers, Q4_K experts, Q8_0 dense ({args.gguf_gb:.1f} GB); "
         f"{llama}. Medians of {args.reps} repetitions, each server started cold per repetition (one warm-up "
         f"request). N streamed requests at once, {args.prompt_tokens}-token prompts, {args.max_tokens} tokens each.",
@@ -262,7 +263,7 @@ def render(
             f"{lv['prefill8']:.0f} tok/s; decode steps of 1 sequence {lv['decode1']:.1f} tok/s, of 8 sequences "
             f"{lv['decode8']:.1f} tok/s ({lv['decode8'] / lv['decode1']:.2f}x).",
         ]
-    lines += ["", "<!-- /bench:serve -->"]
+    lines += ["", f"<!-- /bench:{args.section} -->"]
     return "\n".join(lines)
 
 
@@ -276,6 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", type=Path, default=Path("/work/bench-models/decode"))
     p.add_argument("--only", default=None, help="comma-separated server names to run (default all)")
     p.add_argument("--no-write", action="store_true", help="print, do not write docs/BENCHMARKS.md")
+    p.add_argument(
+        "--section", default="serve", help="the docs/BENCHMARKS.md section to write (one per workload)"
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     args.workdir.mkdir(parents=True, exist_ok=True)
@@ -340,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 t.stop()
     text = render(args, [t.name for t in targets], runs, llama, levels)
-    publish("serve", text, not args.no_write)
+    publish(args.section, text, not args.no_write)
     return 0
 
 
