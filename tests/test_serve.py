@@ -366,3 +366,33 @@ def test_a_parallel_that_cannot_fit_is_refused_with_the_numbers(tmp_path: Path) 
     err = proc.stderr.strip().splitlines()[-1]
     assert "--parallel 1000 at --ctx-size 10000000 needs 1000 x" in err and "available" in err
     assert "Traceback" not in proc.stderr
+
+
+def test_a_node_caught_lying_mid_batch_changes_no_text(tmp_path: Path, server: Server) -> None:
+    """Four conversations decode together over an honest node and one whose slabs are damaged after it was
+    admitted: the audits catch it, the passes since the last checked point are done again for every
+    conversation, and each text is its in-process text alone."""
+    import shutil
+
+    from test_audit import damage
+
+    honest_dir, liar_dir = tmp_path / "honest.swarm", tmp_path / "liar.swarm"
+    shard_model(MODEL, honest_dir)
+    shutil.copytree(honest_dir, liar_dir)
+    nodes = start_nodes([(honest_dir, []), (liar_dir, [])], tmp_path / "nodes")
+    try:
+        peers = [a for n in nodes for a in ("--peer", n.address)]
+        s = Server(tmp_path, "--no-mdns", *peers, "--audit", "1", "--parallel", "4", "--model-id", MODEL_ID,
+                   source=honest_dir)  # fmt: skip
+        try:
+            c = s.client(key="-")
+            assert complete(c, "The list", temperature=0, max_tokens=2)  # both nodes admitted while honest
+            damage(liar_dir, 1, list(range(8)))
+            with cf.ThreadPoolExecutor(4) as ex:
+                texts = list(ex.map(lambda p: complete(c, p, temperature=0), PROMPTS[:4]))
+            assert texts == [complete(server.client(), p, temperature=0) for p in PROMPTS[:4]]
+            assert f"banned node {nodes[1].address}" in s.proc.log_tail(200)
+        finally:
+            assert s.stop() == 0
+    finally:
+        stop_nodes(nodes)
