@@ -337,8 +337,10 @@ class SwarmExperts:
         browser: NodeBrowser | None = None,
         key: SwarmKey | None = None,
         numerics: Numerics = NATIVE,
+        needed: Sequence[SlabKey] = (),
     ) -> None:
         self.clients = clients
+        self.needed = list(needed)  # every (layer, expert) slab the model uses: what coverage is judged on
         self.placement = placement
         self.source = source
         self.wire_dtype = wire_dtype
@@ -684,7 +686,15 @@ def connect(
         )
     log.info("swarm: %d nodes cover %d slabs", len(clients), len(needed))
     experts = SwarmExperts(
-        clients, placement, source, wire_dtype, timeout, browser=browser, key=key, numerics=numerics
+        clients,
+        placement,
+        source,
+        wire_dtype,
+        timeout,
+        browser=browser,
+        key=key,
+        numerics=numerics,
+        needed=needed,
     )
     if browser is not None:
         experts.follow_mdns()  # what connect saw is the starting point for joins and leaves

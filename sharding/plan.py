@@ -127,7 +127,7 @@ def plan(
             heapq.heappush(
                 heap, (nodes[best].load / target[best], -(devices[best].capacity - nodes[best].bytes), best)
             )
-    _replicate_hot(nodes, holders, slabs, loads, replicas)
+    _replicate_hot(nodes, holders, slabs, loads)
     _spread_hot(nodes, holders, slabs, loads, replicas)
     _swap_balance(nodes, holders, slabs, loads)
     _recompute_loads(nodes, holders, loads)
@@ -291,7 +291,6 @@ def _replicate_hot(
     holders: dict[SlabKey, list[int]],
     slabs: Mapping[SlabKey, int],
     loads: Mapping[SlabKey, float],
-    replicas: int,
 ) -> None:
     """Where memory is left, a slab picked more than twice as often as the average gets one more holder per
     doubling (at most MAX_EXTRA_REPLICAS more): its work is shared wider, and more holders can fail."""

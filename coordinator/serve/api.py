@@ -253,7 +253,6 @@ def build_app(
             ) from None
         except UserError as e:
             raise ApiError(400, str(e)) from None
-        metrics.queued(scheduler)
         detok = tokenizer.stream(skip_control=True)
         stop = StopMatcher(job.stops)
         finished = False

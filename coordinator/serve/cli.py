@@ -117,7 +117,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     set_wait_policy(experts_remote=not args.local)  # before torch loads: it is read once, then
     import uvicorn
 
-    from swarm.coordinator.engine import model_identity
     from swarm.coordinator.serve.api import ServeConfig, build_app
     from swarm.coordinator.serve.metrics import ServeMetrics
     from swarm.coordinator.serve.scheduler import CHECKPOINT_BEFORE_END, Scheduler, slot_bytes
@@ -167,14 +166,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         admit_check = None
         if isinstance(engine.experts, SwarmExperts):
             experts = engine.experts
-            _, needed = model_identity(args.model)
             seen: list[Any] = [0.0, None]
 
             def admit_check() -> str | None:
                 now = time.monotonic()
                 if now - seen[0] > COVERAGE_CACHE_SECONDS and not experts.degraded:
                     experts.follow_mdns()
-                    missing = experts.placement.missing(needed)
+                    missing = experts.placement.missing(experts.needed)
                     seen[:] = [now, describe_missing(missing, args.model) if missing else None]
                 return seen[1]
 

@@ -38,11 +38,14 @@ class _NodeCollector(Collector):
             "swarm_node_up", "1 if the node takes calls now (not down, not banned)", labels=["node"]
         )
         live = set(e.placement.addresses())
-        for address in sorted(set(e.clients) | set(dict(e.calls_per_node))):
-            calls.add_metric([address], float(dict(e.calls_per_node).get(address, 0)))
-            rows.add_metric([address], float(dict(e.rows_per_node).get(address, 0)))
-            seconds.add_metric([address], float(dict(e.seconds_per_node).get(address, 0.0)))
-            failures.add_metric([address], float(dict(e.failures_per_node).get(address, 0)))
+        # copies: the engine thread goes on counting while this reads
+        n_calls, n_rows = dict(e.calls_per_node), dict(e.rows_per_node)
+        waited, failed = dict(e.seconds_per_node), dict(e.failures_per_node)
+        for address in sorted(set(e.clients) | set(n_calls)):
+            calls.add_metric([address], float(n_calls.get(address, 0)))
+            rows.add_metric([address], float(n_rows.get(address, 0)))
+            seconds.add_metric([address], float(waited.get(address, 0.0)))
+            failures.add_metric([address], float(failed.get(address, 0)))
             up.add_metric([address], 1.0 if address in live else 0.0)
         yield from (calls, rows, seconds, failures, up)
 
@@ -84,9 +87,6 @@ class ServeMetrics:
     def request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()
 
-    def queued(self, scheduler: Scheduler) -> None:
-        self.queue.set(scheduler.queue_depth())
-
     def finished(self, req: Request, started: float, endpoint: str, count: bool = True) -> None:
         if count:
             self.request(endpoint, 200)
@@ -101,6 +101,6 @@ class ServeMetrics:
         self.queue.set(scheduler.queue_depth())
         self.active.set(scheduler.active())
         now = time.monotonic()
-        recent = [(t, n) for t, n in list(scheduler.stats.recent) if now - t <= RATE_WINDOW]
+        recent = [(t, n) for t, n in list(scheduler.recent) if now - t <= RATE_WINDOW]
         self.tps.set(sum(n for _, n in recent) / RATE_WINDOW if recent else 0.0)
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -84,16 +84,6 @@ class Slot:
     used: float = 0.0
 
 
-@dataclass
-class SchedulerStats:
-    steps: int = 0
-    tokens_in: int = 0  # prompt tokens read (not taken from held state)
-    tokens_cached: int = 0
-    tokens_out: int = 0
-    busy_seconds: float = 0.0
-    recent: deque = field(default_factory=lambda: deque(maxlen=4096))  # (time, tokens out) per step
-
-
 class Scheduler:
     def __init__(
         self,
@@ -110,7 +100,8 @@ class Scheduler:
         self.admit_check = admit_check  # says why no request can run now (experts without a holder), or None
         self.slots = [Slot(i) for i in range(parallel)]
         self.waiting: deque[Request] = deque()
-        self.stats = SchedulerStats()
+        # (time, tokens given out) per pass, for the tokens/s metric
+        self.recent: deque[tuple[float, int]] = deque(maxlen=4096)
         self._cond = threading.Condition()
         self._stopping = False
         self._steps = Steps(model, device, checker)
@@ -169,7 +160,6 @@ class Scheduler:
                 if not entries and not self._steps.passes:
                     self._cond.wait(0.5)
                     continue
-            t0 = time.perf_counter()
             try:
                 if entries:
                     self._steps.step(entries)
@@ -178,9 +168,8 @@ class Scheduler:
             except Exception as e:  # a step that cannot finish fails the requests in it, not the server
                 self._fail_all(e)
                 continue
-            dt = time.perf_counter() - t0
             with self._cond:
-                self._after_pass(reads, dt)
+                self._after_pass(reads)
         self._end_all()
 
     def _drop_cancelled(self) -> None:
@@ -213,7 +202,6 @@ class Scheduler:
             slot.seq = Seq(slot.state, Sampler(req.params, self.device))
             self._steps.join(slot.seq)
             req.cached, req.admitted = pos, time.monotonic()
-            self.stats.tokens_cached += pos
 
     def _busy(self, s: Slot) -> bool:
         """A slot whose last request's passes may still be redone (a checker holds them)."""
@@ -249,9 +237,9 @@ class Scheduler:
         slot.checkpoints = {p: c for p, c in slot.checkpoints.items() if p <= pos}
         slot.history = slot.history[:pos]
 
-    def _entries(self) -> tuple[list[Entry], list[tuple[Slot, int]]]:
+    def _entries(self) -> tuple[list[Entry], list[Slot]]:
         """This step's pass: a decode entry for every sequence that goes on and, beside them, chunks of the
-        prompts being read (oldest first, within the pass's prompt budget); (entries, (slot, chunk) read)."""
+        prompts being read (oldest first, within the pass's prompt budget); (entries, the slots read)."""
         entries: list[Entry] = []
         reading: list[Slot] = []
         for s in self.slots:
@@ -263,7 +251,7 @@ class Scheduler:
             elif not self._computed(s):
                 entries.append(Entry(seq))
         budget = PASS_PROMPT_TOKENS_BESIDE_DECODE if entries else PASS_PROMPT_TOKENS_ALONE
-        reads: list[tuple[Slot, int]] = []
+        reads: list[Slot] = []
         for s in sorted(reading, key=lambda s: s.request.admitted or 0.0):  # type: ignore[union-attr]
             if budget <= 0:
                 break
@@ -274,7 +262,7 @@ class Scheduler:
             if s.fed < mark < end:
                 end = mark  # stop there to checkpoint
             entries.append(Entry(s.seq, tuple(r.prompt[s.fed : end]), output=end == len(r.prompt)))
-            reads.append((s, end - s.fed))
+            reads.append(s)
             budget -= end - s.fed
             s.fed = end
         return entries, reads
@@ -286,11 +274,7 @@ class Scheduler:
         n = len(s.out) + len(seq.ready) + len(seq.held)
         return seq.last in r.params.stop_ids or n >= r.params.max_tokens or len(r.prompt) + n >= self.ctx_size
 
-    def _after_pass(self, reads: list[tuple[Slot, int]], seconds: float) -> None:
-        st = self.stats
-        st.steps += 1
-        st.busy_seconds += seconds
-        st.tokens_in += sum(n for _, n in reads)
+    def _after_pass(self, reads: list[Slot]) -> None:
         now = time.monotonic()
         if self._steps.redone != self._redone:
             # passes were done again after a node was caught: checkpoints taken meanwhile may hold its answers
@@ -298,7 +282,7 @@ class Scheduler:
             for s in self.slots:
                 if s.request is not None:
                     s.checkpoints = {}
-        for s, _ in reads:
+        for s in reads:
             r = s.request
             if (
                 r is not None
@@ -333,8 +317,7 @@ class Scheduler:
             r.on_tokens(give)
             if reason is not None:
                 self._release(s, Done(reason))
-        st.tokens_out += out_now
-        st.recent.append((now, out_now))
+        self.recent.append((now, out_now))
 
     def _release(self, s: Slot, done: Done) -> None:
         """End the slot's request; keep its state for a later conversation that begins the same way."""
