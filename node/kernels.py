@@ -10,11 +10,17 @@ Two numerics, one code path:
   ggml's F32 kernel: the oracle that matches transformers.
 
 ggml is taken through ggml-python (its package builds ggml from source, with the build's SIMD level: AVX2,
-AVX-512, NEON). ggml is built without llamafile's tinyBLAS, so every output element is one `vec_dot` of a
-weight row and an activation row, and each activation row is quantized on its own: a row's result does
-not depend on how many rows share the matmul, which other sequences are in the step, or which process on
-the same CPU computes it. (A different SIMD level rounds differently, so a swarm mixing AVX2 and AVX-512
-nodes agrees to rounding, not to the bit.)
+AVX-512, NEON). Each activation row is quantized on its own, and every output element is computed by one
+kernel whatever the batch: a row's result does not depend on how many rows share the matmul, which other
+sequences are in the step, or which process on the same CPU computes it. Two kernels compute products:
+ggml's `vec_dot` (one weight row times one activation row) and, for matmuls of 2 or more rows, llamafile's
+tinyBLAS GEMM when ggml is built with it (the README's install command: several rows per weight read,
+1.6-1.8x faster prompts on Q8_0). For Q8_0, Q4_0 and Q5_0 on x86 tinyBLAS sums each element exactly as
+`vec_dot` does (the same integer block dots, one FMA per block in block order, the same horizontal sum);
+for other types it does not, so those are multiplied with every row in its own batch slot, where tinyBLAS
+never runs. Which types take tinyBLAS is checked once per process on this build (`_tinyblas_exact`),
+never assumed. (A different SIMD level rounds differently, so a swarm mixing AVX2 and AVX-512 nodes agrees
+to rounding, not to the bit.)
 
 Weights are multiplied where they lie (a view of the GGUF or slab memory map): nothing is copied. One
 process runs one ggml graph at a time on its thread budget (`set_threads`), and ggml's OpenMP threads are
@@ -64,6 +70,8 @@ def ggml_lib():  # noqa: ANN201 - the ggml-python module
                 ggml.ggml_cpu_init()
                 if ggml.ggml_cpu_has_avx512():
                     log.warning(AVX512_WARNING)
+                elif ggml.ggml_cpu_has_avx2() and not ggml.ggml_cpu_has_llamafile():
+                    log.warning(NO_TINYBLAS_WARNING)
                 _ggml = ggml
     return _ggml
 
@@ -72,10 +80,14 @@ def ggml_lib():  # noqa: ANN201 - the ggml-python module
 # differently from the AVX2 ones: the same slab gives other bits than on an AVX2 node (an audit would then ban
 # an honest node) and strays from llama.cpp's own kernels (which take the AVX2 paths for these types on both).
 # On x86, ggml is built for the AVX2 baseline (README: the install command's CMAKE_ARGS).
-GGML_CMAKE_ARGS = "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
+GGML_CMAKE_ARGS = "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_LLAMAFILE=ON"
 AVX512_WARNING = (
     "ggml was built with AVX-512 kernels: its results differ in the last bits from AVX2 machines' and from "
     f'llama.cpp\'s; reinstall ggml-python with CMAKE_ARGS="{GGML_CMAKE_ARGS}" (see the README)'
+)
+NO_TINYBLAS_WARNING = (
+    "ggml was built without llamafile's tinyBLAS: prompts are read up to 1.8x slower on Q8_0 weights; reinstall "
+    f'ggml-python with CMAKE_ARGS="{GGML_CMAKE_ARGS}" (see the README)'
 )
 
 
@@ -90,6 +102,57 @@ def set_threads(n: int) -> None:
 
 def threads() -> int:
     return _threads or torch.get_num_threads()
+
+
+# Types whose tinyBLAS GEMM can sum each element as vec_dot does (x86: Q8_0 pairs, and Q4_0 / Q5_0 unpacked to
+# the same int8 values); each is still checked on this build before it is trusted.
+_TINYBLAS_CANDIDATES = frozenset(int(t) for t in (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0,
+                                                  GGMLQuantizationType.Q5_0))  # fmt: skip
+_tinyblas: dict[int, bool] = {}
+_tinyblas_lock = threading.Lock()
+
+
+def _tinyblas_exact(qtype: int) -> bool:
+    """Whether a matmul of several rows gives each row the bits it gets alone, for weights of this type on
+    this ggml build: always without tinyBLAS; with it, only for a candidate type whose probe agrees."""
+    known = _tinyblas.get(qtype)
+    if known is not None:
+        return known
+    with _tinyblas_lock:
+        if qtype not in _tinyblas:
+            g = ggml_lib()
+            if not g.ggml_cpu_has_llamafile():
+                _tinyblas[qtype] = True
+            else:
+                _tinyblas[qtype] = qtype in _TINYBLAS_CANDIDATES and _probe_batched_rows(qtype)
+                log.debug("tinyBLAS for %s: %s", GGMLQuantizationType(qtype).name, _tinyblas[qtype])
+    return _tinyblas[qtype]
+
+
+def _probe_batched_rows(qtype: int) -> bool:
+    """Random weights of this type times 7 and 2 rows in one matmul (tinyBLAS's tiles and its edge tiles)
+    against each row alone (vec_dot): the same bytes?"""
+    from gguf import quants
+
+    rng = np.random.default_rng(0)
+    rows, cols = 64, 512
+    data = quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), GGMLQuantizationType(qtype))
+    w = Weight.of_bytes(np.ascontiguousarray(data).view(np.uint8).reshape(-1), qtype, (rows, cols))
+    x = torch.from_numpy(rng.standard_normal((7, cols)).astype(np.float32))
+
+    def product(xs: torch.Tensor) -> torch.Tensor:
+        n = int(xs.shape[0])
+        gr = Graph(4 * n * (rows + cols) + 4096, 4, keep=True)  # own memory: a graph may be mid-build
+        try:
+            gr.output(gr.g.ggml_mul_mat(gr.ctx, gr.weight(w), gr.input(cols, n)))
+            out = torch.empty(n, rows)
+            gr.build().run([xs.contiguous()], [out])
+            return out
+        finally:
+            gr.free()
+
+    alone = torch.cat([product(x[i : i + 1]) for i in range(7)])
+    return all(torch.equal(product(x[:n]), alone[:n]) for n in (7, 2))
 
 
 def has_kernel(qtype: int) -> bool:
@@ -213,6 +276,7 @@ class Graph:
         self._weights: list[object] = []  # what owns the weights' memory, for as long as the graph lives
         self.inputs: list[tuple[object, int]] = []  # (tensor, values)
         self.outputs: list[tuple[object, int]] = []
+        self.views: list[object] = []  # in creation order, so a view of a view follows its source
         self.graph: object = None
         self.plan: object = None
         self.plan_threads = 0
@@ -256,7 +320,21 @@ class Graph:
         return t
 
     def mul_mat(self, w: object, x: object) -> object:
-        return self.g.ggml_mul_mat(self.ctx, w, x)  # [N, O]
+        """w [I, O] (ggml order) times the rows of x [I, N] -> [O, N], each element by one kernel whatever N:
+        a weight type whose tinyBLAS sums differ from vec_dot's gets its rows as N batches of one row
+        [I, 1, N] (tinyBLAS only takes matmuls of 2 or more rows per batch; the products are the same bytes)."""
+        g = self.g
+        n = int(x.contents.ne[1])
+        if n > 1 and int(x.contents.ne[2]) == 1 and not _tinyblas_exact(int(w.contents.type)):
+            rows = self._view(g.ggml_reshape_3d(self.ctx, x, int(x.contents.ne[0]), 1, n))
+            y = g.ggml_mul_mat(self.ctx, w, rows)  # [O, 1, N]
+            return self._view(g.ggml_reshape_2d(self.ctx, y, int(y.contents.ne[0]), n))
+        return g.ggml_mul_mat(self.ctx, w, x)  # [O, N]
+
+    def _view(self, t: object) -> object:
+        """A view whose source may be an input or output slot: its data pointer follows the slot's on each run."""
+        self.views.append(t)
+        return t
 
     def swiglu(self, gate: object, up: object | None = None) -> object:
         """silu(gate) * up; with one tensor [N, 2F], its first F columns are the gate."""
@@ -269,8 +347,12 @@ class Graph:
         return self.g.ggml_add(self.ctx, x, self.constant(bias))
 
     def output(self, t: object) -> None:
-        """An output slot: t is computed into the tensor given for it on each run."""
-        self.outputs.append((t, int(self.g.ggml_nelements(t))))
+        """An output slot: t is computed into the tensor given for it on each run (a reshaped product: the
+        product itself is, since a reshape computes nothing)."""
+        n = int(self.g.ggml_nelements(t))
+        while t.contents.op == self.g.GGML_OP_RESHAPE:
+            t = t.contents.view_src
+        self.outputs.append((t, n))
 
     def build(self) -> Graph:
         g = self.g
@@ -291,6 +373,8 @@ class Graph:
                 raise ValueError(f"output of {y.numel()} {y.dtype} values for a slot of {n} float32")
             # ggml allocated the result in the graph's memory; point it at `y` instead (it is computed last)
             t.contents.data = y.data_ptr()
+        for v in self.views:
+            v.contents.data = v.contents.view_src.contents.data + v.contents.view_offs
         g = self.g
         with _compute_lock:
             n_threads = threads()
@@ -518,35 +602,38 @@ class ExpertStack:
     gate_up: Weight | None = None
 
 
-def moe_rows(stack: ExpertStack, expert_of_row: Sequence[int], x: torch.Tensor, out: torch.Tensor) -> None:
-    """out[i] = expert_of_row[i]'s FFN of x[i] for rows x [N, D]: one mul_mat_id per matrix for every expert
-    at once (fewer, larger ops than one graph node per expert: the threads share all the experts' rows).
-    Each row is computed by the same per-row kernel as ffn_rows, so the bits are the same."""
+def moe_rows(stack: ExpertStack, ids: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> None:
+    """out[i, s] = expert ids[i, s]'s FFN of x[i] for rows x [N, D], ids [N, S] -> out [N, S, D]: one
+    mul_mat_id per matrix for every expert at once (fewer, larger ops than one graph node per expert: the
+    threads share all the experts' rows). A node's call is S = 1 (rows packed expert-major); in process a
+    step's tokens go as they are, S = K slots each. Each (row, slot) is computed by the same per-row kernel
+    as ffn_rows, so the bits are the same either way."""
     n, d = int(x.shape[0]), int(x.shape[1])
     if n == 0:
         return
-    ids = torch.tensor(list(expert_of_row), dtype=torch.int32)
+    slots = int(ids.shape[1])
+    ids = ids.to(torch.int32).contiguous()
     f = stack.down.cols
 
     def build(keep: bool) -> Graph:
         g = ggml_lib()
-        gr = Graph(4 * n * (4 * f + d) + 4096, 12, keep)
-        xt = gr.input(d, 1, n)  # [D, 1 slot, N rows]
-        it = gr.input(1, n, qtype=g.GGML_TYPE_I32)
+        gr = Graph(4 * n * slots * (4 * f + d) + 4096, 12, keep)
+        xt = gr.input(d, 1, n)  # [D, 1, N]: every slot of a row reads the row
+        it = gr.input(slots, n, qtype=g.GGML_TYPE_I32)
         if stack.gate_up is not None:
             h = g.ggml_swiglu(gr.ctx, g.ggml_mul_mat_id(gr.ctx, gr.weight(stack.gate_up), xt, it))
         else:
             assert stack.gate is not None and stack.up is not None
-            gate = g.ggml_mul_mat_id(gr.ctx, gr.weight(stack.gate), xt, it)  # [F, 1, N]
+            gate = g.ggml_mul_mat_id(gr.ctx, gr.weight(stack.gate), xt, it)  # [F, S, N]
             up = g.ggml_mul_mat_id(gr.ctx, gr.weight(stack.up), xt, it)
             h = g.ggml_swiglu_split(gr.ctx, gate, up)
-        gr.output(g.ggml_mul_mat_id(gr.ctx, gr.weight(stack.down), h, it))  # [D, 1, N]
+        gr.output(g.ggml_mul_mat_id(gr.ctx, gr.weight(stack.down), h, it))  # [D, S, N]
         return gr
 
-    # the graph depends on the stack and the row count only (the expert of each row is an input): a decode
-    # step's call repeats it layer after layer
+    # the graph depends on the stack and the shape only (the experts are an input): a decode step's call
+    # repeats it layer after layer
     ws = (stack.down, stack.gate, stack.up, stack.gate_up)
-    key = ("moe", n, *(w.ptr if w is not None else 0 for w in ws)) if n <= KEEP_ROWS else None
+    key = ("moe", n, slots, *(w.ptr if w is not None else 0 for w in ws)) if n <= KEEP_ROWS else None
     _run(key, build, [x, ids], [out])
 
 

@@ -400,9 +400,8 @@ class ExpertStore:
         out = torch.empty_like(x)
         stack = self.stack(layer) if numerics == NATIVE else None
         if stack is not None:
-            kernels.moe_rows(
-                stack, [e for e, n in zip(expert_ids, counts, strict=True) for _ in range(n)], x, out
-            )
+            ids = torch.repeat_interleave(torch.tensor(expert_ids), torch.tensor(counts))
+            kernels.moe_rows(stack, ids[:, None], x, out)
             return out
         blocks, start = [], 0
         for expert, n in zip(expert_ids, counts, strict=True):
@@ -410,6 +409,21 @@ class ExpertStore:
                 blocks.append((self.ffn(layer, expert, numerics), start, n))
             start += n
         kernels.ffn_rows(blocks, x, out)
+        return out
+
+    def compute_slots(self, layer: int, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
+        """Native numerics, in process: every token's K experts, x [T, D], ids [T, K] -> [T, K, D], with no
+        packing when this layer's experts lie stacked (else None: use `compute`). The same bits as `compute`
+        of the same pairs, on a node or here."""
+        stack = self.stack(layer)
+        if stack is None or x.device.type != "cpu":
+            return None
+        missing = sorted(set(ids.reshape(-1).tolist()) - self._experts_of.get(layer, set()))
+        if missing:
+            raise MissingSlabs(layer, missing, self.layers())
+        x = x.to(torch.float32).contiguous()
+        out = torch.empty(x.shape[0], ids.shape[1], x.shape[1], dtype=torch.float32)
+        kernels.moe_rows(stack, ids, x, out)
         return out
 
     def _compute_torch(

@@ -9,6 +9,8 @@ float32 rounding.
 from __future__ import annotations
 
 import logging
+import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -71,9 +73,12 @@ def test_every_type_is_multiplied_as_stored_in_both_numerics(qtype: GGMLQuantiza
         assert not torch.equal(got, got_exact), "the native numerics really rounds the activations"
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0, Q.BF16, Q.IQ2_XS, Q.F32], ids=lambda q: q.name)
-def test_a_row_is_the_same_alone_or_in_any_batch(qtype: GGMLQuantizationType) -> None:
-    w = kernels.stored_weight(weights(qtype), qtype, (ROWS, COLS), "native")
+@pytest.mark.parametrize("numerics", ["native", "exact"])
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_a_row_is_the_same_alone_or_in_any_batch(qtype: GGMLQuantizationType, numerics: str) -> None:
+    """Whichever kernel ggml picks for a batch (tinyBLAS GEMM for 2+ rows of the types where it sums as
+    vec_dot does, vec_dot row by row for the rest), each row's bits are its bits alone."""
+    w = kernels.stored_weight(weights(qtype), qtype, (ROWS, COLS), numerics)  # type: ignore[arg-type]
     x = torch.randn(37, COLS, generator=torch.Generator().manual_seed(1))
     (full,) = kernels.linear([w], x)
     for n in (1, 2, 3, 8, 16, 17):
@@ -81,6 +86,34 @@ def test_a_row_is_the_same_alone_or_in_any_batch(qtype: GGMLQuantizationType) ->
         assert torch.equal(part, full[:n]), f"{n} rows"
     alone = torch.cat([kernels.linear([w], x[i : i + 1].clone())[0] for i in range(37)])
     assert torch.equal(alone, full)
+
+
+def test_the_first_batched_product_of_a_process_is_right() -> None:
+    """The first product of several rows checks this build's tinyBLAS on graphs of its own, in the middle
+    of building the caller's graph: a fresh process gets each row's bits alone."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        """
+        import torch
+        from gguf import GGMLQuantizationType as Q
+        from test_kernels import COLS, ROWS, weights
+        from swarm.node import kernels
+        ws = [kernels.stored_weight(weights(q), q, (ROWS, COLS), "native") for q in (Q.Q8_0, Q.F16, Q.Q5_0)]
+        x = torch.randn(9, COLS, generator=torch.Generator().manual_seed(0))
+        together = kernels.linear(ws, x)  # the first batched product: probes run mid-build
+        for w, t in zip(ws, together):
+            alone = torch.cat([kernels.linear([w], x[i : i + 1].clone())[0] for i in range(9)])
+            assert torch.equal(t, alone), w.qtype
+        print("ok")
+        """
+    )
+    tests = str(Path(__file__).parent)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": tests})  # fmt: skip
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
 
 
 def test_several_projections_of_one_input_equal_each_alone() -> None:
@@ -182,7 +215,7 @@ def test_threads_are_one_budget() -> None:
         kernels.set_threads(before)
 
 
-def test_x86_kernels_are_built_for_the_avx2_baseline():
+def test_x86_kernels_are_built_for_the_avx2_baseline_with_tinyblas() -> None:
     """The same slab must give the same bits on AVX2 and AVX-512 machines (audits compare for equality, and
     llama.cpp's own kernels take the AVX2 paths there): ggml is built without its AVX-512 paths on x86
     (the README's install command)."""
@@ -196,3 +229,9 @@ def test_x86_kernels_are_built_for_the_avx2_baseline():
     assert g.ggml_cpu_has_avx2() and not g.ggml_cpu_has_avx512(), (
         "ggml-python was built with AVX-512 kernels: reinstall it with the README's CMAKE_ARGS"
     )
+    assert g.ggml_cpu_has_llamafile(), (
+        "ggml-python was built without tinyBLAS: reinstall it with the README's CMAKE_ARGS"
+    )
+    # tinyBLAS sums Q8_0 products as vec_dot does on x86: batches of Q8_0 rows take the GEMM
+    assert kernels._tinyblas_exact(int(Q.Q8_0))
+    assert not kernels._tinyblas_exact(int(Q.F32)) and not kernels._tinyblas_exact(int(Q.BF16))

@@ -437,6 +437,32 @@ def test_native_calls_keep_no_working_copies():
     assert store.stack(0) is not None  # a whole GGUF's experts lie back to back: one mul_mat_id each
 
 
+def test_in_process_slots_equal_a_nodes_packed_call(tmp_path):
+    """In process, a step's tokens go to mul_mat_id as they are (K slots each, no packing); a node gets the
+    same pairs packed expert-major, from stacked tensors or from a shard directory's slab files: the same bits."""
+    from swarm.node.source import load_slabs
+    from swarm.node.store import ExpertStore
+    from swarm.sharding.slabs import slabs_from_gguf
+
+    stacked = ExpertStore(slabs_from_gguf(Q4KM_GGUF))
+    assert main(["shard", str(Q4KM_GGUF), "-o", str(tmp_path / "m.swarm")]) == 0
+    files = ExpertStore(load_slabs(tmp_path / "m.swarm").slabs)
+    assert files.stack(1) is None  # slab files: per-expert graphs
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(3))
+    ids = torch.tensor([[3, 0], [0, 7], [5, 3], [1, 2], [7, 6]])
+    slots = stacked.compute_slots(1, x, ids)
+    assert slots is not None and slots.shape == (5, 2, 256)
+    pairs = sorted((int(e), t, k) for t, row in enumerate(ids) for k, e in enumerate(row))
+    rows = torch.stack([x[t] for _, t, _ in pairs])
+    experts = sorted({e for e, _, _ in pairs})
+    counts = [sum(1 for e2, _, _ in pairs if e2 == e) for e in experts]
+    for store in (stacked, files):
+        packed = store.compute(1, experts, counts, rows)
+        for i, (_, t, k) in enumerate(pairs):
+            assert torch.equal(packed[i], slots[t, k]), (t, k)
+    assert files.compute_slots(1, x, ids) is None
+
+
 def test_store_dequantizes_a_cold_expert_once_under_concurrency():
     from concurrent.futures import ThreadPoolExecutor
 
