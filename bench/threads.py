@@ -5,6 +5,10 @@
 `swarm run FILE --local` from a cold start, decode tokens/s as it reports them, under:
   --threads 1 and 2, and OpenMP's default (spinning) wait vs OMP_WAIT_POLICY=PASSIVE,
   on an idle machine and beside one busy process (a pure-Python loop: another app on the device).
+With --swarm DIR (a shard directory of that model): `swarm run DIR` over 4 loopback nodes (--threads 1
+each, the nodes' own passive waiting), the coordinator's threads waiting passively (what `swarm run` picks
+when its experts are remote), with a short spin (GOMP_SPINCOUNT=10000) or with OpenMP's full default spin
+(300000); written to the `bench:threads-swarm` section.
 Also reads, from a process that has run both torch and ggml, how many OpenMP runtimes it loaded (libgomp
 in /proc/self/maps) and how many threads it runs. Medians of --reps runs, side by side in one run.
 Figures go to the `bench:threads` section of docs/BENCHMARKS.md.
@@ -65,12 +69,74 @@ def swarm_run(gguf: Path, threads: int, policy: str | None) -> tuple[float, floa
     return float(m.group(1)), float(m.group(2))
 
 
+SWARM_WAITS = (
+    ("passive (what `swarm run` picks when its experts are remote)", {"OMP_WAIT_POLICY": "PASSIVE"}),
+    ("short spin, GOMP_SPINCOUNT=10000", {"GOMP_SPINCOUNT": "10000"}),
+    ("full spin, GOMP_SPINCOUNT=300000", {"GOMP_SPINCOUNT": "300000"}),
+)
+
+
+def swarm_waits(shard_dir: Path, reps: int, write: bool) -> None:
+    """Decode through 4 loopback nodes under each coordinator wait of SWARM_WAITS, side by side."""
+    from swarm.node.launch import start_nodes, stop_nodes
+    from swarm.sharding.slabs import read_manifest
+
+    n_expert = read_manifest(shard_dir).n_expert
+    quarter = n_expert // 4
+    specs = [(shard_dir, ["--host", "127.0.0.1", "--experts", f"{i * quarter}-{(i + 1) * quarter - 1}",
+                          "--threads", "1", "--no-verify", "--no-mdns"]) for i in range(4)]  # fmt: skip
+    results: dict[str, list[float]] = {name: [] for name, _ in SWARM_WAITS}
+    with tempfile.TemporaryDirectory(prefix="bench-threads-swarm-") as work:
+        nodes = start_nodes(specs, Path(work), timeout=120.0)
+        try:
+            peers = [a for n in nodes for a in ("--peer", n.address)]
+            for rep in range(reps):
+                order = SWARM_WAITS[rep % 3 :] + SWARM_WAITS[: rep % 3]
+                for name, extra in order:
+                    env = {
+                        k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+                    }
+                    cmd = [sys.executable, "-m", "swarm.coordinator.cli", "run", str(shard_dir), "--no-mdns",
+                           *peers, "--audit", "0", "--prompt", PROMPT, "--max-tokens", "48"]  # fmt: skip
+                    proc = subprocess.run(
+                        cmd, env={**env, **extra}, capture_output=True, text=True, timeout=300
+                    )
+                    m = _TPS.search(proc.stderr)
+                    if proc.returncode != 0 or m is None:
+                        raise RuntimeError(f"swarm run failed ({proc.returncode}): {proc.stderr[-1500:]}")
+                    results[name].append(float(m.group(2)))
+                    print(name, results[name][-1], flush=True)
+        finally:
+            stop_nodes(nodes)
+    cmd = "python bench/threads.py" + "".join(f" {a}" for a in sys.argv[1:])
+    lines = [
+        "## How a coordinator of remote experts should wait (issue 9; `bench/threads.py --swarm`)",
+        "",
+        f"Command: `{cmd}`  ",
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. "
+        "`swarm run` of the 4-layer Qwen3.6-35B-shape shard directory through 4 loopback nodes (`--threads 1`, "
+        f"disjoint quarters of the experts, `--audit 0`), 48 tokens, {reps} runs per wait in a rotating order.",
+        "",
+        "| coordinator's OpenMP wait | decode tok/s, median | runs |",
+        "| --- | ---: | --- |",
+    ]
+    for name, _ in SWARM_WAITS:
+        runs = results[name]
+        lines.append(f"| {name} | {statistics.median(runs):.1f} | {', '.join(f'{r:.1f}' for r in runs)} |")
+    publish("threads-swarm", "\n".join(lines), write=write)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--gguf", type=Path, default=None, help="model (default: synthesize the 35B layer shape)")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--no-write", action="store_true")
+    p.add_argument("--swarm", type=Path, default=None, metavar="DIR",
+                   help="a shard directory: measure the coordinator's waits over 4 loopback nodes instead")  # fmt: skip
     args = p.parse_args(argv)
+    if args.swarm is not None:
+        swarm_waits(args.swarm, args.reps, not args.no_write)
+        return 0
     tmp = None
     gguf = args.gguf
     if gguf is None:

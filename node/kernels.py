@@ -274,9 +274,10 @@ class Graph:
         if not self.ctx:
             raise MemoryError("ggml_init failed")
         self._weights: list[object] = []  # what owns the weights' memory, for as long as the graph lives
-        self.inputs: list[tuple[object, int]] = []  # (tensor, values)
-        self.outputs: list[tuple[object, int]] = []
-        self.views: list[object] = []  # in creation order, so a view of a view follows its source
+        # (tensor, its struct, values): the struct read once, since every `.contents` makes a new ctypes object
+        self.inputs: list[tuple[object, object, int]] = []
+        self.outputs: list[tuple[object, object, int]] = []
+        self.views: list[tuple[object, object, int]] = []  # (view, source, offset), a view's source first
         self.graph: object = None
         self.plan: object = None
         self.plan_threads = 0
@@ -308,7 +309,7 @@ class Graph:
     def input(self, *ne: int, qtype: int = _F32) -> object:
         """An input slot of ggml shape `ne` (fastest first: [cols, rows] for a matrix), float32 by default."""
         t = self.placed(qtype, *ne)
-        self.inputs.append((t, int(np.prod(ne))))
+        self.inputs.append((t, t.contents, int(np.prod(ne))))
         return t
 
     def constant(self, x: torch.Tensor) -> object:
@@ -333,7 +334,7 @@ class Graph:
 
     def _view(self, t: object) -> object:
         """A view whose source may be an input or output slot: its data pointer follows the slot's on each run."""
-        self.views.append(t)
+        self.views.append((t.contents, t.contents.view_src.contents, int(t.contents.view_offs)))
         return t
 
     def swiglu(self, gate: object, up: object | None = None) -> object:
@@ -352,29 +353,29 @@ class Graph:
         n = int(self.g.ggml_nelements(t))
         while t.contents.op == self.g.GGML_OP_RESHAPE:
             t = t.contents.view_src
-        self.outputs.append((t, n))
+        self.outputs.append((t, t.contents, n))
 
     def build(self) -> Graph:
         g = self.g
         self.graph = g.ggml_new_graph_custom(self.ctx, self.n_nodes, False)
-        for t, _ in self.outputs:
+        for t, _, _ in self.outputs:
             g.ggml_build_forward_expand(self.graph, t)
         return self
 
     def run(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
         """Compute with these inputs and outputs (float32, contiguous, CPU; one per slot, in order)."""
         assert len(inputs) == len(self.inputs) and len(outputs) == len(self.outputs)
-        for (t, n), x in zip(self.inputs, inputs, strict=True):
+        for (_, t, n), x in zip(self.inputs, inputs, strict=True):
             if x.numel() != n or x.element_size() != 4 or not x.is_contiguous():  # float32 (or int32 ids)
                 raise ValueError(f"input of {x.numel()} {x.dtype} values for a slot of {n} float32")
-            t.contents.data = x.data_ptr()
-        for (t, n), y in zip(self.outputs, outputs, strict=True):
+            t.data = x.data_ptr()
+        for (_, t, n), y in zip(self.outputs, outputs, strict=True):
             if y.numel() != n or y.dtype != torch.float32 or not y.is_contiguous():
                 raise ValueError(f"output of {y.numel()} {y.dtype} values for a slot of {n} float32")
             # ggml allocated the result in the graph's memory; point it at `y` instead (it is computed last)
-            t.contents.data = y.data_ptr()
-        for v in self.views:
-            v.contents.data = v.contents.view_src.contents.data + v.contents.view_offs
+            t.data = y.data_ptr()
+        for v, src, offs in self.views:
+            v.data = src.data + offs
         g = self.g
         with _compute_lock:
             n_threads = threads()
@@ -684,38 +685,6 @@ def unary(op: str, x: torch.Tensor) -> torch.Tensor:
     return out.view(shape)
 
 
-def gated_delta(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    state: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gated delta rule over T tokens of B sequences, with ggml's op (the one llama.cpp runs).
-
-    q, k, v [B, T, H, S] float32 (q, k L2-normed; q not yet scaled: the op scales it by 1/sqrt(S)),
-    g (log decay), beta [B, T, H], state [B, H, S, S] in ggml's layout: row j of a head's block holds
-    column j of the state S (state[b, h, j, i] = S[i, j]). -> (o [B, T, H, S], new state, same layout).
-    Each (sequence, head) is computed on its own, in cache: one read and one write of its state per call.
-    """
-    b, t, h, s = (int(d) for d in v.shape)
-    args = [_f32_rows(a).contiguous() for a in (q, k, v, g, beta, state)]
-    n_attn = b * t * h * s
-    out = torch.empty(n_attn + b * h * s * s, dtype=torch.float32)
-
-    def build(keep: bool) -> Graph:
-        gr = Graph(4 * out.numel() + 64 * 1024, 8, keep)
-        tq, tk, tv = gr.input(s, h, t, b), gr.input(s, h, t, b), gr.input(s, h, t, b)
-        tg, tb = gr.input(1, h, t, b), gr.input(1, h, t, b)
-        ts = gr.input(s, s, h, b)
-        gr.output(gr.g.ggml_gated_delta_net(gr.ctx, tq, tk, tv, tg, tb, ts, 1))
-        return gr
-
-    _run(("gdn", b, t, h, s) if b * t <= KEEP_ROWS else None, build, args, [out])
-    return out[:n_attn].view(b, t, h, s), out[n_attn:].view(b, h, s, s)
-
-
 def delta_net_step(
     window: torch.Tensor,
     conv_weight: torch.Tensor,
@@ -730,7 +699,8 @@ def delta_net_step(
     over each sequence's window, SiLU, L2-normed q and k, the gated delta rule.
 
     window [B, C, Kc-1+T]: each sequence's Kc-1 past conv inputs, then its T new ones; conv_weight [C, Kc];
-    g (log decay), beta [B, T, Hv]; state [B, Hv, S, S] in ggml's layout (see gated_delta). Key heads serve
+    g (log decay), beta [B, T, Hv]; state [B, Hv, S, S] in ggml's layout: row j of a head's block holds
+    column j of the state S (state[b, h, j, i] = S[i, j]). Key heads serve
     value heads tiled (value head h reads key head h % Hk) or, `grouped`, in blocks (h // (Hv / Hk)).
     -> (o [B, T, Hv, S], new state [B, Hv, S, S]).
 

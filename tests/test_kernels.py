@@ -157,30 +157,33 @@ def test_unary_rows_do_not_depend_on_the_batch(op: str) -> None:
         assert torch.equal(kernels.unary(op, x[-n:].clone()), full[-n:])
 
 
-def test_the_gated_delta_op_equals_the_definition() -> None:
-    from swarm.coordinator.models.deltanet import gated_delta_recurrent
+@pytest.mark.parametrize("grouped", [False, True], ids=["tiled", "grouped"])
+def test_the_delta_net_step_equals_the_definition(grouped: bool) -> None:
+    """Conv, SiLU, L2 norms and the gated delta rule in one ggml graph against torch's conv and the rule
+    step by step (float64), value heads reading key heads tiled (qwen35moe) or in blocks (qwen3next)."""
+    from swarm.coordinator.models.deltanet import L2_EPS, causal_conv, gated_delta_recurrent, l2_norm
 
-    b, t, h, s = 2, 5, 3, 16
+    b, t, hk, hv, s, kc = 2, 5, 2, 4, 16, 4
+    c = 2 * hk * s + hv * s
     gen = torch.Generator().manual_seed(3)
-    q = torch.nn.functional.normalize(torch.randn(b, t, h, s, generator=gen), dim=-1)
-    k = torch.nn.functional.normalize(torch.randn(b, t, h, s, generator=gen), dim=-1)
-    v = torch.randn(b, t, h, s, generator=gen)
-    g, beta = -torch.rand(b, t, h, generator=gen), torch.rand(b, t, h, generator=gen)
-    state = torch.randn(b, h, s, s, generator=gen)  # ggml layout: state[b, h, j, i] = S[i, j]
-    o, new = kernels.gated_delta(q, k, v, g, beta, state)
+    window = torch.randn(b, c, kc - 1 + t, generator=gen)
+    w = torch.randn(c, kc, generator=gen) * 0.5
+    g, beta = -torch.rand(b, t, hv, generator=gen), torch.rand(b, t, hv, generator=gen)
+    state = torch.randn(b, hv, s, s, generator=gen)  # ggml layout: state[b, h, j, i] = S[i, j]
+    o, new = kernels.delta_net_step(window, w, g, beta, state, hk, grouped, L2_EPS)
+    key_of = [h // (hv // hk) if grouped else h % hk for h in range(hv)]
     for i in range(b):
-        ro, rs = gated_delta_recurrent(
-            (q[i] / s**0.5).transpose(0, 1).double(),
-            k[i].transpose(0, 1).double(),
-            v[i].transpose(0, 1).double(),
-            g[i].transpose(0, 1).double(),
-            beta[i].transpose(0, 1).double(),
-            state[i].transpose(-1, -2).double(),
-        )
-        torch.testing.assert_close(o[i].transpose(0, 1).double(), ro, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(new[i].transpose(-1, -2).double(), rs, rtol=1e-5, atol=1e-5)
-        alone = kernels.gated_delta(q[i : i + 1], k[i : i + 1], v[i : i + 1], g[i : i + 1], beta[i : i + 1],
-                                    state[i : i + 1])  # fmt: skip
+        conv, _ = causal_conv(window[i, :, kc - 1 :].T.double(), window[i, :, : kc - 1].double(), w.double())
+        act = torch.nn.functional.silu(conv)  # [T, C]
+        q = l2_norm(act[:, : hk * s].reshape(t, hk, s), L2_EPS)[:, key_of]
+        k = l2_norm(act[:, hk * s : 2 * hk * s].reshape(t, hk, s), L2_EPS)[:, key_of]
+        v = act[:, 2 * hk * s :].reshape(t, hv, s)
+        ro, rs = gated_delta_recurrent((q / s**0.5).transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                       g[i].T.double(), beta[i].T.double(), state[i].transpose(-1, -2).double())  # fmt: skip
+        torch.testing.assert_close(o[i].transpose(0, 1).double(), ro, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(new[i].transpose(-1, -2).double(), rs, rtol=1e-4, atol=1e-4)
+        alone = kernels.delta_net_step(window[i : i + 1], w, g[i : i + 1], beta[i : i + 1], state[i : i + 1],
+                                       hk, grouped, L2_EPS)  # fmt: skip
         assert torch.equal(alone[0][0], o[i]) and torch.equal(alone[1][0], new[i])
 
 

@@ -483,7 +483,7 @@ def gated_delta_recurrent(
     state: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule one step at a time: the definition, which tests hold ggml's op and the chunked
-    form to (the model runs ggml's op, kernels.gated_delta / delta_net_step).
+    form to (the model runs ggml's op, kernels.delta_net_step).
 
     q, k [..., T, Dk] (q already scaled), v [..., T, Dv], g, beta [..., T], state S [..., Dk, Dv].
     Per step: S <- S * exp(g_t); delta = (v_t - S^T k_t) * beta_t; S <- S + k_t delta^T; o_t = S^T q_t.
