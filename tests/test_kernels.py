@@ -238,3 +238,15 @@ def test_x86_kernels_are_built_for_the_avx2_baseline_with_tinyblas() -> None:
     # tinyBLAS sums Q8_0 products as vec_dot does on x86: batches of Q8_0 rows take the GEMM
     assert kernels._tinyblas_exact(int(Q.Q8_0))
     assert not kernels._tinyblas_exact(int(Q.F32)) and not kernels._tinyblas_exact(int(Q.BF16))
+
+
+def test_every_install_path_builds_the_same_kernels() -> None:
+    """The README's install command, CI's and the container's build ggml with the flags the code names."""
+    root = Path(__file__).resolve().parent.parent
+    flags = f'CMAKE_ARGS="{kernels.GGML_CMAKE_ARGS}"'
+    assert flags in (root / "README.md").read_text()
+    assert flags in (root / ".ci" / "run").read_text()
+    assert (
+        f'ARG GGML_CMAKE_ARGS="{kernels.GGML_CMAKE_ARGS}"'
+        in (root / "deploy/container/Dockerfile").read_text()
+    )
