@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import platform
 import re
+import sys
+import time
 from pathlib import Path
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "BENCHMARKS.md"
@@ -29,3 +33,15 @@ def publish(name: str, text: str, write: bool) -> None:
     print(text)
     if write:
         replace_section(name, text)
+
+
+def command(script: str, argv: list[str] | None) -> str:
+    """How a bench was run, for its section: `python bench/SCRIPT ARGS`."""
+    return f"python bench/{script}" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+
+
+def machine() -> str:
+    """This machine and the time, for a section's header."""
+    return (
+        f"{platform.machine()}, {os.cpu_count()} cores; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+    )

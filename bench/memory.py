@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _doc import publish  # noqa: E402
+from _doc import command, machine, publish  # noqa: E402
 
 from swarm.coordinator.engine import open_engine  # noqa: E402
 from swarm.coordinator.generate import forward_one  # noqa: E402
@@ -117,12 +115,12 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if tmp:
             tmp.cleanup()
-    cmd = "python bench/memory.py" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+    cmd = command("memory.py", argv)
     lines = [
         "## Peak memory: node and `swarm run --local` (issue 9; `bench/memory.py`)",
         "",
         f"Command: `{cmd}`  ",
-        f"Machine: {platform.machine()}, {os.cpu_count()} cores, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. "
+        f"Machine: {machine()}. "
         "Models: `swarm synth --like qwen3.6-35b-a3b` (D 2048, 256 experts of F 512, Q4_K experts, Q8_0 dense, "
         "vocab 4096, random weights). Node: every expert of 2 layers, serving a coordinator through a 64-token "
         "prompt and 16 greedy decode steps, peak RSS = the node's VmHWM. `swarm run`: the same prompt, 16 "

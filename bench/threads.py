@@ -18,17 +18,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import re
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _doc import publish  # noqa: E402
+from _doc import command, machine, publish  # noqa: E402
 
 PROMPT = (
     "A mixture of experts model keeps many small feed-forward networks in every layer and sends each token "
@@ -108,12 +106,12 @@ def swarm_waits(shard_dir: Path, reps: int, write: bool) -> None:
                     print(name, results[name][-1], flush=True)
         finally:
             stop_nodes(nodes)
-    cmd = "python bench/threads.py" + "".join(f" {a}" for a in sys.argv[1:])
+    cmd = command("threads.py", None)
     lines = [
         "## How a coordinator of remote experts should wait (issue 9; `bench/threads.py --swarm`)",
         "",
         f"Command: `{cmd}`  ",
-        f"Machine: {platform.machine()}, {os.cpu_count()} cores; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. "
+        f"Machine: {machine()}. "
         "`swarm run` of the 4-layer Qwen3.6-35B-shape shard directory through 4 loopback nodes (`--threads 1`, "
         f"disjoint quarters of the experts, `--audit 0`), 48 tokens, {reps} runs per wait in a rotating order.",
         "",
@@ -170,12 +168,12 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if tmp is not None:
             tmp.cleanup()
-    cmd = "python bench/threads.py" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+    cmd = command("threads.py", argv)
     lines = [
         "## One thread budget: torch and ggml, and how their threads wait (issue 9; `bench/threads.py`)",
         "",
         f"Command: `{cmd}`  ",
-        f"Machine: {platform.machine()}, {os.cpu_count()} cores; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. "
+        f"Machine: {machine()}. "
         f"`swarm run --local` from a cold start on the 4-layer Qwen3.6-35B-shape GGUF (Q4_K experts, Q8_0 "
         f"dense), 32 tokens, {args.reps} runs per configuration in a rotating order, medians.",
         "",

@@ -15,14 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _doc import publish  # noqa: E402
+from _doc import command, machine, publish  # noqa: E402
 
 ROWS, COLS = 8192, 2048
 BATCHES = (1, 8, 64, 256)
@@ -76,13 +75,12 @@ def main(argv: list[str] | None = None) -> int:
         child = subprocess.run([sys.executable, __file__, "--child", "--reps", str(args.reps)], env=env,
                                capture_output=True, text=True, timeout=1800, check=True)  # fmt: skip
         runs["plain"] = json.loads(child.stdout.strip().splitlines()[-1])
-    cmd = "python bench/tinyblas.py" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+    cmd = command("tinyblas.py", argv)
     lines = [
         "## Batched products: tinyBLAS and row bits (issue 9; `bench/tinyblas.py`)",
         "",
         f"Command: `{cmd}`  ",
-        f"Machine: {platform.machine()}, {os.cpu_count()} cores, 2 ggml threads; "
-        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. A random {ROWS} x {COLS} matrix of each type "
+        f"Machine: {machine()}, 2 ggml threads. A random {ROWS} x {COLS} matrix of each type "
         f"times 1-{max(BATCHES)} rows, ms per row (best of {args.reps}); `same bits`: every row of every batch "
         "equals that row computed alone.",
         "",
