@@ -15,7 +15,7 @@ kernel whatever the batch: a row's result does not depend on how many rows share
 sequences are in the step, or which process on the same CPU computes it. Two kernels compute products:
 ggml's `vec_dot` (one weight row times one activation row) and, for matmuls of 2 or more rows, llamafile's
 tinyBLAS GEMM when ggml is built with it (the README's install command: several rows per weight read,
-1.6-1.8x faster prompts on Q8_0). For Q8_0, Q4_0 and Q5_0 on x86 tinyBLAS sums each element exactly as
+1.3-1.8x less time per row on Q8_0, bench/tinyblas.py). For Q8_0, Q4_0 and Q5_0 on x86 tinyBLAS sums each element exactly as
 `vec_dot` does (the same integer block dots, one FMA per block in block order, the same horizontal sum);
 for other types it does not, so those are multiplied with every row in its own batch slot, where tinyBLAS
 never runs. Which types take tinyBLAS is checked once per process on this build (`_tinyblas_exact`),

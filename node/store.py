@@ -19,7 +19,7 @@ import logging
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -354,6 +354,10 @@ class ExpertStore:
                 f"rows are {rows.shape[1]} wide but this model's width D is {self.hidden_size}; "
                 "check that the node serves the same model (fingerprint)"
             )
+        self._check_held(layer, expert_ids)
+
+    def _check_held(self, layer: int, expert_ids: Iterable[int]) -> None:
+        """Raise MissingSlabs naming the experts of `layer` this store does not hold."""
         held = self._experts_of.get(layer, set())
         missing = sorted({e for e in expert_ids if e not in held})
         if missing:
@@ -418,9 +422,7 @@ class ExpertStore:
         stack = self.stack(layer)
         if stack is None or x.device.type != "cpu":
             return None
-        missing = sorted(set(ids.reshape(-1).tolist()) - self._experts_of.get(layer, set()))
-        if missing:
-            raise MissingSlabs(layer, missing, self.layers())
+        self._check_held(layer, ids.reshape(-1).tolist())
         x = x.to(torch.float32).contiguous()
         out = torch.empty(x.shape[0], ids.shape[1], x.shape[1], dtype=torch.float32)
         kernels.moe_rows(stack, ids, x, out)
