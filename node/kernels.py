@@ -277,7 +277,7 @@ class Graph:
         # (tensor, its struct, values): the struct read once, since every `.contents` makes a new ctypes object
         self.inputs: list[tuple[object, object, int]] = []
         self.outputs: list[tuple[object, object, int]] = []
-        self.views: list[tuple[object, object, int]] = []  # (view, source, offset), a view's source first
+        self.views: list[tuple[object, object, int]] = []  # (view, its slot, offset): found by build()
         self.graph: object = None
         self.plan: object = None
         self.plan_threads = 0
@@ -327,15 +327,10 @@ class Graph:
         g = self.g
         n = int(x.contents.ne[1])
         if n > 1 and int(x.contents.ne[2]) == 1 and not _tinyblas_exact(int(w.contents.type)):
-            rows = self._view(g.ggml_reshape_3d(self.ctx, x, int(x.contents.ne[0]), 1, n))
+            rows = g.ggml_reshape_3d(self.ctx, x, int(x.contents.ne[0]), 1, n)
             y = g.ggml_mul_mat(self.ctx, w, rows)  # [O, 1, N]
-            return self._view(g.ggml_reshape_2d(self.ctx, y, int(y.contents.ne[0]), n))
+            return g.ggml_reshape_2d(self.ctx, y, int(y.contents.ne[0]), n)
         return g.ggml_mul_mat(self.ctx, w, x)  # [O, N]
-
-    def _view(self, t: object) -> object:
-        """A view whose source may be an input or output slot: its data pointer follows the slot's on each run."""
-        self.views.append((t.contents, t.contents.view_src.contents, int(t.contents.view_offs)))
-        return t
 
     def swiglu(self, gate: object, up: object | None = None) -> object:
         """silu(gate) * up; with one tensor [N, 2F], its first F columns are the gate."""
@@ -360,7 +355,23 @@ class Graph:
         self.graph = g.ggml_new_graph_custom(self.ctx, self.n_nodes, False)
         for t, _, _ in self.outputs:
             g.ggml_build_forward_expand(self.graph, t)
+        self._find_slot_views()
         return self
+
+    def _find_slot_views(self) -> None:
+        """Every view (reshape, transpose, slice) of an input or output slot, whose data pointer must follow
+        the slot's on each run: ggml gives each view its root tensor and offset."""
+        slots = {ctypes.addressof(c) for _, c, _ in self.inputs + self.outputs}
+        seen: set[int] = set()
+        stack = [self.g.ggml_graph_node(self.graph, i) for i in range(self.g.ggml_graph_n_nodes(self.graph))]
+        while stack:
+            t = stack.pop().contents
+            if ctypes.addressof(t) in seen:
+                continue
+            seen.add(ctypes.addressof(t))
+            if t.view_src and ctypes.addressof(t.view_src.contents) in slots:
+                self.views.append((t, t.view_src.contents, int(t.view_offs)))
+            stack.extend(src for src in t.src if src)
 
     def run(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
         """Compute with these inputs and outputs (float32, contiguous, CPU; one per slot, in order)."""
@@ -428,6 +439,8 @@ _cache = GraphCache()
 
 
 def _f32_rows(x: torch.Tensor) -> torch.Tensor:
+    if x.dtype == torch.float32 and x.is_contiguous() and x.device.type == "cpu":
+        return x  # the common case, without torch's dispatch of a no-op conversion
     return x.to(device="cpu", dtype=torch.float32).contiguous()
 
 
@@ -468,24 +481,60 @@ def apply_post(y: torch.Tensor, post: Post | None) -> torch.Tensor:
     return y
 
 
+@dataclass(frozen=True)
+class Norm:
+    """An RMSNorm applied inside a graph: each group of len(weight) values (a row, or each head of a row) is
+    divided by its root mean square (ggml_rms_norm, llama.cpp's: the sum of squares in double), then
+    multiplied by `weight`."""
+
+    weight: torch.Tensor  # [G] float32
+    eps: float
+
+
 def linear(
-    weights: Sequence[Weight], x: torch.Tensor, post: Sequence[Post | None] | None = None
+    weights: Sequence[Weight],
+    x: torch.Tensor,
+    post: Sequence[Post | None] | None = None,
+    *,
+    norm: Norm | None = None,
+    gate: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    normed: bool = False,
 ) -> list[torch.Tensor]:
-    """x [N, I] times each of several matrices [O_j, I] of the same input: one graph, outputs [N, O_j];
-    `post[j]`, when given, runs on product j inside the graph (an activation, a bias)."""
+    """x [N, I] times each of several matrices [O_j, I] of the same input: one graph, outputs [N, O_j].
+
+    In the same graph, in this order: `norm` (x normed first), `gate` [N, I] (the normed x times it,
+    elementwise), the products, `post[j]` on product j (an activation, a bias), `residual` [N, O_0] added to
+    the first output. `normed`: the input as multiplied ([N, I], after norm and gate) comes first in the list.
+    A decode step's dense path is a few of these: each graph has a fixed cost, each torch op around it too."""
     x = _f32_rows(x)
-    n = int(x.shape[0])
+    n, cols = int(x.shape[0]), int(x.shape[1])
     posts = list(post) if post is not None else [None] * len(weights)
-    outs = [torch.empty(n, w.rows, dtype=torch.float32) for w in weights]
+    extra = [t for t in (gate, residual) if t is not None]
+    inputs = [x, *(_f32_rows(t) for t in extra)]
+    outs = ([torch.empty(n, cols)] if normed else []) + [torch.empty(n, w.rows) for w in weights]
+    if norm is not None and cols % norm.weight.numel():
+        raise ValueError(f"a norm of {norm.weight.numel()} values does not divide rows of {cols}")
 
     def build(keep: bool) -> Graph:
         # the graph's memory holds each product before it is pointed at its output, and quantized activations
         steps = sum(len(p or ()) for p in posts)
-        gr = Graph(sum(4 * n * w.rows * (1 + len(p or ())) + 64 for w, p in zip(weights, posts, strict=True)),
-                   2 * len(weights) + 2 * steps + 1, keep)  # fmt: skip
+        scratch = sum(4 * n * w.rows * (2 + len(p or ())) + 64 for w, p in zip(weights, posts, strict=True))
+        gr = Graph(scratch + 4 * 4 * n * cols + 256, 2 * len(weights) + 2 * steps + 12, keep)
         g = gr.g
-        xt = gr.input(int(x.shape[1]), n)
-        for w, p in zip(weights, posts, strict=True):
+        xt = gr.input(cols, n)
+        gt = gr.input(cols, n) if gate is not None else None
+        rt = gr.input(weights[0].rows, n) if residual is not None else None
+        if norm is not None:
+            width = int(norm.weight.numel())
+            grouped = g.ggml_reshape_3d(gr.ctx, xt, width, cols // width, n)
+            xn = g.ggml_mul(gr.ctx, g.ggml_rms_norm(gr.ctx, grouped, norm.eps), gr.constant(norm.weight))
+            xt = g.ggml_reshape_2d(gr.ctx, xn, cols, n)
+        if gt is not None:
+            xt = g.ggml_mul(gr.ctx, xt, gt)
+        if normed:  # the input itself is a slot, not a result: copy it out
+            gr.output(xt if norm is not None or gate is not None else g.ggml_cont(gr.ctx, xt))
+        for j, (w, p) in enumerate(zip(weights, posts, strict=True)):
             t = gr.mul_mat(gr.weight(w), xt)
             for step in p or ():
                 if isinstance(step, str):
@@ -496,13 +545,17 @@ def linear(
                     t = getattr(g, f"ggml_{step[0]}")(gr.ctx, t, gr.constant(step[1]))
                 else:
                     raise ValueError(f"unknown step {step[0]!r}")
+            if j == 0 and rt is not None:
+                t = g.ggml_add(gr.ctx, t, rt)
             gr.output(t)
         return gr
 
     key = None
     if n <= KEEP_ROWS:
-        key = ("linear", n, *((w.ptr, _post_key(p)) for w, p in zip(weights, posts, strict=True)))
-    _run(key, build, [x], outs)
+        shape = (norm.weight.data_ptr(), norm.eps) if norm is not None else None
+        key = ("linear", n, shape, gate is not None, residual is not None, normed,
+               *((w.ptr, _post_key(p)) for w, p in zip(weights, posts, strict=True)))  # fmt: skip
+    _run(key, build, inputs, outs)
     return outs
 
 
@@ -686,70 +739,94 @@ def unary(op: str, x: torch.Tensor) -> torch.Tensor:
 
 
 def delta_net_step(
-    window: torch.Tensor,
+    mixed: torch.Tensor,
+    convs: Sequence[torch.Tensor],
     conv_weight: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
-    state: torch.Tensor,
+    states: Sequence[torch.Tensor],
     n_k_heads: int,
     grouped: bool,
     eps: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """T steps of Gated DeltaNet for B sequences, all in one ggml graph (llama.cpp's ops): depthwise conv
-    over each sequence's window, SiLU, L2-normed q and k, the gated delta rule.
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """T steps of Gated DeltaNet for each of B sequences, all in one ggml graph (llama.cpp's ops): the
+    depthwise conv over each sequence's past and new inputs, SiLU, L2-normed q and k, the gated delta rule.
 
-    window [B, C, Kc-1+T]: each sequence's Kc-1 past conv inputs, then its T new ones; conv_weight [C, Kc];
-    g (log decay), beta [B, T, Hv]; state [B, Hv, S, S] in ggml's layout: row j of a head's block holds
-    column j of the state S (state[b, h, j, i] = S[i, j]). Key heads serve
-    value heads tiled (value head h reads key head h % Hk) or, `grouped`, in blocks (h // (Hv / Hk)).
-    -> (o [B, T, Hv, S], new state [B, Hv, S, S]).
+    mixed [B, T, C]: each sequence's T new conv inputs; convs: B x [C, Kc-1] each one's last Kc-1 inputs;
+    conv_weight [C, Kc]; g (log decay), beta [B, T, Hv]; states: B x [Hv, S, S] in ggml's layout: row j of
+    a head's block holds column j of the state S (state[h, j, i] = S[i, j]). Key heads serve value heads
+    tiled (value head h reads key head h % Hk) or, `grouped`, in blocks (h // (Hv / Hk)).
+    -> (o: B x [T, Hv, S], the new convs, the new states), each sequence's its own tensors: a state is read
+    where it lies and the new one is a view of that sequence's output, so no state is copied on the way.
 
-    Every op here computes a token's values from that token's row alone (the conv from its window, the
-    rule step by step), so a sequence read T tokens at a time, one at a time (decode) or beside other
-    sequences gets the same bits.
+    Each sequence has its own ops, and every op computes a token's values from that token's row alone (the
+    conv from its window, the rule step by step), so a sequence read T tokens at a time, one at a time
+    (decode) or beside other sequences gets the same bits.
     """
-    b, c, width = (int(d) for d in window.shape)
+    b, t, c = (int(d) for d in mixed.shape)
     kc = int(conv_weight.shape[1])
-    t = width - (kc - 1)
-    hv, s = int(state.shape[1]), int(state.shape[2])
+    hv, s = int(states[0].shape[0]), int(states[0].shape[1])
     hk = n_k_heads
-    args = [_f32_rows(a).contiguous() for a in (window, g, beta, state)]
-    n_attn = b * t * hv * s
-    out = torch.empty(n_attn + b * hv * s * s, dtype=torch.float32)
+    n_attn = t * hv * s
+    ins = (
+        [_f32_rows(a) for a in (mixed, g, beta)]
+        + [_f32_rows(x) for x in convs]
+        + [_f32_rows(x) for x in states]
+    )
+    outs = [torch.empty(n_attn + hv * s * s) for _ in range(b)] + [torch.empty(c, kc - 1) for _ in range(b)]
     w = _f32_rows(conv_weight)
 
     def build(keep: bool) -> Graph:
-        gr = Graph(4 * (out.numel() + 4 * b * t * c) + 256 * 1024, 24, keep)
+        per_seq = 4 * (n_attn + hv * s * s + 10 * (kc - 1 + t) * c)
+        gr = Graph(b * per_seq + 256 * 1024, 40 * b + 8, keep)
         gm, ctx = gr.g, gr.ctx
-        sx, tg, tb, ts = (
-            gr.input(width, c, b),
-            gr.input(1, hv, t, b),
-            gr.input(1, hv, t, b),
-            gr.input(s, s, hv, b),
-        )
-        act = gm.ggml_silu(ctx, gm.ggml_ssm_conv(ctx, sx, gr.constant(w)))  # [C, T, B]
-
-        def heads(n_heads: int, first: int) -> object:
-            view = gm.ggml_view_4d(ctx, act, s, n_heads, t, b, s * 4, c * 4, c * t * 4, first * 4)
-            return gm.ggml_cont(ctx, view)  # [S, H, T, B]
+        tm, tg, tb = gr.input(c, t, b), gr.input(1, hv, t, b), gr.input(1, hv, t, b)
+        tconv = [gr.input(kc - 1, c) for _ in range(b)]
+        tstate = [gr.input(s, s, hv) for _ in range(b)]
+        cw = gr.constant(w)
 
         def l2_norm(x: object) -> object:  # llama.cpp's form: rms_norm(x, eps / S) / sqrt(S)
             return gm.ggml_scale(ctx, gm.ggml_rms_norm(ctx, x, eps / s), 1.0 / float(np.sqrt(s)))
 
-        q = l2_norm(heads(hk, 0))
-        k = l2_norm(heads(hk, hk * s))
-        v = heads(hv, 2 * hk * s)
-        if grouped and hv != hk:  # value head h <- key head h // r: repeat each key head r times in place
-            r = hv // hk
-            shape = gr.placed(_F32, s, r, hk, t * b)  # only its shape is read
-            q, k = (
-                gm.ggml_reshape_4d(ctx, gm.ggml_repeat(ctx, gm.ggml_reshape_4d(ctx, x, s, 1, hk, t * b), shape),
-                                   s, hv, t, b)
-                for x in (q, k)
-            )  # fmt: skip
-        gr.output(gm.ggml_gated_delta_net(ctx, q, k, v, tg, tb, ts, 1))
+        results, new_convs = [], []
+        for i in range(b):
+            new = gm.ggml_view_2d(ctx, tm, c, t, c * 4, i * t * c * 4)  # [C, T]
+            window = gm.ggml_concat(
+                ctx, tconv[i], gm.ggml_cont(ctx, gm.ggml_transpose(ctx, new)), 0
+            )  # [Kc-1+T, C]
+            new_convs.append(
+                gm.ggml_cont(ctx, gm.ggml_view_2d(ctx, window, kc - 1, c, (kc - 1 + t) * 4, t * 4))
+            )
+            sx = gm.ggml_reshape_3d(ctx, window, kc - 1 + t, c, 1)
+            act = gm.ggml_silu(ctx, gm.ggml_ssm_conv(ctx, sx, cw))  # [C, T, 1]
+
+            def heads(n_heads: int, first: int, act: object = act) -> object:
+                view = gm.ggml_view_4d(ctx, act, s, n_heads, t, 1, s * 4, c * 4, c * t * 4, first * 4)
+                return gm.ggml_cont(ctx, view)  # [S, H, T, 1]
+
+            q = l2_norm(heads(hk, 0))
+            k = l2_norm(heads(hk, hk * s))
+            v = heads(hv, 2 * hk * s)
+            if grouped and hv != hk:  # value head h <- key head h // r: repeat each key head r times in place
+                r = hv // hk
+                shape = gr.placed(_F32, s, r, hk, t)  # only its shape is read
+                q, k = (
+                    gm.ggml_reshape_4d(ctx, gm.ggml_repeat(ctx, gm.ggml_reshape_4d(ctx, x, s, 1, hk, t), shape),
+                                       s, hv, t, 1)
+                    for x in (q, k)
+                )  # fmt: skip
+            gi, bi = (
+                gm.ggml_view_4d(ctx, x, 1, hv, t, 1, 4, hv * 4, hv * t * 4, i * hv * t * 4) for x in (tg, tb)
+            )
+            state = gm.ggml_reshape_4d(ctx, tstate[i], s, s, hv, 1)
+            results.append(gm.ggml_gated_delta_net(ctx, q, k, v, gi, bi, state, 1))
+        for r_ in results:
+            gr.output(r_)
+        for nc in new_convs:
+            gr.output(nc)
         return gr
 
     key = ("dn-step", b, t, c, kc, hv, s, hk, grouped, w.data_ptr()) if b * t <= KEEP_ROWS else None
-    _run(key, build, args, [out])
-    return out[:n_attn].view(b, t, hv, s), out[n_attn:].view(b, hv, s, s)
+    _run(key, build, ins, outs)
+    o = [y[:n_attn].view(t, hv, s) for y in outs[:b]]
+    return o, outs[b:], [y[n_attn:].view(hv, s, s) for y in outs[:b]]

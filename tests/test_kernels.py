@@ -170,7 +170,11 @@ def test_the_delta_net_step_equals_the_definition(grouped: bool) -> None:
     w = torch.randn(c, kc, generator=gen) * 0.5
     g, beta = -torch.rand(b, t, hv, generator=gen), torch.rand(b, t, hv, generator=gen)
     state = torch.randn(b, hv, s, s, generator=gen)  # ggml layout: state[b, h, j, i] = S[i, j]
-    o, new = kernels.delta_net_step(window, w, g, beta, state, hk, grouped, L2_EPS)
+    convs, mixed = (
+        [window[i, :, : kc - 1].contiguous() for i in range(b)],
+        window[:, :, kc - 1 :].transpose(1, 2),
+    )
+    o, new_convs, new = kernels.delta_net_step(mixed, convs, w, g, beta, list(state), hk, grouped, L2_EPS)
     key_of = [h // (hv // hk) if grouped else h % hk for h in range(hv)]
     for i in range(b):
         conv, _ = causal_conv(window[i, :, kc - 1 :].T.double(), window[i, :, : kc - 1].double(), w.double())
@@ -180,11 +184,13 @@ def test_the_delta_net_step_equals_the_definition(grouped: bool) -> None:
         v = act[:, 2 * hk * s :].reshape(t, hv, s)
         ro, rs = gated_delta_recurrent((q / s**0.5).transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                        g[i].T.double(), beta[i].T.double(), state[i].transpose(-1, -2).double())  # fmt: skip
-        torch.testing.assert_close(o[i].transpose(0, 1).double(), ro, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(o[i].transpose(0, 1).double(), ro, rtol=1e-4, atol=1e-4)  # o[i] [T, Hv, S]
         torch.testing.assert_close(new[i].transpose(-1, -2).double(), rs, rtol=1e-4, atol=1e-4)
-        alone = kernels.delta_net_step(window[i : i + 1], w, g[i : i + 1], beta[i : i + 1], state[i : i + 1],
-                                       hk, grouped, L2_EPS)  # fmt: skip
-        assert torch.equal(alone[0][0], o[i]) and torch.equal(alone[1][0], new[i])
+        assert torch.equal(new_convs[i], window[i, :, t:])  # the last Kc-1 inputs
+        alone = kernels.delta_net_step(mixed[i : i + 1], convs[i : i + 1], w, g[i : i + 1], beta[i : i + 1],
+                                       [state[i]], hk, grouped, L2_EPS)  # fmt: skip
+        assert torch.equal(alone[0][0], o[i]) and torch.equal(alone[2][0], new[i])
+        assert torch.equal(alone[1][0], new_convs[i])
 
 
 def test_a_type_without_a_kernel_falls_back_to_the_exact_path_once(

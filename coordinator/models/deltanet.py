@@ -223,8 +223,9 @@ class Block(nn.Module):
         return self.mixer.new_state()
 
     def forward(self, x: torch.Tensor, batch: Batch, states: list[Any]) -> torch.Tensor:
-        h = x + self.mixer(self.attn_norm(x), batch, states)  # [N, D]
-        return h + self.moe(self.post_attention_norm(h))  # all N tokens of every sequence in one fan-out
+        # each norm runs in the graph of the products after it, each residual in the one before it
+        h = self.mixer(x, self.attn_norm, batch, states)  # x + mixer(attn_norm(x)) [N, D]
+        return self.moe(h, self.post_attention_norm)  # all N tokens of every sequence in one fan-out
 
 
 class GatedAttention(nn.Module):
@@ -247,9 +248,10 @@ class GatedAttention(nn.Module):
     def new_state(self) -> KVCache:
         return KVCache()
 
-    def forward(self, x: torch.Tensor, batch: Batch, caches: list[KVCache]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, norm: RMSNorm, batch: Batch, caches: list[KVCache]) -> torch.Tensor:
+        """x [N, D] -> x + attention(norm(x))."""
         c, n = self.cfg, x.shape[0]
-        qg, kx, vx = project(x, self.attn_q, self.attn_k, self.attn_v)
+        qg, kx, vx = project(x, self.attn_q, self.attn_k, self.attn_v, norm=norm)
         qg = qg.view(n, c.n_head, 2, c.head_dim)
         q = self.attn_q_norm(qg[:, :, 0])  # [N, H, Dh]
         gate = qg[:, :, 1].reshape(n, c.n_head * c.head_dim)  # [N, H*Dh]
@@ -258,7 +260,7 @@ class GatedAttention(nn.Module):
         q = rope(q, batch.positions, c.n_rot, c.rope_base)
         k = rope(k, batch.positions, c.n_rot, c.rope_base)
         o = attend(q, k, v, batch, caches).reshape(n, c.n_head * c.head_dim)  # [N, H*Dh]
-        return self.attn_output(o * kernels.unary("sigmoid", gate))
+        return project(o, self.attn_output, gate=kernels.unary("sigmoid", gate), residual=x)[0]
 
 
 @dataclass
@@ -314,8 +316,10 @@ class GatedDeltaNet(nn.Module):
     def new_state(self) -> DeltaNetState:
         return DeltaNetState()
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [N, D] -> conv input [N, C] = [all q; all k; all v], silu(z) [N, Hv*Dv], beta and g (log decay)
+    def project(
+        self, x: torch.Tensor, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """norm(x) for x [N, D] -> conv input [N, C] = [all q; all k; all v], silu(z) [N, Hv*Dv], beta and g (log decay)
         [N, Hv] (value-head order)."""
         c, n = self.cfg, x.shape[0]
         hk, hv, ds = c.n_k_heads, c.n_v_heads, c.d_state
@@ -330,7 +334,7 @@ class GatedDeltaNet(nn.Module):
             if c.fused_ba
             else [("sigmoid",), (("add", self.ssm_dt.bias), "softplus", ("mul", self.ssm_a))]
         )
-        outs = project(x, *qkvz, *ba, post=post)  # type: ignore[arg-type]
+        outs = project(x, *qkvz, *ba, post=post, norm=norm)  # type: ignore[arg-type]
         if c.fused_qkvz:
             # HF's in_proj_qkvz, interleaved per key head as [q (Dk), k (Dk), v (r*Dv), z (r*Dv)].
             per = outs[0].view(n, hk, 2 * ds + 2 * r * ds)
@@ -348,10 +352,13 @@ class GatedDeltaNet(nn.Module):
             beta, g = outs[-2], outs[-1]
         return mixed, z, beta, g
 
-    def forward(self, x: torch.Tensor, batch: Batch, states: list[DeltaNetState]) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, norm: RMSNorm, batch: Batch, states: list[DeltaNetState]
+    ) -> torch.Tensor:
+        """x [N, D] -> x + delta_net(norm(x))."""
         c, n = self.cfg, x.shape[0]
         hv, ds = c.n_v_heads, c.d_state
-        mixed, z, beta, g = self.project(x)  # z activated; g: log of the per-step decay [N, Hv]
+        mixed, z, beta, g = self.project(x, norm)  # z activated; g: log of the per-step decay [N, Hv]
 
         for st in states:
             if st.conv is None or st.ssm is None:
@@ -377,29 +384,25 @@ class GatedDeltaNet(nn.Module):
                     if long
                     else self._steps(m[None], gi[None], bi[None], [st])[0]
                 )
-        o = torch.cat(outs)  # type: ignore[arg-type]
-        o = self.ssm_norm(o) * z.view(n, hv, ds)  # [N, Hv, Dv]
-        return self.ssm_out(o.reshape(n, hv * ds))
+        o = torch.cat(outs).view(n, hv * ds)  # type: ignore[arg-type]
+        # ssm_out(ssm_norm(o) * z) per value head, and the residual, in one graph
+        return project(o, self.ssm_out, norm=self.ssm_norm, gate=z, residual=x)[0]
 
     def _steps(
         self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, states: list[DeltaNetState]
     ) -> torch.Tensor:
         """T new tokens of each of B sequences: mixed [B, T, C], g, beta [B, T, Hv] -> o [B, T, Hv, Dv]
-        (conv, SiLU, L2 norms and the delta rule in one ggml graph); the states advanced."""
+        (conv, SiLU, L2 norms and the delta rule in one ggml graph); the states advanced (each new state is
+        that sequence's own tensor, never a copy of a batch's)."""
+        c = self.cfg
         convs = [st.conv for st in states if st.conv is not None]
         ssms = [st.ssm for st in states if st.ssm is not None]
-        # One sequence (the common decode) needs no stacking copy of its states.
-        prev = convs[0].unsqueeze(0) if len(convs) == 1 else torch.stack(convs)  # [B, C, Kc-1]
-        window = torch.cat([prev, mixed.transpose(1, 2)], dim=-1)  # [B, C, Kc-1+T]
-        s = ssms[0].unsqueeze(0) if len(ssms) == 1 else torch.stack(ssms)  # [B, Hv, Dv, Dk]
-        c = self.cfg
-        o, s = kernels.delta_net_step(
-            window, self.ssm_conv1d.weight, g, beta, s, c.n_k_heads, not c.v_heads_tiled, L2_EPS
+        o, convs, ssms = kernels.delta_net_step(
+            mixed, convs, self.ssm_conv1d.weight, g, beta, ssms, c.n_k_heads, not c.v_heads_tiled, L2_EPS
         )
-        keep = c.conv_kernel - 1
-        for i, st in enumerate(states):
-            st.conv, st.ssm = window[i, :, window.shape[-1] - keep :].clone(), s[i]
-        return o
+        for st, conv, ssm in zip(states, convs, ssms, strict=True):
+            st.conv, st.ssm = conv, ssm
+        return torch.stack(o)
 
     def _chunked(
         self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, st: DeltaNetState

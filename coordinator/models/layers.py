@@ -102,17 +102,45 @@ class Linear(nn.Module):
 
 
 def project(
-    x: torch.Tensor, *linears: Linear, post: Sequence[kernels.Post | None] | None = None
+    x: torch.Tensor,
+    *linears: Linear,
+    post: Sequence[kernels.Post | None] | None = None,
+    norm: RMSNorm | None = None,
+    gate: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    normed: bool = False,
 ) -> list[torch.Tensor]:
-    """x [N, I] through several Linears of the same input: one ggml graph when they all run on ggml (a
-    decode step's projections are small, and each graph has a fixed cost), else one by one. `post[j]`:
-    what happens to output j next (kernels.Post: an activation, a bias), inside the graph when it can."""
+    """x [N, I] through several Linears of the same input, with what comes just before and after them:
+    `norm` first (per group of its width: a row, or each head of a row), then times `gate` [N, I], the
+    products, `post[j]` on output j (kernels.Post: an activation), `residual` [N, O_0] added to the first.
+    `normed`: the input as multiplied (after norm and gate) comes first in the list.
+
+    One ggml graph when every matrix is on ggml (a decode step's pieces are small, and each graph and each
+    torch op around it has a fixed cost), else torch op by op (a GPU)."""
     posts = list(post) if post is not None else [None] * len(linears)
     mats = [lin.matrix for lin in linears]
-    ggml = all(isinstance(m, GGMLMatrix) for m in mats) and all(lin.bias is None for lin in linears)
-    if ggml and (len(mats) > 1 or any(posts)):
-        return kernels.linear([m.weight for m in mats], x, posts)  # type: ignore[union-attr]
-    return [kernels.apply_post(lin(x), p) for lin, p in zip(linears, posts, strict=True)]
+    if all(isinstance(m, GGMLMatrix) for m in mats):
+        # a bias is the first step after its product
+        posts = [
+            (("add", lin.bias), *(p or ())) if lin.bias is not None else p
+            for lin, p in zip(linears, posts, strict=True)
+        ]
+        return kernels.linear(
+            [m.weight for m in mats],  # type: ignore[union-attr]
+            x,
+            posts,
+            norm=kernels.Norm(norm.weight, norm.eps) if norm is not None else None,
+            gate=gate,
+            residual=residual,
+            normed=normed,
+        )
+    xn = x if norm is None else norm(x.view(*x.shape[:-1], -1, norm.weight.numel())).view(x.shape)
+    if gate is not None:
+        xn = xn * gate
+    outs = [kernels.apply_post(lin(xn), p) for lin, p in zip(linears, posts, strict=True)]
+    if residual is not None:
+        outs[0] = outs[0] + residual
+    return [xn, *outs] if normed else outs
 
 
 @dataclass(frozen=True)
@@ -157,13 +185,15 @@ class MoE(nn.Module):
         self.ffn_down_shexp = Linear(fs, d) if fs else None
         self.ffn_gate_inp_shexp = Linear(d, 1) if fs and cfg.shared_gate else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, D] (post-attention-normed) -> [T, D]."""
-        # the router and the shared expert's gate (sigmoid(x . w)) in one graph
+    def forward(self, h: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """h [T, D] -> h + moe(norm(h)): the norm, the router and the shared expert's gate (sigmoid(x . w))
+        in one graph."""
         gates = [self.ffn_gate_inp] + (
             [self.ffn_gate_inp_shexp] if self.ffn_gate_inp_shexp is not None else []
         )
-        logits, *shared_gate = project(x, *gates, post=[None, ("sigmoid",)][: len(gates)])
+        x, logits, *shared_gate = project(
+            h, *gates, post=[None, ("sigmoid",)][: len(gates)], norm=norm, normed=True
+        )
         weights, ids = route(logits, self.cfg.n_expert_used, self.cfg.renormalize)
         pending = self.experts.start(self.layer, x, ids)
         shared = self._shared(
@@ -178,7 +208,7 @@ class MoE(nn.Module):
             )
         # Sum over K in slot order: the result does not depend on which holder answered first.
         routed = (out * weights.unsqueeze(-1)).sum(dim=1)
-        return routed if shared is None else routed + shared
+        return h + (routed if shared is None else routed + shared)
 
     def _shared(self, x: torch.Tensor, gate_value: torch.Tensor | None) -> torch.Tensor | None:
         gate, up, down = self.ffn_gate_shexp, self.ffn_up_shexp, self.ffn_down_shexp
@@ -369,6 +399,8 @@ class Batch:
 
     def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [N, ...] -> one tensor [lengths[i], ...] per sequence (views)."""
+        if len(self.lengths) == 1:
+            return (x,)
         return torch.split(x, list(self.lengths), dim=0)
 
 
@@ -464,7 +496,7 @@ class DecoderModel(nn.Module):
                 x = x.index_select(0, ends)  # [B, D]
         # The head runs outside inference_mode so that callers get an ordinary tensor they may modify.
         with torch.no_grad():
-            return self.output(self.output_norm(x)).float()  # [N, V]
+            return project(x, self.output, norm=self.output_norm)[0].float()  # [N, V]
 
     def warm_up(self) -> None:
         """One token through every expert of every layer (llama.cpp warms up the same way), so that the

@@ -126,8 +126,9 @@ class Block(nn.Module):
         return KVCache()
 
     def forward(self, x: torch.Tensor, batch: Batch, states: list[KVCache]) -> torch.Tensor:
-        h = x + self.attn(self.attn_norm(x), batch, states)  # [N, D]
-        return h + self.moe(self.ffn_norm(h))  # all N tokens of every sequence in one fan-out
+        # each norm runs in the graph of the products after it, each residual in the one before it
+        h = self.attn(x, self.attn_norm, batch, states)  # x + attn(attn_norm(x)) [N, D]
+        return self.moe(h, self.ffn_norm)  # all N tokens of every sequence in one fan-out
 
 
 class Attention(nn.Module):
@@ -147,9 +148,10 @@ class Attention(nn.Module):
         self.attn_q_norm = RMSNorm(hd, cfg.eps) if cfg.qk_norm else None
         self.attn_k_norm = RMSNorm(hd, cfg.eps) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, batch: Batch, caches: list[KVCache]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, norm: RMSNorm, batch: Batch, caches: list[KVCache]) -> torch.Tensor:
+        """x [N, D] -> x + attention(norm(x))."""
         c, n = self.cfg, x.shape[0]
-        qx, kx, vx = project(x, self.attn_q, self.attn_k, self.attn_v)
+        qx, kx, vx = project(x, self.attn_q, self.attn_k, self.attn_v, norm=norm)
         q = qx.view(n, c.n_head, c.head_dim)  # [N, H, hd]
         k = kx.view(n, c.n_head_kv, c.head_dim)  # [N, Hkv, hd]
         if self.attn_q_norm is not None and self.attn_k_norm is not None:
@@ -158,4 +160,4 @@ class Attention(nn.Module):
         q = rope(q, batch.positions, c.n_rot, c.rope_base)
         k = rope(k, batch.positions, c.n_rot, c.rope_base)
         o = attend(q, k, v, batch, caches)  # [N, H, hd]
-        return self.attn_output(o.reshape(n, c.n_head * c.head_dim))  # [N, D]
+        return project(o.reshape(n, c.n_head * c.head_dim), self.attn_output, residual=x)[0]  # [N, D]
