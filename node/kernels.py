@@ -708,11 +708,12 @@ def stored_weight(
     return Weight.of_float(dequantize(data, GGMLQuantizationType(qtype), (rows, cols)).contiguous())
 
 
-_UNARY = ("sigmoid", "silu", "softplus", "exp")
+_UNARY = ("sigmoid", "silu", "softplus", "exp", "soft_max")  # soft_max: over each row (the last dim)
 
 
 def unary(op: str, x: torch.Tensor) -> torch.Tensor:
-    """sigmoid / silu / softplus / exp of x (any shape, float32 result), by ggml, one row of the last dim at a time.
+    """sigmoid / silu / softplus / exp of x, or soft_max over its last dim (any shape, float32 result), by
+    ggml, one row of the last dim at a time.
 
     torch's vectorized kernels compute the last few elements of a tensor (and of each thread's share) with
     scalar code that rounds differently, so the same row can come out differently in a batch of another
@@ -723,6 +724,8 @@ def unary(op: str, x: torch.Tensor) -> torch.Tensor:
     if op not in _UNARY:
         raise ValueError(f"unary op {op!r} is not one of {_UNARY}")
     if x.dtype == torch.float64:  # the float64 forms of the math (tests' definitions) stay in torch
+        if op == "soft_max":
+            return torch.softmax(x, dim=-1)
         return {"sigmoid": torch.sigmoid, "silu": F.silu, "softplus": F.softplus, "exp": torch.exp}[op](x)
     shape = x.shape
     x2 = _f32_rows(x.reshape(-1, shape[-1]) if x.dim() else x.reshape(1, 1))

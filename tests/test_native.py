@@ -33,13 +33,14 @@ from swarm.sharding.slabs import slabs_from_gguf
 MAX_MEAN_KL = 1e-4  # the bound against llama.cpp's default kernels, on the prompt positions
 MIN_TOP1 = 0.99
 # Against llama.cpp's plain per-row kernels (the matmuls a swarm runs: tests/fixtures/llama-refs/README.md) the
-# matmuls and norms are the same ggml ops on the same bits (most files agree to 1e-13); what is left are the
-# float32 ops torch computes here and ggml there (softmax, attention, rope, routing), whose last-bit
-# differences the 8-bit rounding of the next matmul's activations amplifies in these small random models:
-# measured up to 2e-4. Exact math instead of the native numerics sits near 8e-3 with top-1 about 0.9.
-MAX_MEAN_KL_PLAIN = 5e-4
-MIN_TOP1_PLAIN = 0.97
-MIN_TOP1_PLAIN_DECODE = 0.95
+# matmuls, norms and the router's softmax are the same ggml ops on the same bits: most files agree to 1e-13 and
+# every greedy token agrees. What is left are the float32 ops torch computes here and ggml there (attention,
+# rope), whose last-bit differences the 8-bit rounding of the next matmul's activations amplifies in these
+# small random models: measured up to 7e-6. Exact math instead of the native numerics sits near 8e-3 with
+# top-1 about 0.9.
+MAX_MEAN_KL_PLAIN = 2e-4
+MIN_TOP1_PLAIN = 0.99
+MIN_TOP1_PLAIN_DECODE = 0.97
 N_PROMPTS = 4
 REFS = FIXTURES / "llama-refs"
 

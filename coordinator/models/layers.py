@@ -153,17 +153,19 @@ class MoEConfig:
     shared_gate: bool  # shared expert scaled by sigmoid(x . ffn_gate_inp_shexp)
 
 
-def route(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [T, E] -> (weights [T, K], ids [T, K]): softmax over all E, top-K, optional renorm.
+def route(probs: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router probabilities [T, E] (the softmax of its logits over all E) -> (weights [T, K], ids [T, K]):
+    top-K, optional renorm, as llama.cpp's build_moe_ffn: the sum of the K weights in double (ggml_sum_rows),
+    clamped, then each weight divided by it.
 
     Ties go to the lower expert index, the same on every device: topk on probabilities is not
     guaranteed stable, so sort by (prob desc, index asc) explicitly.
     """
-    probs = torch.softmax(logits.float(), dim=-1)  # [T, E]
     ids = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :k]  # [T, K]
     weights = probs.gather(-1, ids)  # [T, K]
     if renormalize:
-        weights = weights / weights.sum(-1, keepdim=True).clamp_min(RENORM_MIN)
+        total = weights.double().sum(-1, keepdim=True).float().clamp_min(RENORM_MIN)
+        weights = weights / total
     return weights, ids
 
 
@@ -186,15 +188,15 @@ class MoE(nn.Module):
         self.ffn_gate_inp_shexp = Linear(d, 1) if fs and cfg.shared_gate else None
 
     def forward(self, h: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
-        """h [T, D] -> h + moe(norm(h)): the norm, the router and the shared expert's gate (sigmoid(x . w))
-        in one graph."""
+        """h [T, D] -> h + moe(norm(h)): the norm, the router's softmax and the shared expert's gate
+        (sigmoid(x . w)) in one graph."""
         gates = [self.ffn_gate_inp] + (
             [self.ffn_gate_inp_shexp] if self.ffn_gate_inp_shexp is not None else []
         )
-        x, logits, *shared_gate = project(
-            h, *gates, post=[None, ("sigmoid",)][: len(gates)], norm=norm, normed=True
+        x, probs, *shared_gate = project(
+            h, *gates, post=[("soft_max",), ("sigmoid",)][: len(gates)], norm=norm, normed=True
         )
-        weights, ids = route(logits, self.cfg.n_expert_used, self.cfg.renormalize)
+        weights, ids = route(probs, self.cfg.n_expert_used, self.cfg.renormalize)
         pending = self.experts.start(self.layer, x, ids)
         shared = self._shared(
             x, shared_gate[0] if shared_gate else None
