@@ -126,19 +126,19 @@ def agreement(model: DecoderModel, ref: np.lib.npyio.NpzFile, prefix: str) -> di
     }
 
 
-def llama_self_distance(name: str) -> tuple[float, float] | None:
-    """How far llama.cpp's plain per-row kernels sit from its default ones on this fixture GGUF (both
-    llama.cpp's logits, nothing of ours): (mean prompt KL(default || plain), top-1 agreement), or None
-    without a plain reference."""
-    gguf, npz, prefix = VARIANTS[name]
-    plain = REFS / f"fixture-{name}.npz"
-    if not plain.exists():
-        return None
-    ref, other = np.load(npz), np.load(plain)
-    kl = [kl_rows(ref[f"{prefix}_logits_{i}"], other[f"llama_plain_logits_{i}"]) for i in range(N_PROMPTS)]
-    same = [ref[f"{prefix}_logits_{i}"].argmax(-1) == other[f"llama_plain_logits_{i}"].argmax(-1)
-            for i in range(N_PROMPTS)]  # fmt: skip
-    return float(np.concatenate(kl).mean()), float(np.concatenate(same).mean())
+def llama_self_distance(
+    default: tuple[Path, Path, str], plain: tuple[Path, Path, str]
+) -> tuple[float, float]:
+    """How far llama.cpp's plain per-row kernels sit from its default ones on one GGUF (VARIANTS' and PLAIN's
+    entries; both llama.cpp's logits, nothing of ours): (mean prompt KL(default || plain), top-1 agreement)."""
+    ref, other = np.load(default[1]), np.load(plain[1])
+    a, b = (
+        [r[f"{pre}_logits_{i}"] for i in range(N_PROMPTS)]
+        for r, pre in ((ref, default[2]), (other, plain[2]))
+    )
+    kl = np.concatenate([kl_rows(x, y) for x, y in zip(a, b, strict=True)])
+    same = np.concatenate([x.argmax(-1) == y.argmax(-1) for x, y in zip(a, b, strict=True)])
+    return float(kl.mean()), float(same.mean())
 
 
 @pytest.mark.parametrize("name", FIXTURE_VARIANTS)
@@ -156,8 +156,9 @@ def test_native_numerics_match_llama_cpp_on_the_fixtures(
     for k, v in a.items():
         record_property(k, v)
     max_kl, min_top1 = MAX_MEAN_KL, MIN_TOP1
-    llama = llama_self_distance(name)
-    if llama is not None:
+    plain = PLAIN.get(f"fixture-{name}")
+    if plain is not None:
+        llama = llama_self_distance(VARIANTS[name], plain)
         record_property("llama_plain_vs_default_kl", llama[0])
         max_kl, min_top1 = max(max_kl, 1.05 * llama[0]), min(min_top1, llama[1])
     assert a["prefill_kl"] <= max_kl, f"{name}: prompt mean KL {a['prefill_kl']:.3g} > {max_kl:.3g} ({a})"
