@@ -278,6 +278,7 @@ class Graph:
         self.inputs: list[tuple[object, object, int]] = []
         self.outputs: list[tuple[object, object, int]] = []
         self.views: list[tuple[object, object, int]] = []  # (view, its slot, offset): found by build()
+        self.weight_slots: list[tuple[object, int]] = []  # (tensor struct, bytes)
         self.graph: object = None
         self.plan: object = None
         self.plan_threads = 0
@@ -304,6 +305,13 @@ class Graph:
         t = self.placed(w.qtype, w.cols, w.rows, *([w.experts] if w.experts > 1 else []))
         t.contents.data = w.ptr
         self._weights.append(w.keep)
+        return t
+
+    def weight_slot(self, w: Weight) -> object:
+        """A weight of w's type and shape whose matrix is given on each run (`run(weights=...)`), so one
+        graph serves every matrix of that shape: a node's call for other experts of the same layer shape."""
+        t = self.placed(w.qtype, w.cols, w.rows, *([w.experts] if w.experts > 1 else []))
+        self.weight_slots.append((t.contents, w.nbytes))
         return t
 
     def input(self, *ne: int, qtype: int = _F32) -> object:
@@ -373,9 +381,19 @@ class Graph:
                 self.views.append((t, t.view_src.contents, int(t.view_offs)))
             stack.extend(src for src in t.src if src)
 
-    def run(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
-        """Compute with these inputs and outputs (float32, contiguous, CPU; one per slot, in order)."""
+    def run(
+        self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], weights: Sequence[Weight] = ()
+    ) -> None:
+        """Compute with these inputs and outputs (float32, contiguous, CPU; one per slot, in order) and these
+        matrices in the weight slots (each of its slot's type and shape; the caller keeps them alive)."""
         assert len(inputs) == len(self.inputs) and len(outputs) == len(self.outputs)
+        assert len(weights) == len(self.weight_slots)
+        for (t, nbytes), w in zip(self.weight_slots, weights, strict=True):
+            if w.nbytes != nbytes or w.qtype != t.type:
+                raise ValueError(
+                    f"a matrix of {w.nbytes} bytes of type {w.qtype} for a slot of {nbytes} / {t.type}"
+                )
+            t.data = w.ptr
         for (_, t, n), x in zip(self.inputs, inputs, strict=True):
             if x.numel() != n or x.element_size() != 4 or not x.is_contiguous():  # float32 (or int32 ids)
                 raise ValueError(f"input of {x.numel()} {x.dtype} values for a slot of {n} float32")
@@ -444,13 +462,19 @@ def _f32_rows(x: torch.Tensor) -> torch.Tensor:
     return x.to(device="cpu", dtype=torch.float32).contiguous()
 
 
-def _run(key: tuple | None, build: Callable[[bool], Graph], inputs: list, outputs: list) -> None:
+def _run(
+    key: tuple | None,
+    build: Callable[[bool], Graph],
+    inputs: list,
+    outputs: list,
+    weights: Sequence[Weight] = (),
+) -> None:
     """Run the kept graph for `key`, or build one (and keep it when `key` is given)."""
     gr = _cache.take(key) if key is not None else None
     if gr is None:
         gr = build(key is not None).build()
     try:
-        gr.run(inputs, outputs)
+        gr.run(inputs, outputs, weights)
     except BaseException:
         gr.free()
         raise
@@ -580,44 +604,52 @@ class FFN:
         return sum(w.nbytes for w in (self.down, self.gate, self.up, self.gate_up) if w is not None)
 
     @property
-    def key(self) -> tuple[int, ...]:
-        """What this FFN multiplies: the addresses of its weights and biases."""
-        ws = (self.down, self.gate, self.up, self.gate_up)
+    def matrices(self) -> tuple[Weight, ...]:
+        """Its matrices in the order add_to gives them slots."""
+        if self.gate_up is not None:
+            return (self.gate_up, self.down)
+        assert self.gate is not None and self.up is not None
+        return (self.gate, self.up, self.down)
+
+    @property
+    def shape(self) -> tuple:
+        """What a graph of this FFN depends on: its matrices' types and shapes (the matrices themselves are
+        given on each run), and its biases (constants of the graph)."""
         bs = (self.gate_bias, self.up_bias, self.down_bias)
         return (
-            *(w.ptr if w is not None else 0 for w in ws),
+            *((w.qtype, w.rows, w.cols) for w in self.matrices),
             *(b.data_ptr() if b is not None else 0 for b in bs),
         )
 
     def add_to(self, gr: Graph, xt: object) -> object:
-        """This FFN over the rows of graph tensor xt: its output tensor."""
+        """This FFN over the rows of graph tensor xt: its output tensor; its matrices are weight slots, in the
+        order of `matrices`."""
         if self.gate_up is not None:
-            h = gr.mul_mat(gr.weight(self.gate_up), xt)  # [n, 2F]
+            h = gr.mul_mat(gr.weight_slot(self.gate_up), xt)  # [n, 2F]
             if self.gate_bias is not None:
                 h = gr.add_row(h, self.gate_bias)
             h = gr.swiglu(h)
         else:
             assert self.gate is not None and self.up is not None
-            gate = gr.mul_mat(gr.weight(self.gate), xt)  # [n, F]
-            up = gr.mul_mat(gr.weight(self.up), xt)
+            gate = gr.mul_mat(gr.weight_slot(self.gate), xt)  # [n, F]
+            up = gr.mul_mat(gr.weight_slot(self.up), xt)
             if self.gate_bias is not None:
                 gate = gr.add_row(gate, self.gate_bias)
             if self.up_bias is not None:
                 up = gr.add_row(up, self.up_bias)
             h = gr.swiglu(gate, up)  # [n, F]
-        y = gr.mul_mat(gr.weight(self.down), h)  # [n, D]
+        y = gr.mul_mat(gr.weight_slot(self.down), h)  # [n, D]
         if self.down_bias is not None:
             y = gr.add_row(y, self.down_bias)
         return y
 
 
-def ffn_rows(
-    blocks: Sequence[tuple[FFN, int, int]], x: torch.Tensor, out: torch.Tensor, keep: bool = False
-) -> None:
+def ffn_rows(blocks: Sequence[tuple[FFN, int, int]], x: torch.Tensor, out: torch.Tensor) -> None:
     """For each (ffn, start, n): out[start:start+n] = ffn(x[start:start+n]); one graph for all of them.
 
     x, out [N, D] float32 contiguous CPU. This is a node's whole Compute call (every expert it was sent
-    for one layer) and the coordinator's shared expert (`keep`: the graph is kept for the next step).
+    for one layer) and the coordinator's shared expert. A graph takes its matrices on each run, so a small
+    call's graph is kept for the next call of the same shapes, whichever experts it multiplies.
     """
     blocks = [(f, a, n) for f, a, n in blocks if n]
     if not blocks:
@@ -632,16 +664,17 @@ def ffn_rows(
         return gr
 
     key = None
-    if keep and sum(n for _, _, n in blocks) <= KEEP_ROWS:
-        key = ("ffn", *((f.key, n) for f, _, n in blocks))
-    _run(key, build, [x[a : a + n] for _, a, n in blocks], [out[a : a + n] for _, a, n in blocks])
+    if sum(n for _, _, n in blocks) <= KEEP_ROWS:
+        key = ("ffn", *((f.shape, n) for f, _, n in blocks))
+    weights = [w for f, _, _ in blocks for w in f.matrices]
+    _run(key, build, [x[a : a + n] for _, a, n in blocks], [out[a : a + n] for _, a, n in blocks], weights)
 
 
-def ffn(f: FFN, x: torch.Tensor, keep: bool = False) -> torch.Tensor:
+def ffn(f: FFN, x: torch.Tensor) -> torch.Tensor:
     """One FFN over rows x [N, D] -> [N, D] float32."""
     x = _f32_rows(x)
     out = torch.empty_like(x)
-    ffn_rows([(f, 0, int(x.shape[0]))], x, out, keep)
+    ffn_rows([(f, 0, int(x.shape[0]))], x, out)
     return out
 
 

@@ -220,7 +220,7 @@ class MoE(nn.Module):
         if all(isinstance(m, GGMLMatrix) for m in mats):
             # the same SwiGLU graph as a routed expert on a node
             g, u, d = (m.weight for m in mats)  # type: ignore[union-attr]
-            y = kernels.ffn(kernels.FFN(down=d, gate=g, up=u), x, keep=True)
+            y = kernels.ffn(kernels.FFN(down=d, gate=g, up=u), x)
         else:
             y = down(F.silu(gate(x)) * up(x))
         if gate_value is not None:
