@@ -302,7 +302,7 @@ class Graph:
         return t
 
     def weight(self, w: Weight) -> object:
-        t = self.placed(w.qtype, w.cols, w.rows, *([w.experts] if w.experts > 1 else []))
+        t = self._matrix(w)
         t.contents.data = w.ptr
         self._weights.append(w.keep)
         return t
@@ -310,9 +310,12 @@ class Graph:
     def weight_slot(self, w: Weight) -> object:
         """A weight of w's type and shape whose matrix is given on each run (`run(weights=...)`), so one
         graph serves every matrix of that shape: a node's call for other experts of the same layer shape."""
-        t = self.placed(w.qtype, w.cols, w.rows, *([w.experts] if w.experts > 1 else []))
+        t = self._matrix(w)
         self.weight_slots.append((t.contents, w.nbytes))
         return t
+
+    def _matrix(self, w: Weight) -> object:
+        return self.placed(w.qtype, w.cols, w.rows, *([w.experts] if w.experts > 1 else []))
 
     def input(self, *ne: int, qtype: int = _F32) -> object:
         """An input slot of ggml shape `ne` (fastest first: [cols, rows] for a matrix), float32 by default."""

@@ -390,8 +390,8 @@ class GatedDeltaNet(nn.Module):
 
     def _steps(
         self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, states: list[DeltaNetState]
-    ) -> torch.Tensor:
-        """T new tokens of each of B sequences: mixed [B, T, C], g, beta [B, T, Hv] -> o [B, T, Hv, Dv]
+    ) -> list[torch.Tensor]:
+        """T new tokens of each of B sequences: mixed [B, T, C], g, beta [B, T, Hv] -> o: B x [T, Hv, Dv]
         (conv, SiLU, L2 norms and the delta rule in one ggml graph); the states advanced (each new state is
         that sequence's own tensor, never a copy of a batch's)."""
         c = self.cfg
@@ -402,7 +402,7 @@ class GatedDeltaNet(nn.Module):
         )
         for st, conv, ssm in zip(states, convs, ssms, strict=True):
             st.conv, st.ssm = conv, ssm
-        return torch.stack(o)
+        return o
 
     def _chunked(
         self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, st: DeltaNetState
