@@ -56,7 +56,7 @@ from swarm.coordinator.generate import GenerationStats, forward_one
 from swarm.coordinator.swarm import SwarmExperts
 from swarm.node.client import NodeClient
 from swarm.node.kernels import set_threads
-from swarm.node.launch import LocalNode, start_nodes, stop_nodes
+from swarm.node.launch import SWARM_CLI, LocalNode, start_nodes, stop_nodes
 from swarm.node.openmp import wait_policy_env
 from swarm.sharding.ranges import format_ranges
 from swarm.sharding.shard import shard_model
@@ -70,6 +70,8 @@ DOC = ROOT / "docs" / "BENCHMARKS.md"
 LOOPBACK = "127.0.0.1"
 DEFAULT_BUILD = Path("/work/llamacpp-build/build/bin")
 OUTER = "decode"  # this script's section of docs/BENCHMARKS.md; one inner section per model
+# Nodes that answer zeros (the transport's floor): the real `swarm node` under bench/zero_node.py.
+ZERO_NODE: tuple[str, ...] = (str(ROOT / "bench" / "zero_node.py"),)
 
 MODELS: dict[str, dict[str, Any]] = {
     "qwen3moe": {"preset": "qwen3-30b-a3b", "issue": 4, "llama": False},
@@ -261,8 +263,10 @@ def run_swarm(
     threads: int,
     numerics: str,
     audit: float | None = None,
+    program: Sequence[str] = SWARM_CLI,
 ) -> Run:
-    """`swarm run` over loopback nodes; `audit`: the share of node answers checked (None: the default)."""
+    """`swarm run` over loopback nodes; `audit`: the share of node answers checked (None: the default);
+    `program`: what runs the nodes' CLI (ZERO_NODE: nodes that answer zeros, the transport's floor)."""
     set_threads(threads)
     n_expert = read_manifest(shard_dir).n_expert
     specs = [
@@ -280,7 +284,7 @@ def run_swarm(
         )
         for r in split(n_expert, n_nodes)
     ]
-    nodes: list[LocalNode] = start_nodes(specs, workdir / "nodes", timeout=120.0)
+    nodes: list[LocalNode] = start_nodes(specs, workdir / "nodes", timeout=120.0, program=program)
     engine = None
     clients: list[NodeClient] = []
     try:
@@ -415,6 +419,8 @@ def render(
         "in-process": "in-process experts",
         "swarm": f"swarm, {args.nodes} loopback nodes",
         "swarm-noaudit": f"swarm, {args.nodes} loopback nodes, `--audit 0` (answers trusted, as RPC does)",
+        "swarm-floor": f"swarm, {args.nodes} loopback nodes that answer zeros (no expert compute: the "
+        "transport's floor), `--audit 0`",
         "llama.cpp": f"llama.cpp (llama-bench, {args.threads} threads)",
         "llama.cpp-rpc": f"llama.cpp RPC, {args.rpc_servers} local rpc-servers",
         "in-process-exact": "in-process experts, `--exact`",
@@ -507,6 +513,17 @@ def render(
             "The nodes and the coordinator share the same 2 cores, so the nodes' busy time is time the "
             "coordinator cannot run either.",
         ]
+    floor = results.get("swarm-floor")
+    if floor:
+        lines += [
+            "",
+            f"Through nodes that answer zeros (bench/zero_node.py: the real nodes, gRPC and coordinator, with no "
+            f"expert compute; its tokens are not the model's and are not compared), a decode step takes "
+            f"{med_bd(floor, 'step'):.1f} ms (medians): dense path {med_bd(floor, 'dense'):.1f}, dispatch "
+            f"{med_bd(floor, 'start'):.1f}, blocked wait {med_bd(floor, 'wait'):.1f}, the nodes' busy time "
+            f"{med_bd(floor, 'node_busy_sum'):.1f} in all. That is what the transport and the coordinator cost "
+            "before any expert is multiplied.",
+        ]
     if base:
         lines += [
             "",
@@ -581,8 +598,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--only",
         default=None,
-        help="comma list of configurations: in-process,swarm,swarm-noaudit,llama.cpp,llama.cpp-rpc,"
-        "in-process-exact,swarm-exact",
+        help="comma list of configurations: in-process,swarm,swarm-noaudit,swarm-floor,llama.cpp,"
+        "llama.cpp-rpc,in-process-exact,swarm-exact",
     )
     p.add_argument("--workdir", type=Path, default=None, help="keep/reuse the synthesized model here")
     p.add_argument(
@@ -594,7 +611,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     cmd = "python bench/decode.py" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
 
-    configs = ["in-process", "swarm", "swarm-noaudit", "in-process-exact", "swarm-exact"]
+    configs = ["in-process", "swarm", "swarm-noaudit", "swarm-floor", "in-process-exact", "swarm-exact"]
     unavailable: dict[str, str] = {}
     llama_ver = None
     if MODELS[args.model]["llama"]:
@@ -647,6 +664,7 @@ def main(argv: list[str] | None = None) -> int:
             "swarm": partial(swarm, "native"),
             "swarm-exact": partial(swarm, "exact"),
             "swarm-noaudit": partial(swarm, "native", 0.0),
+            "swarm-floor": partial(swarm, "native", 0.0, ZERO_NODE),
             "llama.cpp": partial(
                 llama_bench, args.llama_bench, gguf, args.threads, args.prompt_tokens, args.decode_tokens
             ),
@@ -665,7 +683,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         # Our engine runs in a child process per pass: a cold start each time (and the exact numerics' float32
         # working copies, 10-13 GB, are surely given back before the next configuration starts).
-        for key in ("in-process", "swarm", "swarm-noaudit", "in-process-exact", "swarm-exact"):
+        for key in ("in-process", "swarm", "swarm-noaudit", "swarm-floor", "in-process-exact", "swarm-exact"):
             runners[key] = _in_child(runners[key], experts_remote=key.startswith("swarm"))
         active = [c for c in configs if c not in unavailable]
         results: dict[str, list[Run]] = {c: [] for c in active}

@@ -87,8 +87,17 @@ class LocalNode:
         return self.process.returncode
 
 
+# How a launched process runs `swarm`: this package's CLI under the launcher's Python.
+SWARM_CLI: tuple[str, ...] = ("-m", "swarm.coordinator.cli")
+
+
 def spawn_node(
-    source: str | Path, args: Sequence[str], workdir: Path, name: str, env: dict[str, str] | None = None
+    source: str | Path,
+    args: Sequence[str],
+    workdir: Path,
+    name: str,
+    env: dict[str, str] | None = None,
+    program: Sequence[str] = SWARM_CLI,
 ) -> LocalNode:
     """Start one node process (not waiting for it); its ready file and log live in workdir.
 
@@ -96,21 +105,26 @@ def spawn_node(
     machine's cores with each other and with the launcher, and ggml's threads wait for each other at every
     matmul, which on an oversubscribed machine costs a scheduler slice each time."""
     threads = [] if "--threads" in args else ["--threads", "1"]
-    return spawn_swarm(["node", str(source), *threads, *args], workdir, name, env)
+    return spawn_swarm(["node", str(source), *threads, *args], workdir, name, env, program)
 
 
 def spawn_swarm(
-    command: Sequence[str], workdir: Path, name: str, env: dict[str, str] | None = None
+    command: Sequence[str],
+    workdir: Path,
+    name: str,
+    env: dict[str, str] | None = None,
+    program: Sequence[str] = SWARM_CLI,
 ) -> LocalNode:
     """Start `swarm COMMAND ...` (a node, a server) with `--port 0`, a ready file and a log in workdir, and
-    `--exit-with-parent`: a launcher killed outright (OOM, SIGKILL) must not leave processes behind."""
+    `--exit-with-parent`: a launcher killed outright (OOM, SIGKILL) must not leave processes behind.
+    `program`: what runs the CLI under this Python (a benchmark's wrapper script instead of the package's)."""
     workdir.mkdir(parents=True, exist_ok=True)
     ready = workdir / f"{name}.ready.json"
     log = workdir / f"{name}.log"
     ready.unlink(missing_ok=True)
     sub, *rest = command
-    cmd = [sys.executable, "-m", "swarm.coordinator.cli", sub, "--port", "0", "--ready-file", str(ready),
-           "--exit-with-parent", *rest]  # fmt: skip
+    cmd = [sys.executable, *program, sub, "--port", "0", "--ready-file", str(ready), "--exit-with-parent",
+           *rest]  # fmt: skip
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             cmd,
@@ -128,10 +142,13 @@ def start_nodes(
     timeout: float = 60.0,
     prefix: str = "node",
     env: dict[str, str] | None = None,
+    program: Sequence[str] = SWARM_CLI,
 ) -> list[LocalNode]:
     """Spawn every (source, extra args) node, then wait until all serve; stops them all if one fails.
     `env` adds to the nodes' environment (a swarm key goes there, never into a command line)."""
-    nodes = [spawn_node(src, args, workdir, f"{prefix}{i}", env) for i, (src, args) in enumerate(specs)]
+    nodes = [
+        spawn_node(src, args, workdir, f"{prefix}{i}", env, program) for i, (src, args) in enumerate(specs)
+    ]
     try:
         for n in nodes:
             n.wait_ready(timeout)
