@@ -130,7 +130,8 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def run_shard(args: argparse.Namespace) -> int:
-    from swarm.sharding.shard import shard_model, verify_shard
+    from swarm.sharding.shard import shard_model
+    from swarm.sharding.verify import verify_shard
 
     if args.verify:
         if len(args.paths) > 2 or args.output or args.layers or args.experts:

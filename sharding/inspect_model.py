@@ -13,7 +13,7 @@ from pathlib import Path
 from gguf import Keys
 
 from swarm.sharding.manifest import MANIFEST_NAME, read_manifest
-from swarm.sharding.shard import arch_int, load_source, slab_kind
+from swarm.sharding.source import arch_int, load_source, slab_kind
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,10 @@
 """`swarm shard`: cut a MoE GGUF into one mini-GGUF per (layer, expert), a dense.gguf and a manifest.
 
-One pass over the source: each byte is copied once inside the kernel (copy_file_range, like `cp`) and
-hashed once, on other threads, through a read-only memory map whose pages are dropped from the process
-as soon as they are hashed; so memory stays flat whatever the model size, and hashing overlaps the copy.
-A cut of a part (--layers/--experts) still reads (hashes, without writing) the rest: the fingerprint
+The cut's orchestration; its parts, in the order they are used: swarm.sharding.pump (each byte copied
+once in the kernel and hashed once on other threads, memory flat), swarm.sharding.source (which bytes make
+each file, the fingerprint), swarm.sharding.journal (what a killed run finished), swarm.sharding.verify.
+
+One pass over the source. A cut of a part (--layers/--experts) still reads (hashes, without writing) the rest: the fingerprint
 covers the whole model, so every partial cut of one model carries the same fingerprint.
 
 Atomicity and resume. Every file is written under a `.tmp-PID` name and renamed. A slab file's header
@@ -21,42 +22,26 @@ from __future__ import annotations
 import ctypes
 import errno
 import hashlib
-import json
 import logging
-import mmap
 import os
-import queue
 import shutil
-import struct
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gguf import GGUFReader, GGUFValueType, Keys
+from gguf import Keys
 
 from swarm.sharding.errors import UserError
-from swarm.sharding.gguf_io import (
-    ExpertTensor,
-    GGUFError,
-    architecture,
-    expert_tensors,
-    open_gguf,
-    read_metadata,
-    torch_shape,
-)
-from swarm.sharding.ggufwrite import KV, TensorSpec, alignment_of, build_header, copy_kvs, pad
+from swarm.sharding.ggufwrite import alignment_of, pad
+from swarm.sharding.journal import JOURNAL_NAME, Journal
 from swarm.sharding.manifest import (
     DENSE_NAME,
     FORMAT_VERSION,
-    KEY_EXPERT,
-    KEY_FINGERPRINT,
-    KEY_FORMAT,
-    KEY_LAYER,
     MANIFEST_NAME,
     ExpertTensorInfo,
     FileEntry,
@@ -67,420 +52,25 @@ from swarm.sharding.manifest import (
     slab_relpath,
     write_manifest,
 )
+from swarm.sharding.pump import Pump, start_writeback, write_all
 from swarm.sharding.slabs import check_slab_file, hash_file_range
+from swarm.sharding.source import (
+    PLACEHOLDER_FINGERPRINT,
+    SourceModel,
+    arch_int,
+    dense_header,
+    load_source,
+    model_fingerprint,
+    pump_slab,
+    slab_file_size,
+    slab_header,
+    slab_kind,
+    slab_source_bytes,
+)
 
 log = logging.getLogger(__name__)
 
-JOURNAL_NAME = ".shard-journal.jsonl"
-CHUNK = 8 << 20  # bytes per copy/hash step
-MAX_AHEAD = 16  # chunks copied but not yet hashed (they stay in the page cache until hashed)
-N_LANES = max(1, min(2, os.cpu_count() or 1))  # hashing threads
 N_COPIERS = 2  # threads copying slabs, one layer each at a time
-SMALL_FILE = 64 << 20  # slabs up to this size are hashed as one job
-ZEROS = bytes(64)
-PAGE = mmap.PAGESIZE
-PLACEHOLDER_FINGERPRINT = "0" * 64
-FINGERPRINT_DOMAIN = b"swarm-fingerprint-v1\0"
-
-
-# ---- the source model, as the cut sees it ----
-
-
-@dataclass(frozen=True)
-class SourceModel:
-    path: Path
-    reader: GGUFReader
-    meta: dict[str, Any]
-    arch: str
-    size: int
-    mtime_ns: int
-    data_start: int  # where tensor data begins: [0, data_start) is magic, metadata and tensor infos
-    experts: tuple[ExpertTensor, ...]  # in file order
-    dense: tuple[TensorSpec, ...]  # in file order
-    dense_offsets: tuple[int, ...]  # absolute source offsets of `dense`
-    n_expert: int
-    moe_layers: tuple[int, ...]
-    # layer -> (header template, offset of the expert id, offset of the fingerprint) or None (see slab_header)
-    header_templates: dict[int, tuple[bytes, int, int] | None] = field(default_factory=dict, compare=False)
-
-    def layer_tensors(self, layer: int) -> list[ExpertTensor]:
-        return [t for t in self.experts if t.layer == layer]
-
-
-def slab_kind(et: ExpertTensor) -> str:
-    return et.kind if et.name.endswith(".weight") else et.kind + ".bias"
-
-
-def load_source(path: str | Path) -> SourceModel:
-    """Open and validate a GGUF for cutting; every problem is a one-line GGUFError."""
-    path = Path(path)
-    reader = open_gguf(path)
-    meta = read_metadata(reader)
-    arch = architecture(meta, path)
-    st = path.stat()
-    for t in reader.tensors:
-        if int(t.data_offset) + int(t.n_bytes) > st.st_size:
-            raise GGUFError(
-                f"{path}: truncated: tensor {t.name} ends at byte {int(t.data_offset) + int(t.n_bytes)} "
-                f"but the file has {st.st_size}; download or convert it again"
-            )
-    experts = expert_tensors(reader, path)
-    if not experts:
-        raise GGUFError(
-            f"{path}: has no stacked expert tensors (blk.N.ffn_*_exps); swarm shards mixture-of-experts "
-            "models only"
-        )
-    counts = {et.n_expert for et in experts}
-    if len(counts) != 1:
-        raise GGUFError(f"{path}: expert tensors disagree on the number of experts ({sorted(counts)})")
-    names = {et.name for et in experts}
-    dense = tuple(
-        TensorSpec(t.name, t.tensor_type, torch_shape(t), int(t.n_bytes))
-        for t in reader.tensors
-        if t.name not in names
-    )
-    offsets = tuple(int(t.data_offset) for t in reader.tensors if t.name not in names)
-    return SourceModel(
-        path=path,
-        reader=reader,
-        meta=meta,
-        arch=arch,
-        size=st.st_size,
-        mtime_ns=st.st_mtime_ns,
-        data_start=int(reader.data_offset),
-        experts=tuple(experts),
-        dense=dense,
-        dense_offsets=offsets,
-        n_expert=counts.pop(),
-        moe_layers=tuple(sorted({et.layer for et in experts})),
-    )
-
-
-def arch_int(src: SourceModel, key: str, default: int = 0) -> int:
-    v = src.meta.get(key.format(arch=src.arch))
-    return int(v) if isinstance(v, (int, float)) else default
-
-
-def slab_tensor_specs(src: SourceModel, layer: int) -> list[TensorSpec]:
-    return [TensorSpec(et.name, et.qtype, et.slab_shape, et.slab_bytes) for et in src.layer_tensors(layer)]
-
-
-def build_slab_header(src: SourceModel, layer: int, expert: int, fingerprint: str) -> bytes:
-    """The header bytes (up to the tensor data) of slab file (layer, expert), built with GGUFWriter."""
-    kvs = [
-        KV(Keys.General.ARCHITECTURE, src.arch, GGUFValueType.STRING),
-        KV(KEY_FORMAT, FORMAT_VERSION, GGUFValueType.UINT32),
-        KV(KEY_LAYER, layer, GGUFValueType.UINT32),
-        KV(KEY_EXPERT, expert, GGUFValueType.UINT32),
-        KV(KEY_FINGERPRINT, fingerprint, GGUFValueType.STRING),
-    ]
-    return build_header(src.arch, kvs, slab_tensor_specs(src, layer))
-
-
-_EXPERT_SENTINEL = 0xA5C3E1F7
-_FP_SENTINEL = "Z" * 64  # never hex
-
-
-def slab_header(src: SourceModel, layer: int, expert: int, fingerprint: str) -> bytes:
-    """build_slab_header, from a per-layer template: thousands of slabs, one GGUFWriter run per layer.
-
-    The expert id is a fixed-width uint32 and the fingerprint a fixed-length string, so only those bytes
-    differ between the headers of one layer."""
-    templates = src.header_templates
-    if layer not in templates:
-        t = build_slab_header(src, layer, _EXPERT_SENTINEL, _FP_SENTINEL)
-        e_at, f_at = t.find(struct.pack("<I", _EXPERT_SENTINEL)), t.find(_FP_SENTINEL.encode())
-        unique = t.count(struct.pack("<I", _EXPERT_SENTINEL)) == 1 and t.count(_FP_SENTINEL.encode()) == 1
-        templates[layer] = (t, e_at, f_at) if unique else None
-    tpl = templates[layer]
-    if tpl is None or len(fingerprint) != 64:
-        return build_slab_header(src, layer, expert, fingerprint)
-    t, e_at, f_at = tpl
-    b = bytearray(t)
-    b[e_at : e_at + 4] = struct.pack("<I", expert)
-    b[f_at : f_at + 64] = fingerprint.encode()
-    return bytes(b)
-
-
-def slab_file_size(src: SourceModel, layer: int) -> tuple[int, int]:
-    """(data_offset, size) of every slab file of `layer` (all its experts have the same layout)."""
-    head = len(slab_header(src, layer, 0, PLACEHOLDER_FINGERPRINT))
-    return head, head + sum(pad(et.slab_bytes, 32) for et in src.layer_tensors(layer))
-
-
-def dense_header(src: SourceModel) -> bytes:
-    return build_header(src.arch, copy_kvs(src.reader, str(src.path)), src.dense, alignment_of(src.reader))
-
-
-# ---- streaming copy with hashing on a second thread ----
-
-
-class Pump:
-    """Copies byte ranges of the source into output files, hashing them on other threads.
-
-    The copy stays in the kernel (copy_file_range: one page-cache copy, like `cp`); the hashing threads
-    read the same bytes through a read-only memory map and drop those pages from this process's map
-    once hashed (MADV_DONTNEED), so resident memory stays flat. Each group of hashers (one output file)
-    is fed in order on one lane; lanes run in parallel (hashlib releases the GIL).
-    """
-
-    def __init__(self, source: Path, progress: Callable[[int], None] | None = None) -> None:
-        self.source = source
-        self.fd = os.open(source, os.O_RDONLY)
-        size = os.fstat(self.fd).st_size
-        self.map = mmap.mmap(self.fd, size, access=mmap.ACCESS_READ) if size else None
-        self.view = memoryview(self.map) if self.map is not None else memoryview(b"")
-        # Slabs are copied expert by expert, so the reads hop between a layer's gate/up/down tensors;
-        # one descriptor per tensor keeps each stream sequential for the kernel's readahead.
-        self.local = threading.local()  # per copying thread: {stream: fd}
-        self.all_fds: list[int] = []
-        self.lock = threading.Lock()  # lane assignment and all_fds, shared by the copying threads
-        self.progress = progress
-        self.ahead = threading.BoundedSemaphore(MAX_AHEAD)  # chunks copied but not yet hashed
-        self.error: BaseException | None = None
-        self.lanes: list[queue.Queue[_Job | None]] = [queue.Queue() for _ in range(N_LANES)]
-        self.lane_of: dict[int, int] = {}
-        self.next_lane = 0
-        self.threads = [
-            threading.Thread(target=self._hash_loop, args=(q,), name=f"shard-hash-{i}", daemon=True)
-            for i, q in enumerate(self.lanes)
-        ]
-        for t in self.threads:
-            t.start()
-
-    def _lane(self, hashers: list[Any]) -> queue.Queue[_Job | None]:
-        key = id(hashers[0])
-        with self.lock:
-            if key not in self.lane_of:
-                self.lane_of[key] = self.next_lane
-                self.next_lane = (self.next_lane + 1) % len(self.lanes)
-            return self.lanes[self.lane_of[key]]
-
-    def _hash_loop(self, jobs: queue.Queue[_Job | None]) -> None:
-        while True:
-            job = jobs.get()
-            if job is None:
-                return
-            try:
-                if job.data is not None:
-                    for h in job.hashers:
-                        h.update(job.data)
-                if job.span is not None:
-                    start, end = job.span
-                    for h in job.hashers:
-                        h.update(self.view[start:end])
-                    self._forget(start, end)
-                for part in job.parts or ():
-                    if isinstance(part, bytes):
-                        for h in job.hashers:
-                            h.update(part)
-                    else:
-                        for h in job.hashers:
-                            h.update(self.view[part[0] : part[1]])
-                        self._forget(*part)
-                if job.then is not None:
-                    job.then()
-            except BaseException as e:  # handed to the copying thread at the next drain()
-                self.error = e
-            finally:
-                if job.span is not None or job.parts is not None:
-                    self.ahead.release()
-                jobs.task_done()
-
-    def _forget(self, start: int, end: int) -> None:
-        """Unmap hashed pages from this process (they stay in the page cache): RSS stays flat."""
-        assert self.map is not None
-        first = -(-start // PAGE) * PAGE
-        last = end // PAGE * PAGE
-        if last > first and hasattr(mmap, "MADV_DONTNEED"):
-            self.map.madvise(mmap.MADV_DONTNEED, first, last - first)
-
-    def hash_bytes(self, hashers: list[Any], data: bytes) -> None:
-        if data:
-            self._lane(hashers).put(_Job(hashers, data=data))
-
-    def then(self, hashers: list[Any], fn: Callable[[], None]) -> None:
-        """Call `fn` on the hashing lane of `hashers` once everything queued for them is hashed.
-
-        The copying thread never waits for a digest, so copying the next slab overlaps hashing the last."""
-        self._lane(hashers).put(_Job(hashers, then=fn))
-        with self.lock:
-            self.lane_of.pop(id(hashers[0]), None)
-
-    def copy(
-        self, offset: int, length: int, out_fd: int | None, hashers: list[Any], stream: int = -1
-    ) -> None:
-        """Source bytes [offset, offset+length) to `out_fd` (None: only hash them), fed to `hashers`.
-
-        `stream` >= 0 reads through a descriptor of its own (see __init__)."""
-        if offset + length > len(self.view):
-            raise GGUFError(f"{self.source}: ends before byte {offset + length}; the file is truncated")
-        fd = self._stream_fd(stream)
-        lane = self._lane(hashers)
-        end = offset + length
-        while offset < end:
-            n = min(CHUNK, end - offset)
-            if out_fd is not None:
-                copy_range(fd, offset, n, out_fd, self.source)
-            self.ahead.acquire()
-            lane.put(_Job(hashers, span=(offset, offset + n)))
-            offset += n
-            if self.progress is not None:
-                self.progress(n)
-
-    def copy_small(
-        self,
-        ranges: list[tuple[int, int, int, bytes]],
-        out_fd: int | None,
-        hashers: list[Any],
-        then: Callable[[], None] | None,
-    ) -> None:
-        """(offset, length, stream, padding) ranges, copied then padded, hashed as one job, then `then`.
-
-        For small files (one slab): one queue round trip per file instead of one per tensor."""
-        parts: list[tuple[int, int] | bytes] = []
-        for offset, length, stream, padding in ranges:
-            if offset + length > len(self.view):
-                raise GGUFError(f"{self.source}: ends before byte {offset + length}; the file is truncated")
-            if out_fd is not None:
-                copy_range(self._stream_fd(stream), offset, length, out_fd, self.source)
-            parts.append((offset, offset + length))
-            if padding:
-                if out_fd is not None:
-                    write_all(out_fd, padding)
-                parts.append(padding)
-            if self.progress is not None:
-                self.progress(length)
-        self.ahead.acquire()
-        with self.lock:
-            lane = self.lanes[self.next_lane]
-            self.next_lane = (self.next_lane + 1) % len(self.lanes)
-        lane.put(_Job(hashers, parts=parts, then=then))
-
-    def _stream_fd(self, stream: int) -> int:
-        if stream < 0:
-            return self.fd
-        fds: dict[int, int] = self.local.__dict__.setdefault("fds", {})
-        if stream not in fds:
-            fds[stream] = os.open(self.source, os.O_RDONLY)
-            with self.lock:
-                self.all_fds.append(fds[stream])
-        return fds[stream]
-
-    def drain(self) -> None:
-        """Wait until everything queued is hashed (before reading a digest)."""
-        for q in self.lanes:
-            q.join()
-        if self.error is not None:
-            raise self.error
-
-    def close(self) -> None:
-        for q in self.lanes:
-            q.put(None)
-        for t in self.threads:
-            t.join()
-        self.view.release()
-        if self.map is not None:
-            self.map.close()
-        os.close(self.fd)
-        for fd in self.all_fds:
-            os.close(fd)
-
-
-@dataclass(frozen=True)
-class _Job:
-    hashers: list[Any]
-    span: tuple[int, int] | None = None  # source bytes to hash through the memory map
-    data: bytes | None = None  # or these bytes
-    parts: list[tuple[int, int] | bytes] | None = None  # or these source spans and literal bytes, in order
-    then: Callable[[], None] | None = None  # then call this
-
-
-def copy_range(src_fd: int, offset: int, length: int, out_fd: int, source: Path) -> None:
-    """Append source bytes [offset, offset+length) to out_fd, inside the kernel."""
-    while length > 0:
-        try:
-            if not hasattr(os, "copy_file_range"):  # not Linux
-                raise OSError(errno.ENOSYS, "copy_file_range")
-            n = os.copy_file_range(src_fd, out_fd, length, offset)
-        except OSError as e:
-            if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
-                raise
-            n = _copy_by_hand(src_fd, offset, min(length, CHUNK), out_fd)
-        if n == 0:
-            raise GGUFError(f"{source}: ends before byte {offset + length}; the file is truncated")
-        offset += n
-        length -= n
-
-
-def _copy_by_hand(src_fd: int, offset: int, length: int, out_fd: int) -> int:
-    """Where copy_file_range is not supported (other kernels, some file systems)."""
-    data = os.pread(src_fd, length, offset)
-    write_all(out_fd, data)
-    return len(data)
-
-
-def write_all(fd: int, data: memoryview | bytes) -> None:
-    view = memoryview(data)
-    while view:
-        n = os.write(fd, view)
-        view = view[n:]
-
-
-# ---- the cut ----
-
-
-@dataclass
-class Journal:
-    """Append-only record of finished files of an unfinished run, keyed by the source's identity."""
-
-    path: Path
-    identity: dict[str, Any]
-    dense: dict[str, Any] | None = None
-    slabs: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)
-    lock: threading.Lock = field(default_factory=threading.Lock)  # lines come from the hashing lanes
-    fd: int | None = None
-
-    @staticmethod
-    def load(path: Path) -> tuple[dict[str, Any] | None, Journal | None]:
-        try:
-            lines = path.read_text(encoding="utf-8").splitlines()
-        except FileNotFoundError:
-            return None, None
-        except (OSError, UnicodeDecodeError):
-            return None, None
-        recs = []
-        for line in lines:
-            try:
-                recs.append(json.loads(line))
-            except json.JSONDecodeError:
-                break  # the line a killed run was writing
-        if not recs or "identity" not in recs[0]:
-            return None, None
-        j = Journal(path, recs[0]["identity"])
-        for r in recs[1:]:
-            if "dense" in r:
-                j.dense = r["dense"]
-            elif "slab" in r:
-                j.slabs[(int(r["slab"][0]), int(r["slab"][1]))] = r
-        return recs[0]["identity"], j
-
-    def start(self) -> None:
-        with open(self.path, "w", encoding="utf-8") as f:
-            f.write(json.dumps({"identity": self.identity}) + "\n")
-
-    def append(self, rec: dict[str, Any]) -> None:
-        line = (json.dumps(rec) + "\n").encode()
-        with self.lock:
-            if self.fd is None:
-                self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            write_all(self.fd, line)
-
-    def close(self) -> None:
-        with self.lock:
-            if self.fd is not None:
-                os.close(self.fd)
-                self.fd = None
 
 
 @dataclass(frozen=True)
@@ -638,17 +228,17 @@ def shard_model(
                     )
                     if known is not None:
                         slab_sha[key] = known["sha256"]
-                        progress(_slab_source_bytes(src, layer))
+                        progress(slab_source_bytes(src, layer))
                         continue
                     hashers = [hashlib.sha256()]
                     rec = _recorder(journal, slab_sha, key, hashers[0], written=False)
-                    _pump_slab(src, pump, layer, expert, None, hashers, rec)
+                    pump_slab(src, pump, layer, expert, None, hashers, rec)
                     continue
                 reuse = _reusable_slab(out, key, size, data_offset, journal, old_slabs, trusted_fp)
                 if reuse is not None:
                     slab_sha[key] = reuse
                     n_skipped += 1
-                    progress(_slab_source_bytes(src, layer))
+                    progress(slab_source_bytes(src, layer))
                     continue
                 _write_slab(src, out, pump, layer, expert, trusted_fp, data_offset, size, journal, slab_sha)
                 n_written += 1
@@ -676,7 +266,7 @@ def shard_model(
             bar.close()
 
     log.info("copied and hashed in %.1f s", time.monotonic() - t_start)
-    fp = _fingerprint(header_sha, dense_data_sha, slab_sha)
+    fp = model_fingerprint(header_sha, dense_data_sha, slab_sha)
     if trusted_fp is not None and fp != trusted_fp:
         raise UserError(f"{out}: the source changed while it was being cut; run `swarm shard` again")
     try:
@@ -737,55 +327,6 @@ def _ff_from_tensors(src: SourceModel) -> int:
     return 0
 
 
-def _fingerprint(header_sha: str, dense_data_sha: str, slab_sha: dict[tuple[int, int], str]) -> str:
-    h = hashlib.sha256(FINGERPRINT_DOMAIN)
-    h.update(bytes.fromhex(header_sha))
-    h.update(bytes.fromhex(dense_data_sha))
-    for key in sorted(slab_sha):
-        h.update(bytes.fromhex(slab_sha[key]))
-    return h.hexdigest()
-
-
-def _slab_source_bytes(src: SourceModel, layer: int) -> int:
-    return sum(et.slab_bytes for et in src.layer_tensors(layer))
-
-
-def _pump_slab(
-    src: SourceModel,
-    pump: Pump,
-    layer: int,
-    expert: int,
-    out_fd: int | None,
-    hashers: list[Any],
-    then: Callable[[], None] | None = None,
-) -> None:
-    """The data section of slab file (layer, expert): each tensor's source range, padded to 32 bytes.
-
-    `then` runs on the hashing lane once the section is hashed."""
-    tensors = src.layer_tensors(layer)
-    if _slab_source_bytes(src, layer) <= SMALL_FILE:
-        ranges = [
-            (
-                et.data_offset + expert * et.slab_bytes,
-                et.slab_bytes,
-                i,
-                ZEROS[: pad(et.slab_bytes, 32) - et.slab_bytes],
-            )
-            for i, et in enumerate(tensors)
-        ]
-        pump.copy_small(ranges, out_fd, hashers, then)
-        return
-    for i, et in enumerate(tensors):
-        pump.copy(et.data_offset + expert * et.slab_bytes, et.slab_bytes, out_fd, hashers, stream=i)
-        zeros = b"\0" * (pad(et.slab_bytes, 32) - et.slab_bytes)
-        if zeros:
-            if out_fd is not None:
-                write_all(out_fd, zeros)
-            pump.hash_bytes(hashers, zeros)
-    if then is not None:
-        pump.then(hashers, then)
-
-
 def _tmp_name(path: Path) -> Path:
     return path.with_name(path.name + f".tmp-{os.getpid()}")
 
@@ -825,7 +366,7 @@ def _write_slab(
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         write_all(fd, head)
-        _pump_slab(src, pump, layer, expert, fd, hashers, then)
+        pump_slab(src, pump, layer, expert, fd, hashers, then)
     except BaseException:
         done.set()  # let the lane go on; its journal line is harmless, the hash check decides
         os.close(fd)
@@ -989,23 +530,6 @@ def _bytes_present(
     return n
 
 
-_libc: Any = None
-
-
-def start_writeback(fd: int) -> None:
-    """Start writing a finished file to disk now (sync_file_range, Linux), so that the flush before the
-    manifest finds little left to do; elsewhere a no-op (the final flush does it all)."""
-    global _libc
-    if _libc is None:
-        try:
-            _libc = ctypes.CDLL(None, use_errno=True)
-            _libc.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-        except (OSError, AttributeError):
-            _libc = False
-    if _libc:
-        _libc.sync_file_range(fd, 0, 0, 2)  # SYNC_FILE_RANGE_WRITE: start, do not wait
-
-
 def _syncfs(directory: Path) -> None:
     fd = os.open(directory, os.O_RDONLY)
     try:
@@ -1035,77 +559,3 @@ def _progress_bar(total: int, enabled: bool) -> Any:
     from tqdm import tqdm
 
     return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="shard", file=sys.stderr)
-
-
-# ---- verification ----
-
-
-def verify_shard(directory: str | Path, model: str | Path | None = None) -> list[str]:
-    """Every mismatch between a shard directory and its manifest (and the source model, if given)."""
-    directory = Path(directory)
-    manifest = read_manifest(directory)
-    problems: list[str] = []
-    dense = directory / manifest.dense.path
-    try:
-        if dense.stat().st_size != manifest.dense.size:
-            problems.append(
-                f"{manifest.dense.path}: size {dense.stat().st_size}, manifest says {manifest.dense.size}"
-            )
-        elif hash_file_range(dense) != manifest.dense.sha256:
-            problems.append(f"{manifest.dense.path}: differs from the manifest (SHA-256 mismatch)")
-    except FileNotFoundError:
-        problems.append(f"{manifest.dense.path}: missing")
-    for entry in manifest.slabs:
-        bad = check_slab_file(directory, entry)
-        if bad is not None:
-            problems.append(bad)
-    if model is not None:
-        problems += _verify_against_source(manifest, Path(model))
-    return problems
-
-
-def _verify_against_source(manifest: Manifest, model: Path) -> list[str]:
-    """Re-derive every hash from the source (one read of it) and name each manifest entry that differs."""
-    src = load_source(model)
-    header_sha = hash_file_range(src.path, 0, src.data_start)
-    if header_sha != manifest.source.header_sha256 or src.size != manifest.source.size:
-        return [f"{model}: is not the model this directory was cut from (its header or size differ)"]
-    problems: list[str] = []
-    by_key = {(s.layer, s.expert): s for s in manifest.slabs}
-    align = alignment_of(src.reader)
-    pump = Pump(src.path)
-    try:
-        head = dense_header(src)
-        file_h, data_h = hashlib.sha256(), hashlib.sha256()
-        pump.hash_bytes([file_h], head)
-        for spec, off in zip(src.dense, src.dense_offsets, strict=True):
-            pump.copy(off, spec.n_bytes, None, [file_h, data_h])
-            pump.hash_bytes([file_h], b"\0" * (pad(spec.n_bytes, align) - spec.n_bytes))
-        slab_sha: dict[tuple[int, int], str] = {}
-        for layer in src.moe_layers:
-            for expert in range(src.n_expert):
-                hs = [hashlib.sha256()]
-                _pump_slab(src, pump, layer, expert, None, hs)
-                pump.drain()
-                slab_sha[(layer, expert)] = hs[0].hexdigest()
-                entry = by_key.get((layer, expert))
-                if entry is None:
-                    continue
-                if entry.sha256 != slab_sha[(layer, expert)]:
-                    problems.append(f"{entry.path}: the manifest's data hash differs from the source's bytes")
-                want_head = hashlib.sha256(slab_header(src, layer, expert, manifest.fingerprint)).hexdigest()
-                if entry.header_sha256 != want_head:
-                    problems.append(
-                        f"{entry.path}: the manifest's header hash differs from what the source gives"
-                    )
-        pump.drain()
-    finally:
-        pump.close()
-    if file_h.hexdigest() != manifest.dense.sha256:
-        problems.append(f"{manifest.dense.path}: the manifest's hash differs from what the source gives")
-    fp = _fingerprint(header_sha, data_h.hexdigest(), slab_sha)
-    if fp != manifest.fingerprint:
-        problems.append(
-            f"fingerprint: the source gives {fp[:16]}..., the manifest says {manifest.fingerprint[:16]}..."
-        )
-    return problems

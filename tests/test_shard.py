@@ -24,9 +24,11 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 
 from swarm.coordinator.cli import main
 from swarm.sharding.errors import UserError
+from swarm.sharding.journal import JOURNAL_NAME
 from swarm.sharding.manifest import read_manifest
-from swarm.sharding.shard import JOURNAL_NAME, shard_model, verify_shard
+from swarm.sharding.shard import shard_model
 from swarm.sharding.slabs import open_dense, read_slab_file, slabs_from_gguf, slabs_from_shard
+from swarm.sharding.verify import verify_shard
 
 FIXTURES = Path(__file__).parent / "fixtures"
 FIXTURE_GGUFS = sorted(p.relative_to(FIXTURES).as_posix() for p in FIXTURES.glob("*/model-*.gguf"))
@@ -614,12 +616,13 @@ def test_without_copy_file_range(tmp_path, monkeypatch):
 
 def test_big_slab_path_gives_the_same_bytes(tmp_path, monkeypatch):
     """Slabs over SMALL_FILE go through the chunked copy (real models' big dense tensors always do)."""
-    import swarm.sharding.shard as shard_mod
+    import swarm.sharding.pump as pump
+    import swarm.sharding.source as source
 
     src = FIXTURES / "qwen35moe-quant/model-q8_0.gguf"
     shard_model(src, tmp_path / "a")
-    monkeypatch.setattr(shard_mod, "SMALL_FILE", 0)
-    monkeypatch.setattr(shard_mod, "CHUNK", 4096)
+    monkeypatch.setattr(source, "SMALL_FILE", 0)
+    monkeypatch.setattr(pump, "CHUNK", 4096)
     shard_model(src, tmp_path / "b")
     assert tree_bytes(tmp_path / "a") == tree_bytes(tmp_path / "b")
     assert verify_shard(tmp_path / "b", src) == []
