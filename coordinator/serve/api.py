@@ -94,15 +94,40 @@ class StopMatcher:
 def build_app(
     engine: Any, scheduler: sched.Scheduler, config: ServeConfig, metrics: ServeMetrics
 ) -> Starlette:
-    tokenizer = engine.tokenizer
-    template = ChatTemplate.from_tokenizer(tokenizer)
+    return OpenAIApi(engine, scheduler, config, metrics).app()
 
-    def check_key(request: Request) -> None:
-        if config.api_key is None:
+
+class OpenAIApi:
+    """The endpoints over one engine and its scheduler. In the order a request meets them: the key, the body,
+    the job (prompt tokens and sampling), the run through the scheduler, then the answer (whole or streamed)."""
+
+    def __init__(
+        self, engine: Any, scheduler: sched.Scheduler, config: ServeConfig, metrics: ServeMetrics
+    ) -> None:
+        self.tokenizer = engine.tokenizer
+        self.template = ChatTemplate.from_tokenizer(self.tokenizer)
+        self.scheduler, self.config, self.metrics = scheduler, config, metrics
+
+    def app(self) -> Starlette:
+        return Starlette(
+            routes=[
+                Route("/v1/chat/completions", self.chat, methods=["POST"]),
+                Route("/v1/completions", self.completion, methods=["POST"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/health", self.health, methods=["GET"]),
+                Route("/metrics", self.metrics_page, methods=["GET"]),
+            ],
+            exception_handlers={404: _not_found, 405: _bad_method},
+        )
+
+    # ---- a request, checked and turned into a job ----
+
+    def check_key(self, request: Request) -> None:
+        if self.config.api_key is None:
             return
         auth = request.headers.get("authorization", "")
         given = auth[7:] if auth.lower().startswith("bearer ") else ""
-        if not secrets.compare_digest(given.encode(), config.api_key.encode()):
+        if not secrets.compare_digest(given.encode(), self.config.api_key.encode()):
             raise ApiError(
                 401,
                 "missing or wrong API key: send it as 'Authorization: Bearer KEY' (the server's --api-key)",
@@ -110,7 +135,7 @@ def build_app(
                 code="invalid_api_key",
             )
 
-    async def body_of(request: Request) -> dict[str, Any]:
+    async def body_of(self, request: Request) -> dict[str, Any]:
         try:
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -120,25 +145,17 @@ def build_app(
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise ApiError(400, "missing 'model': give the id /v1/models lists", param="model")
-        if model != config.model_id:
+        if model != self.config.model_id:
             raise ApiError(
                 404,
-                f"model {model!r} does not exist here; this server serves {config.model_id!r}",
+                f"model {model!r} does not exist here; this server serves {self.config.model_id!r}",
                 code="model_not_found",
                 param="model",
             )
         return body
 
-    def sampling(body: dict[str, Any], n_prompt: int) -> tuple[SamplingParams, list[str]]:
-        def number(name: str, default: float, lo: float, hi: float) -> float:
-            v = body.get(name)
-            if v is None:
-                return default
-            if isinstance(v, bool) or not isinstance(v, int | float) or not lo <= v <= hi:
-                raise ApiError(400, f"'{name}' must be a number in [{lo}, {hi}]", param=name)
-            return float(v)
-
-        room = config.ctx_size - n_prompt
+    def sampling(self, body: dict[str, Any], n_prompt: int) -> tuple[SamplingParams, list[str]]:
+        room = self.config.ctx_size - n_prompt
         limit = body.get("max_completion_tokens", body.get("max_tokens"))
         if limit is None:
             max_tokens = room
@@ -166,27 +183,27 @@ def build_app(
             )
         params = SamplingParams(
             max_tokens=max_tokens,
-            temperature=number("temperature", 1.0, 0.0, 2.0),
-            top_p=number("top_p", 1.0, 1e-9, 1.0),
+            temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+            top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
             top_k=top_k,
             seed=seed,
-            stop_ids=tokenizer.eos_ids,
+            stop_ids=self.tokenizer.eos_ids,
         )
         return params, stops
 
-    def check_context(prompt: list[int]) -> None:
+    def check_context(self, prompt: list[int]) -> None:
         if not prompt:
             raise ApiError(400, "the prompt is empty after tokenization", param="prompt")
-        if len(prompt) >= config.ctx_size:
+        if len(prompt) >= self.config.ctx_size:
             raise ApiError(
                 400,
-                f"the prompt has {len(prompt)} tokens but the context is {config.ctx_size} tokens "
+                f"the prompt has {len(prompt)} tokens but the context is {self.config.ctx_size} tokens "
                 "(the server's --ctx-size): shorten it",
                 code="context_length_exceeded",
                 param="messages",
             )
 
-    def chat_job(body: dict[str, Any]) -> Job:
+    def chat_job(self, body: dict[str, Any]) -> Job:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise ApiError(400, "missing 'messages': a list of {role, content} objects", param="messages")
@@ -208,15 +225,16 @@ def build_app(
                 raise ApiError(400, f"messages[{i}].content must be a string or text parts", param="messages")
             plain.append({**m, "content": content})
         try:
-            text = template.render(plain, add_generation_prompt=True)
+            text = self.template.render(plain, add_generation_prompt=True)
         except UserError as e:
             raise ApiError(400, str(e), param="messages") from None
-        prompt = tokenizer.encode(text, parse_special=True)
-        check_context(prompt)
-        params, stops = sampling(body, len(prompt))
+        prompt = self.tokenizer.encode(text, parse_special=True)
+        self.check_context(prompt)
+        params, stops = self.sampling(body, len(prompt))
         return Job(prompt, params, stops)
 
-    def completion_job(body: dict[str, Any]) -> Job:
+    def completion_job(self, body: dict[str, Any]) -> Job:
+        tokenizer = self.tokenizer
         p = body.get("prompt")
         if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
             p = p[0]
@@ -228,11 +246,13 @@ def build_app(
             prompt = list(p)
         else:
             raise ApiError(400, "missing 'prompt': a string or a list of token ids", param="prompt")
-        check_context(prompt)
-        params, stops = sampling(body, len(prompt))
+        self.check_context(prompt)
+        params, stops = self.sampling(body, len(prompt))
         return Job(prompt, params, stops)
 
-    async def run(job: Job, request: Request) -> AsyncIterator[tuple[str, str | None, sched.Request]]:
+    # ---- the job through the scheduler ----
+
+    async def run(self, job: Job, request: Request) -> AsyncIterator[tuple[str, str | None, sched.Request]]:
         """(text, finish_reason or None, the scheduler's request) as the tokens come."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[list[int] | sched.Done] = asyncio.Queue()
@@ -240,6 +260,7 @@ def build_app(
         def put(x: list[int] | sched.Done) -> None:
             loop.call_soon_threadsafe(events.put_nowait, x)
 
+        scheduler = self.scheduler
         req = sched.Request(job.prompt, job.params, put, put)
         try:
             scheduler.submit(req)
@@ -249,11 +270,11 @@ def build_app(
                 f"{scheduler.queue_depth()} requests are waiting already; try again shortly",
                 "rate_limit_error",
                 code="queue_full",
-                headers={"Retry-After": str(config.retry_after)},
+                headers={"Retry-After": str(self.config.retry_after)},
             ) from None
         except UserError as e:
             raise ApiError(400, str(e)) from None
-        detok = tokenizer.stream(skip_control=True)
+        detok = self.tokenizer.stream(skip_control=True)
         stop = StopMatcher(job.stops)
         finished = False
         try:
@@ -284,137 +305,115 @@ def build_app(
             if not finished:
                 scheduler.cancel(req)  # the client went away: free the slot at once
 
-    def usage(req: sched.Request) -> dict[str, Any]:
-        return {
-            "prompt_tokens": len(req.prompt),
-            "completion_tokens": req.produced,
-            "total_tokens": len(req.prompt) + req.produced,
-            "prompt_tokens_details": {"cached_tokens": req.cached},
-        }
+    # ---- the answer ----
 
-    def timings(req: sched.Request) -> dict[str, Any]:
-        """llama-server's figures: prompt tokens read (not taken from held state) and how long that took."""
-        end = time.monotonic()
-        decode = end - (req.first_token or end)
-        return {
-            "cache_n": req.cached,
-            "prompt_n": len(req.prompt) - req.cached,
-            "prompt_ms": 1000 * req.prompt_seconds,
-            "predicted_n": req.produced,
-            "predicted_ms": 1000 * decode,
-            "queue_ms": 1000 * ((req.admitted or end) - req.submitted),
-        }
+    async def chat(self, request: Request) -> Response:
+        return await self.complete(request, "chat", self.chat_job)
 
-    def handler(kind: str, make: Callable[[dict[str, Any]], Job]) -> Callable[[Request], Any]:
+    async def completion(self, request: Request) -> Response:
+        return await self.complete(request, "completion", self.completion_job)
+
+    async def complete(self, request: Request, kind: str, make: Callable[[dict[str, Any]], Job]) -> Response:
+        started = time.monotonic()
         chat = kind == "chat"
-        obj = "chat.completion" if chat else "text_completion"
-
-        async def endpoint(request: Request) -> Response:
-            started = time.monotonic()
-            try:
-                check_key(request)
-                body = await body_of(request)
-                job = make(body)
-                stream = body.get("stream", False)
-                options = body.get("stream_options") or {}
-                if not isinstance(stream, bool) or not isinstance(options, dict):
-                    raise ApiError(
-                        400, "'stream' must be true or false and 'stream_options' an object", param="stream"
-                    )
-                include_usage = bool(options.get("include_usage", False))
-                rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
-                created = int(time.time())
-                gen = run(job, request)
-                if stream:
-                    first = await anext(gen, None)  # errors before the first token still get a status
-                    metrics.request(kind, 200)
-                    return StreamingResponse(
-                        sse(gen, first, rid, created, chat, include_usage, started),
-                        media_type="text/event-stream",
-                        headers={"Cache-Control": "no-cache"},
-                    )
-                text, reason, req = "", "stop", None
-                async for piece, fin, r in gen:
-                    text, req = text + piece, r
-                    reason = fin or reason
-                assert req is not None
-                metrics.finished(req, started, kind)
-                choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": None}
-                if chat:
-                    choice["message"] = {"role": "assistant", "content": text}
-                else:
-                    choice["text"] = text
-                return JSONResponse(
-                    {"id": rid, "object": obj, "created": created, "model": config.model_id,
-                     "choices": [choice], "usage": usage(req), "timings": timings(req)}
-                )  # fmt: skip
-            except ApiError as e:
-                metrics.request(kind, e.status)
-                return e.response()
-            except Exception as e:  # a bug, not the client's fault: still an OpenAI error object
-                log.exception("%s request failed", kind)
-                metrics.request(kind, 500)
-                return ApiError(500, f"internal error: {e}", "server_error").response()
-
-        async def sse(
-            gen: AsyncIterator[tuple[str, str | None, sched.Request]],
-            first: tuple[str, str | None, sched.Request] | None,
-            rid: str, created: int, chat: bool, include_usage: bool, started: float,
-        ) -> AsyncIterator[bytes]:  # fmt: skip
-            def event(piece: str | None, reason: str | None, extra: dict[str, Any] | None = None) -> bytes:
-                if chat:
-                    delta: dict[str, Any] = {} if piece is None else {"content": piece}
-                    choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": reason}
-                else:
-                    choice = {"index": 0, "text": piece or "", "finish_reason": reason, "logprobs": None}
-                body = {"id": rid, "object": obj + ".chunk" if chat else obj, "created": created,
-                        "model": config.model_id, "choices": [choice], **(extra or {})}  # fmt: skip
-                return b"data: " + json.dumps(body).encode() + b"\n\n"
-
-            req = first[2] if first else None
-            reason = None
-            try:
-                if chat:
-                    yield b"data: " + json.dumps({"id": rid, "object": "chat.completion.chunk", "created": created,
-                        "model": config.model_id, "choices": [{"index": 0, "delta": {"role": "assistant",
-                        "content": ""}, "finish_reason": None}]}).encode() + b"\n\n"  # fmt: skip
-                if first is not None:
-                    req, reason = first[2], first[1]
-                    if first[0]:
-                        yield event(first[0], None)
-                if reason is None:
-                    async for piece, fin, r in gen:
-                        req, reason = r, fin
-                        if piece:
-                            yield event(piece, None)
-            except ApiError as e:
-                err = {"error": {"message": e.message, "type": e.kind, "param": None, "code": e.code}}
-                yield b"data: " + json.dumps(err).encode() + b"\n\n"
-                return
-            finally:
-                await gen.aclose()  # a client gone mid-stream: `run` cancels its request, freeing the slot
-            yield event(None if chat else "", reason or "stop", {"timings": timings(req)} if req else None)
-            if include_usage and req is not None:
-                body = {"id": rid, "object": obj + ".chunk" if chat else obj, "created": created,
-                        "model": config.model_id, "choices": [], "usage": usage(req)}  # fmt: skip
-                yield b"data: " + json.dumps(body).encode() + b"\n\n"
-            yield b"data: [DONE]\n\n"
-            if req is not None:
-                metrics.finished(req, started, kind, count=False)
-
-        return endpoint
-
-    async def models(request: Request) -> Response:
         try:
-            check_key(request)
+            self.check_key(request)
+            body = await self.body_of(request)
+            job = make(body)
+            stream = body.get("stream", False)
+            options = body.get("stream_options") or {}
+            if not isinstance(stream, bool) or not isinstance(options, dict):
+                raise ApiError(
+                    400, "'stream' must be true or false and 'stream_options' an object", param="stream"
+                )
+            answer = _Answer(
+                ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12), int(time.time()), chat,
+                self.config.model_id, bool(options.get("include_usage", False)), started,
+            )  # fmt: skip
+            gen = self.run(job, request)
+            if stream:
+                first = await anext(gen, None)  # errors before the first token still get a status
+                self.metrics.request(kind, 200)
+                return StreamingResponse(
+                    self.sse(gen, first, answer, kind),
+                    media_type="text/event-stream",
+                    headers={"Cache-Control": "no-cache"},
+                )
+            text, reason, req = "", "stop", None
+            async for piece, fin, r in gen:
+                text, req = text + piece, r
+                reason = fin or reason
+            assert req is not None
+            self.metrics.finished(req, started, kind)
+            choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": None}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            return JSONResponse(
+                {
+                    **answer.head(answer.obj),
+                    "choices": [choice],
+                    "usage": _usage(req),
+                    "timings": _timings(req),
+                }
+            )
+        except ApiError as e:
+            self.metrics.request(kind, e.status)
+            return e.response()
+        except Exception as e:  # a bug, not the client's fault: still an OpenAI error object
+            log.exception("%s request failed", kind)
+            self.metrics.request(kind, 500)
+            return ApiError(500, f"internal error: {e}", "server_error").response()
+
+    async def sse(
+        self,
+        gen: AsyncIterator[tuple[str, str | None, sched.Request]],
+        first: tuple[str, str | None, sched.Request] | None,
+        a: _Answer,
+        kind: str,
+    ) -> AsyncIterator[bytes]:
+        req = first[2] if first else None
+        reason = None
+        try:
+            if a.chat:
+                yield _data({**a.head("chat.completion.chunk"), "choices": [{"index": 0, "delta": {
+                    "role": "assistant", "content": ""}, "finish_reason": None}]})  # fmt: skip
+            if first is not None:
+                req, reason = first[2], first[1]
+                if first[0]:
+                    yield a.event(first[0], None)
+            if reason is None:
+                async for piece, fin, r in gen:
+                    req, reason = r, fin
+                    if piece:
+                        yield a.event(piece, None)
+        except ApiError as e:
+            yield _data({"error": {"message": e.message, "type": e.kind, "param": None, "code": e.code}})
+            return
+        finally:
+            await gen.aclose()  # a client gone mid-stream: `run` cancels its request, freeing the slot
+        yield a.event(None if a.chat else "", reason or "stop", {"timings": _timings(req)} if req else None)
+        if a.include_usage and req is not None:
+            yield _data({**a.head(a.chunk), "choices": [], "usage": _usage(req)})
+        yield b"data: [DONE]\n\n"
+        if req is not None:
+            self.metrics.finished(req, a.started, kind, count=False)
+
+    # ---- the other endpoints ----
+
+    async def models(self, request: Request) -> Response:
+        try:
+            self.check_key(request)
         except ApiError as e:
             return e.response()
         return JSONResponse(
-            {"object": "list", "data": [{"id": config.model_id, "object": "model", "created": 0,
-             "owned_by": "swarm", "context_length": config.ctx_size}]}
+            {"object": "list", "data": [{"id": self.config.model_id, "object": "model", "created": 0,
+             "owned_by": "swarm", "context_length": self.config.ctx_size}]}
         )  # fmt: skip
 
-    async def health(request: Request) -> Response:
+    async def health(self, request: Request) -> Response:
+        scheduler = self.scheduler
         why = scheduler.admit_check() if scheduler.admit_check else None
         if why:
             return JSONResponse({"status": "degraded", "error": why}, status_code=503)
@@ -423,23 +422,82 @@ def build_app(
              "queued": scheduler.queue_depth()}
         )  # fmt: skip
 
-    async def metrics_page(request: Request) -> Response:
-        body, ctype = metrics.render(scheduler)
+    async def metrics_page(self, request: Request) -> Response:
+        body, ctype = self.metrics.render(self.scheduler)
         return Response(body, media_type=ctype)
 
-    async def not_found(request: Request, exc: Exception) -> Response:
-        return ApiError(404, f"no route {request.url.path}; see /v1/models, /v1/chat/completions").response()
 
-    async def bad_method(request: Request, exc: Exception) -> Response:
-        return ApiError(405, f"{request.method} is not allowed on {request.url.path}").response()
+@dataclass(frozen=True)
+class _Answer:
+    """One completion's identity in every object it sends back (OpenAI's id, created, model, object)."""
 
-    return Starlette(
-        routes=[
-            Route("/v1/chat/completions", handler("chat", chat_job), methods=["POST"]),
-            Route("/v1/completions", handler("completion", completion_job), methods=["POST"]),
-            Route("/v1/models", models, methods=["GET"]),
-            Route("/health", health, methods=["GET"]),
-            Route("/metrics", metrics_page, methods=["GET"]),
-        ],
-        exception_handlers={404: not_found, 405: bad_method},
-    )
+    rid: str
+    created: int
+    chat: bool
+    model: str
+    include_usage: bool
+    started: float
+
+    @property
+    def obj(self) -> str:
+        return "chat.completion" if self.chat else "text_completion"
+
+    @property
+    def chunk(self) -> str:
+        """The object name of a streamed piece."""
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+    def head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model}
+
+    def event(self, piece: str | None, reason: str | None, extra: dict[str, Any] | None = None) -> bytes:
+        if self.chat:
+            delta: dict[str, Any] = {} if piece is None else {"content": piece}
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": piece or "", "finish_reason": reason, "logprobs": None}
+        return _data({**self.head(self.chunk), "choices": [choice], **(extra or {})})
+
+
+def _data(body: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
+def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int | float) or not lo <= v <= hi:
+        raise ApiError(400, f"'{name}' must be a number in [{lo}, {hi}]", param=name)
+    return float(v)
+
+
+def _usage(req: sched.Request) -> dict[str, Any]:
+    return {
+        "prompt_tokens": len(req.prompt),
+        "completion_tokens": req.produced,
+        "total_tokens": len(req.prompt) + req.produced,
+        "prompt_tokens_details": {"cached_tokens": req.cached},
+    }
+
+
+def _timings(req: sched.Request) -> dict[str, Any]:
+    """llama-server's figures: prompt tokens read (not taken from held state) and how long that took."""
+    end = time.monotonic()
+    decode = end - (req.first_token or end)
+    return {
+        "cache_n": req.cached,
+        "prompt_n": len(req.prompt) - req.cached,
+        "prompt_ms": 1000 * req.prompt_seconds,
+        "predicted_n": req.produced,
+        "predicted_ms": 1000 * decode,
+        "queue_ms": 1000 * ((req.admitted or end) - req.submitted),
+    }
+
+
+async def _not_found(request: Request, exc: Exception) -> Response:
+    return ApiError(404, f"no route {request.url.path}; see /v1/models, /v1/chat/completions").response()
+
+
+async def _bad_method(request: Request, exc: Exception) -> Response:
+    return ApiError(405, f"{request.method} is not allowed on {request.url.path}").response()
