@@ -193,7 +193,7 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     set_wait_policy(experts_remote=True)  # its nodes share this machine
-    from swarm.coordinator.demo import run_demo
+    from swarm.coordinator.cli.demo import run_demo
 
     apply_threads(args.threads)
     return run_demo(

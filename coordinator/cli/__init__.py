@@ -1,4 +1,9 @@
-"""`swarm`: one command, a subcommand per job. Each part registers its own subcommands."""
+"""`swarm`: one command, a subcommand per job. Each part registers its own subcommands.
+
+This package holds the coordinator's verbs (run, logits, perplexity, demo, status); the node's, the
+shard's and the server's live with their parts (swarm.node.cli, swarm.sharding.cli, swarm.coordinator.serve.cli).
+The engine they drive is the rest of swarm.coordinator: engine, generate, experts, swarm, models.
+"""
 
 from __future__ import annotations
 
@@ -16,8 +21,8 @@ COMMAND_MODULES = (
     "swarm.sharding.cli",
     "swarm.sharding.synth_cli",
     "swarm.node.cli",
-    "swarm.coordinator.commands",
-    "swarm.coordinator.status",
+    "swarm.coordinator.cli.commands",
+    "swarm.coordinator.cli.status",
     "swarm.coordinator.serve.cli",
 )
 
@@ -47,7 +52,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"swarm {args.command}: interrupted", file=sys.stderr)
         return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())
