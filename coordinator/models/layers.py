@@ -155,8 +155,8 @@ class MoEConfig:
 
 def route(probs: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Router probabilities [T, E] (the softmax of its logits over all E) -> (weights [T, K], ids [T, K]):
-    top-K, optional renorm, as llama.cpp's build_moe_ffn: the sum of the K weights in double (ggml_sum_rows),
-    clamped, then each weight divided by it.
+    top-K, optional renorm, as llama.cpp's build_moe_ffn: the K weights summed in double one after the other
+    (ggml_sum_rows; a cumulative sum keeps that order), the sum clamped, then each weight divided by it.
 
     Ties go to the lower expert index, the same on every device: topk on probabilities is not
     guaranteed stable, so sort by (prob desc, index asc) explicitly.
@@ -164,7 +164,7 @@ def route(probs: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor,
     ids = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :k]  # [T, K]
     weights = probs.gather(-1, ids)  # [T, K]
     if renormalize:
-        total = weights.double().sum(-1, keepdim=True).float().clamp_min(RENORM_MIN)
+        total = torch.cumsum(weights.double(), dim=-1)[:, -1:].float().clamp_min(RENORM_MIN)
         weights = weights / total
     return weights, ids
 
