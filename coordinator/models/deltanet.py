@@ -371,8 +371,11 @@ class GatedDeltaNet(nn.Module):
         # others in the call nor on how its tokens were split into calls.
         ones = [i for i, p in enumerate(parts) if p[0].shape[0] == 1]
         if ones:
+            stack = (
+                (lambda ts: ts[0][None]) if len(ones) == 1 else torch.stack
+            )  # one sequence: a view, no copy
             o = self._steps(
-                *(torch.stack([parts[i][j] for i in ones]) for j in range(3)), [states[i] for i in ones]
+                *(stack([parts[i][j] for i in ones]) for j in range(3)), [states[i] for i in ones]
             )
             for j, i in enumerate(ones):
                 outs[i] = o[j]

@@ -394,10 +394,10 @@ class Batch:
     @classmethod
     def of(cls, states: Sequence[SequenceState], lengths: Sequence[int], device: torch.device) -> Batch:
         starts = tuple(s.length for s in states)
-        positions = torch.cat(
-            [torch.arange(s, s + n, dtype=torch.long) for s, n in zip(starts, lengths, strict=True)]
-        )
-        return cls(lengths=tuple(int(n) for n in lengths), starts=starts, positions=positions.to(device))
+        # one tensor from a Python list: a decode step's few positions cost one op, not an arange per sequence
+        at = [p for s, n in zip(starts, lengths, strict=True) for p in range(s, s + int(n))]
+        positions = torch.tensor(at, dtype=torch.long, device=device)
+        return cls(lengths=tuple(int(n) for n in lengths), starts=starts, positions=positions)
 
     def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [N, ...] -> one tensor [lengths[i], ...] per sequence (views)."""
@@ -493,7 +493,7 @@ class DecoderModel(nn.Module):
                 x = blk(x, batch, [s.layers[i] for s in states])
             for s, n in zip(states, batch.lengths, strict=True):
                 s.length += n
-            if last_only:
+            if last_only and x.shape[0] != len(states):  # (a decode step's rows are the last ones already)
                 ends = torch.tensor(batch.lengths, device=device).cumsum(0) - 1
                 x = x.index_select(0, ends)  # [B, D]
         # The head runs outside inference_mode so that callers get an ordinary tensor they may modify.
