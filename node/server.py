@@ -52,7 +52,9 @@ _HEALTH_PREFIX = "/grpc.health.v1.Health/"
 Reply = TypeVar("Reply")
 
 
+@functools.cache
 def software_version() -> str:
+    """This install's version (read once: importlib.metadata scans the path each time)."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:

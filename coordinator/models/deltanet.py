@@ -371,12 +371,12 @@ class GatedDeltaNet(nn.Module):
         # others in the call nor on how its tokens were split into calls.
         ones = [i for i, p in enumerate(parts) if p[0].shape[0] == 1]
         if ones:
-            stack = (
-                (lambda ts: ts[0][None]) if len(ones) == 1 else torch.stack
-            )  # one sequence: a view, no copy
-            o = self._steps(
-                *(stack([parts[i][j] for i in ones]) for j in range(3)), [states[i] for i in ones]
-            )
+            # one sequence: views of its rows (no copy); several: their rows stacked
+            cols = [
+                parts[ones[0]][j][None] if len(ones) == 1 else torch.stack([parts[i][j] for i in ones])
+                for j in range(3)
+            ]
+            o = self._steps(*cols, [states[i] for i in ones])
             for j, i in enumerate(ones):
                 outs[i] = o[j]
         for i, (m, gi, bi, st) in enumerate(parts):
