@@ -155,8 +155,18 @@ def _probe_batched_rows(qtype: int) -> bool:
     return all(torch.equal(product(x[:n]), alone[:n]) for n in (7, 2))
 
 
+_has_kernel: dict[int, bool] = {}
+
+
 def has_kernel(qtype: int) -> bool:
     """Whether ggml's CPU backend multiplies this type as stored."""
+    known = _has_kernel.get(int(qtype))
+    if known is None:
+        known = _has_kernel[int(qtype)] = _ggml_has_kernel(int(qtype))
+    return known
+
+
+def _ggml_has_kernel(qtype: int) -> bool:
     g = ggml_lib()
     if not 0 <= int(qtype) < g.GGML_TYPE_COUNT:
         return False
@@ -544,37 +554,15 @@ def linear(
         raise ValueError(f"a norm of {norm.weight.numel()} values does not divide rows of {cols}")
 
     def build(keep: bool) -> Graph:
-        # the graph's memory holds each product before it is pointed at its output, and quantized activations
-        steps = sum(len(p or ()) for p in posts)
-        scratch = sum(4 * n * w.rows * (2 + len(p or ())) + 64 for w, p in zip(weights, posts, strict=True))
-        gr = Graph(scratch + 4 * 4 * n * cols + 256, 2 * len(weights) + 2 * steps + 12, keep)
-        g = gr.g
+        gr = Graph(_dense_scratch(n, cols, weights, posts), _dense_tensors(weights, posts), keep)
         xt = gr.input(cols, n)
         gt = gr.input(cols, n) if gate is not None else None
         rt = gr.input(weights[0].rows, n) if residual is not None else None
-        if norm is not None:
-            width = int(norm.weight.numel())
-            grouped = g.ggml_reshape_3d(gr.ctx, xt, width, cols // width, n)
-            xn = g.ggml_mul(gr.ctx, g.ggml_rms_norm(gr.ctx, grouped, norm.eps), gr.constant(norm.weight))
-            xt = g.ggml_reshape_2d(gr.ctx, xn, cols, n)
-        if gt is not None:
-            xt = g.ggml_mul(gr.ctx, xt, gt)
+        xin, ys = _dense_ops(gr, xt, weights, posts, norm, gt, rt)
         if normed:  # the input itself is a slot, not a result: copy it out
-            gr.output(xt if norm is not None or gate is not None else g.ggml_cont(gr.ctx, xt))
-        for j, (w, p) in enumerate(zip(weights, posts, strict=True)):
-            t = gr.mul_mat(gr.weight(w), xt)
-            for step in p or ():
-                if isinstance(step, str):
-                    if step not in _UNARY:
-                        raise ValueError(f"unary op {step!r} is not one of {_UNARY}")
-                    t = getattr(g, f"ggml_{step}")(gr.ctx, t)
-                elif step[0] in ("add", "mul"):
-                    t = getattr(g, f"ggml_{step[0]}")(gr.ctx, t, gr.constant(step[1]))
-                else:
-                    raise ValueError(f"unknown step {step[0]!r}")
-            if j == 0 and rt is not None:
-                t = g.ggml_add(gr.ctx, t, rt)
-            gr.output(t)
+            gr.output(xin if norm is not None or gate is not None else gr.g.ggml_cont(gr.ctx, xin))
+        for y in ys:
+            gr.output(y)
         return gr
 
     key = None
@@ -584,6 +572,54 @@ def linear(
                *((w.ptr, _post_key(p)) for w, p in zip(weights, posts, strict=True)))  # fmt: skip
     _run(key, build, inputs, outs)
     return outs
+
+
+def _dense_scratch(n: int, cols: int, weights: Sequence[Weight], posts: Sequence[Post | None]) -> int:
+    """Graph memory for _dense_ops over n rows: each product before it is pointed at its output, its
+    steps, the quantized activations."""
+    products = sum(4 * n * w.rows * (2 + len(p or ())) + 64 for w, p in zip(weights, posts, strict=True))
+    return products + 4 * 4 * n * cols + 256
+
+
+def _dense_tensors(weights: Sequence[Weight], posts: Sequence[Post | None]) -> int:
+    return 2 * len(weights) + 2 * sum(len(p or ()) for p in posts) + 12
+
+
+def _dense_ops(
+    gr: Graph,
+    xt: object,
+    weights: Sequence[Weight],
+    posts: Sequence[Post | None],
+    norm: Norm | None,
+    gt: object | None = None,
+    rt: object | None = None,
+) -> tuple[object, list[object]]:
+    """linear()'s ops on graph tensor xt [I, N]: (the input as multiplied, [each product after its steps])."""
+    g, ctx = gr.g, gr.ctx
+    cols, n = int(xt.contents.ne[0]), int(xt.contents.ne[1])
+    if norm is not None:
+        width = int(norm.weight.numel())
+        grouped = g.ggml_reshape_3d(ctx, xt, width, cols // width, n)
+        xn = g.ggml_mul(ctx, g.ggml_rms_norm(ctx, grouped, norm.eps), gr.constant(norm.weight))
+        xt = g.ggml_reshape_2d(ctx, xn, cols, n)
+    if gt is not None:
+        xt = g.ggml_mul(ctx, xt, gt)
+    ys = []
+    for j, (w, p) in enumerate(zip(weights, posts, strict=True)):
+        t = gr.mul_mat(gr.weight(w), xt)
+        for step in p or ():
+            if isinstance(step, str):
+                if step not in _UNARY:
+                    raise ValueError(f"unary op {step!r} is not one of {_UNARY}")
+                t = getattr(g, f"ggml_{step}")(ctx, t)
+            elif step[0] in ("add", "mul"):
+                t = getattr(g, f"ggml_{step[0]}")(ctx, t, gr.constant(step[1]))
+            else:
+                raise ValueError(f"unknown step {step[0]!r}")
+        if j == 0 and rt is not None:
+            t = g.ggml_add(ctx, t, rt)
+        ys.append(t)
+    return xt, ys
 
 
 @dataclass(frozen=True)
@@ -777,95 +813,199 @@ def unary(op: str, x: torch.Tensor) -> torch.Tensor:
     return out.view(shape)
 
 
+@dataclass(frozen=True)
+class DeltaRule:
+    """What a Gated DeltaNet layer's conv and delta rule are, for a graph: conv_weight [C, Kc]; Hk key
+    heads serving the value heads tiled (value head h reads key head h % Hk) or, `grouped`, in blocks
+    (h // (Hv / Hk)); the L2 norm's eps."""
+
+    conv_weight: torch.Tensor
+    n_k_heads: int
+    grouped: bool
+    eps: float
+
+
+def _delta_rule_ops(
+    gr: Graph,
+    tm: object,
+    tg: object,
+    tb: object,
+    spans: Sequence[tuple[int, int]],
+    tconv: Sequence[object],
+    tstate: Sequence[object],
+    rule: DeltaRule,
+    cw: object,
+) -> tuple[list[object], list[object]]:
+    """The conv, SiLU, L2-normed q and k and the gated delta rule of each sequence (start, T) of the rows:
+    tm [C, N] conv inputs, tg, tb [Hv, N] log decay and beta; tconv[i] [Kc-1, C] and tstate[i] [S, S, Hv]
+    sequence i's past. -> (each sequence's gated_delta_net result: o [S, Hv, T] then the new state; its new
+    conv inputs [Kc-1, C])."""
+    gm, ctx = gr.g, gr.ctx
+    c = int(tm.contents.ne[0])
+    hv = int(tg.contents.ne[0])
+    s = int(tstate[0].contents.ne[0])
+    kc = int(rule.conv_weight.shape[1])
+    hk = rule.n_k_heads
+
+    def l2_norm(x: object) -> object:  # llama.cpp's form: rms_norm(x, eps / S) / sqrt(S)
+        return gm.ggml_scale(ctx, gm.ggml_rms_norm(ctx, x, rule.eps / s), 1.0 / float(np.sqrt(s)))
+
+    results, new_convs = [], []
+    for i, (start, t) in enumerate(spans):
+        new = gm.ggml_view_2d(ctx, tm, c, t, c * 4, start * c * 4)  # [C, T]
+        window = gm.ggml_concat(
+            ctx, tconv[i], gm.ggml_cont(ctx, gm.ggml_transpose(ctx, new)), 0
+        )  # [Kc-1+T, C]
+        new_convs.append(gm.ggml_cont(ctx, gm.ggml_view_2d(ctx, window, kc - 1, c, (kc - 1 + t) * 4, t * 4)))
+        sx = gm.ggml_reshape_3d(ctx, window, kc - 1 + t, c, 1)
+        act = gm.ggml_silu(ctx, gm.ggml_ssm_conv(ctx, sx, cw))  # [C, T, 1]
+
+        def heads(n_heads: int, first: int, act: object = act, t: int = t) -> object:
+            view = gm.ggml_view_4d(ctx, act, s, n_heads, t, 1, s * 4, c * 4, c * t * 4, first * 4)
+            return gm.ggml_cont(ctx, view)  # [S, H, T, 1]
+
+        q = l2_norm(heads(hk, 0))
+        k = l2_norm(heads(hk, hk * s))
+        v = heads(hv, 2 * hk * s)
+        if (
+            rule.grouped and hv != hk
+        ):  # value head h <- key head h // r: repeat each key head r times in place
+            r = hv // hk
+            shape = gr.placed(_F32, s, r, hk, t)  # only its shape is read
+            q, k = (
+                gm.ggml_reshape_4d(ctx, gm.ggml_repeat(ctx, gm.ggml_reshape_4d(ctx, x, s, 1, hk, t), shape),
+                                   s, hv, t, 1)
+                for x in (q, k)
+            )  # fmt: skip
+        gi, bi = (
+            gm.ggml_view_4d(ctx, x, 1, hv, t, 1, 4, hv * 4, hv * t * 4, start * hv * 4) for x in (tg, tb)
+        )
+        state = gm.ggml_reshape_4d(ctx, tstate[i], s, s, hv, 1)
+        results.append(gm.ggml_gated_delta_net(ctx, q, k, v, gi, bi, state, 1))
+    return results, new_convs
+
+
+def _delta_rule_scratch(spans: Sequence[tuple[int, int]], c: int, kc: int, hv: int, s: int) -> int:
+    return sum(4 * (t * hv * s + hv * s * s + 10 * (kc - 1 + t) * c) for _, t in spans) + 256 * 1024
+
+
 def delta_net_step(
     mixed: torch.Tensor,
     convs: Sequence[torch.Tensor],
-    conv_weight: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
     states: Sequence[torch.Tensor],
-    n_k_heads: int,
-    grouped: bool,
-    eps: float,
+    rule: DeltaRule,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     """T steps of Gated DeltaNet for each of B sequences, all in one ggml graph (llama.cpp's ops): the
     depthwise conv over each sequence's past and new inputs, SiLU, L2-normed q and k, the gated delta rule.
 
     mixed [B, T, C]: each sequence's T new conv inputs; convs: B x [C, Kc-1] each one's last Kc-1 inputs;
-    conv_weight [C, Kc]; g (log decay), beta [B, T, Hv]; states: B x [Hv, S, S] in ggml's layout: row j of
-    a head's block holds column j of the state S (state[h, j, i] = S[i, j]). Key heads serve value heads
-    tiled (value head h reads key head h % Hk) or, `grouped`, in blocks (h // (Hv / Hk)).
+    g (log decay), beta [B, T, Hv]; states: B x [Hv, S, S] in ggml's layout: row j of a head's block holds
+    column j of the state S (state[h, j, i] = S[i, j]).
     -> (o: B x [T, Hv, S], the new convs, the new states), each sequence's its own tensors: a state is read
     where it lies and the new one is a view of that sequence's output, so no state is copied on the way.
 
     Each sequence has its own ops, and every op computes a token's values from that token's row alone (the
     conv from its window, the rule step by step), so a sequence read T tokens at a time, one at a time
-    (decode) or beside other sequences gets the same bits.
+    (decode) or beside other sequences gets the same bits (and the same as in delta_net_layer's graph).
     """
     b, t, c = (int(d) for d in mixed.shape)
-    kc = int(conv_weight.shape[1])
+    kc = int(rule.conv_weight.shape[1])
     hv, s = int(states[0].shape[0]), int(states[0].shape[1])
-    hk = n_k_heads
     n_attn = t * hv * s
+    spans = [(i * t, t) for i in range(b)]
     ins = (
         [_f32_rows(a) for a in (mixed, g, beta)]
         + [_f32_rows(x) for x in convs]
         + [_f32_rows(x) for x in states]
     )
     outs = [torch.empty(n_attn + hv * s * s) for _ in range(b)] + [torch.empty(c, kc - 1) for _ in range(b)]
-    w = _f32_rows(conv_weight)
+    w = _f32_rows(rule.conv_weight)
 
     def build(keep: bool) -> Graph:
-        per_seq = 4 * (n_attn + hv * s * s + 10 * (kc - 1 + t) * c)
-        gr = Graph(b * per_seq + 256 * 1024, 40 * b + 8, keep)
-        gm, ctx = gr.g, gr.ctx
-        tm, tg, tb = gr.input(c, t, b), gr.input(1, hv, t, b), gr.input(1, hv, t, b)
+        gr = Graph(_delta_rule_scratch(spans, c, kc, hv, s), 40 * b + 8, keep)
+        tm, tg, tb = gr.input(c, b * t), gr.input(hv, b * t), gr.input(hv, b * t)
         tconv = [gr.input(kc - 1, c) for _ in range(b)]
         tstate = [gr.input(s, s, hv) for _ in range(b)]
-        cw = gr.constant(w)
-
-        def l2_norm(x: object) -> object:  # llama.cpp's form: rms_norm(x, eps / S) / sqrt(S)
-            return gm.ggml_scale(ctx, gm.ggml_rms_norm(ctx, x, eps / s), 1.0 / float(np.sqrt(s)))
-
-        results, new_convs = [], []
-        for i in range(b):
-            new = gm.ggml_view_2d(ctx, tm, c, t, c * 4, i * t * c * 4)  # [C, T]
-            window = gm.ggml_concat(
-                ctx, tconv[i], gm.ggml_cont(ctx, gm.ggml_transpose(ctx, new)), 0
-            )  # [Kc-1+T, C]
-            new_convs.append(
-                gm.ggml_cont(ctx, gm.ggml_view_2d(ctx, window, kc - 1, c, (kc - 1 + t) * 4, t * 4))
-            )
-            sx = gm.ggml_reshape_3d(ctx, window, kc - 1 + t, c, 1)
-            act = gm.ggml_silu(ctx, gm.ggml_ssm_conv(ctx, sx, cw))  # [C, T, 1]
-
-            def heads(n_heads: int, first: int, act: object = act) -> object:
-                view = gm.ggml_view_4d(ctx, act, s, n_heads, t, 1, s * 4, c * 4, c * t * 4, first * 4)
-                return gm.ggml_cont(ctx, view)  # [S, H, T, 1]
-
-            q = l2_norm(heads(hk, 0))
-            k = l2_norm(heads(hk, hk * s))
-            v = heads(hv, 2 * hk * s)
-            if grouped and hv != hk:  # value head h <- key head h // r: repeat each key head r times in place
-                r = hv // hk
-                shape = gr.placed(_F32, s, r, hk, t)  # only its shape is read
-                q, k = (
-                    gm.ggml_reshape_4d(ctx, gm.ggml_repeat(ctx, gm.ggml_reshape_4d(ctx, x, s, 1, hk, t), shape),
-                                       s, hv, t, 1)
-                    for x in (q, k)
-                )  # fmt: skip
-            gi, bi = (
-                gm.ggml_view_4d(ctx, x, 1, hv, t, 1, 4, hv * 4, hv * t * 4, i * hv * t * 4) for x in (tg, tb)
-            )
-            state = gm.ggml_reshape_4d(ctx, tstate[i], s, s, hv, 1)
-            results.append(gm.ggml_gated_delta_net(ctx, q, k, v, gi, bi, state, 1))
-        for r_ in results:
-            gr.output(r_)
-        for nc in new_convs:
-            gr.output(nc)
+        results, new_convs = _delta_rule_ops(gr, tm, tg, tb, spans, tconv, tstate, rule, gr.constant(w))
+        for r in results + new_convs:
+            gr.output(r)
         return gr
 
-    key = ("dn-step", b, t, c, kc, hv, s, hk, grouped, w.data_ptr()) if b * t <= KEEP_ROWS else None
+    key = (
+        ("dn-step", b, t, c, kc, hv, s, rule.n_k_heads, rule.grouped, w.data_ptr())
+        if b * t <= KEEP_ROWS
+        else None
+    )
     _run(key, build, ins, outs)
     o = [y[:n_attn].view(t, hv, s) for y in outs[:b]]
     return o, outs[b:], [y[n_attn:].view(hv, s, s) for y in outs[:b]]
+
+
+def delta_net_layer(
+    x: torch.Tensor,
+    lengths: Sequence[int],
+    inputs: Sequence[Weight],
+    posts: Sequence[Post | None],
+    norm: Norm,
+    convs: Sequence[torch.Tensor],
+    states: Sequence[torch.Tensor],
+    rule: DeltaRule,
+    out_norm: Norm,
+    out: Weight,
+) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """A whole Gated DeltaNet layer over the new tokens of several sequences, in one graph:
+    x + out(out_norm(delta_rule(conv(...))) * z) for x [N, D] (lengths[i] rows of sequence i, in order).
+
+    `inputs` (after `norm`, with `posts`) give the conv input [N, C], silu(z) [N, Hv*S], beta and the log
+    decay g [N, Hv], as linear() would; then delta_net_step's ops per sequence, then out_norm per value head,
+    times z, the out product and the residual as linear() would. Every op is the one those calls run on the
+    same values, so this gives their bits: a sequence's result does not depend on which path ran it.
+    -> (y [N, D], the new convs, the new states [Hv, S, S]: views of this call's outputs)."""
+    x = _f32_rows(x)
+    n, d = int(x.shape[0]), int(x.shape[1])
+    c, hv = inputs[0].rows, inputs[2].rows
+    s = int(states[0].shape[1])
+    kc = int(rule.conv_weight.shape[1])
+    starts = np.cumsum([0, *lengths[:-1]]).tolist()
+    spans = [(int(a), int(t)) for a, t in zip(starts, lengths, strict=True)]
+    w = _f32_rows(rule.conv_weight)
+    ins = [x] + [_f32_rows(t) for t in convs] + [_f32_rows(t) for t in states]
+    results = [torch.empty(t * hv * s + hv * s * s) for t in lengths]
+    new_convs = [torch.empty(c, kc - 1) for _ in lengths]
+    y = torch.empty(n, d)
+
+    def build(keep: bool) -> Graph:
+        b = len(spans)
+        scratch = (
+            _dense_scratch(n, d, inputs, posts)
+            + _delta_rule_scratch(spans, c, kc, hv, s)
+            + _dense_scratch(n, hv * s, [out], [None])
+            + 4 * 2 * n * hv * s
+        )
+        gr = Graph(scratch, _dense_tensors(inputs, posts) + 40 * b + 24, keep)
+        gm, ctx = gr.g, gr.ctx
+        xt = gr.input(d, n)
+        tconv = [gr.input(kc - 1, c) for _ in range(b)]
+        tstate = [gr.input(s, s, hv) for _ in range(b)]
+        _, (tm, tz, tb, tg) = _dense_ops(gr, xt, inputs, posts, norm)
+        res, ncs = _delta_rule_ops(gr, tm, tg, tb, spans, tconv, tstate, rule, gr.constant(w))
+        parts = [
+            gm.ggml_view_2d(ctx, r, hv * s, t, hv * s * 4, 0) for r, (_, t) in zip(res, spans, strict=True)
+        ]
+        o = parts[0]
+        for part in parts[1:]:
+            o = gm.ggml_concat(ctx, o, part, 1)  # [Hv*S, N]
+        (yt,) = _dense_ops(gr, o, [out], [None], out_norm, tz, xt)[1]
+        gr.output(yt)
+        for r in res + ncs:
+            gr.output(r)
+        return gr
+
+    key = None
+    if n <= KEEP_ROWS:
+        key = ("dn-layer", tuple(lengths), *((v.ptr, _post_key(p)) for v, p in zip(inputs, posts, strict=True)),
+               norm.weight.data_ptr(), norm.eps, out_norm.weight.data_ptr(), out_norm.eps, out.ptr, w.data_ptr())  # fmt: skip
+    _run(key, build, ins, [y, *results, *new_convs])
+    return y, new_convs, [r[t * hv * s :].view(hv, s, s) for r, t in zip(results, lengths, strict=True)]

@@ -162,20 +162,29 @@ def _find_stack(layer: int, experts: dict[int, dict[str, SlabTensor]]) -> kernel
     if any(k.endswith(".bias") for k in kinds) or any(sorted(p) != kinds for p in experts.values()):
         return None
     n_stack = max(experts) + 1
+    e0 = next(iter(experts))
     stacks: dict[str, Weight] = {}
     for kind in kinds:
-        bases = set()
+        ref = first[kind]
+        if not kernels.has_kernel(ref.qtype):
+            return None
+        w = Weight.of_bytes(ref.data, ref.qtype, ref.shape)
+        base, owner = w.ptr - e0 * w.nbytes, ref.data.base
+        # every expert's slab of this kind at its place in one stack: a layer holds hundreds, so compare
+        # addresses rather than build a Weight per slab (a cold first call pays for each)
         for e, parts in experts.items():
             s = parts[kind]
-            if not kernels.has_kernel(s.qtype):
+            arr = s.data
+            if (
+                s.qtype != ref.qtype
+                or s.shape != ref.shape
+                or arr.base is not owner
+                or arr.nbytes != w.nbytes
+                or not arr.flags.c_contiguous
+                or arr.__array_interface__["data"][0] != base + e * w.nbytes
+            ):
                 return None
-            w = Weight.of_bytes(s.data, s.qtype, s.shape)
-            bases.add((w.ptr - e * w.nbytes, w.qtype, w.rows, w.cols, id(s.data.base)))
-        if len(bases) != 1:
-            return None
-        stacks[kind] = Weight.of_bytes(first[kind].data, first[kind].qtype, first[kind].shape).stacked(
-            n_stack, next(iter(experts))
-        )
+        stacks[kind] = w.stacked(n_stack, e0)
     log.debug("layer %d: %d experts multiplied as stacks", layer, len(experts))
     return kernels.ExpertStack(
         down=stacks[DOWN], gate=stacks.get(GATE), up=stacks.get(UP), gate_up=stacks.get(GATE_UP)

@@ -174,7 +174,8 @@ def test_the_delta_net_step_equals_the_definition(grouped: bool) -> None:
         [window[i, :, : kc - 1].contiguous() for i in range(b)],
         window[:, :, kc - 1 :].transpose(1, 2),
     )
-    o, new_convs, new = kernels.delta_net_step(mixed, convs, w, g, beta, list(state), hk, grouped, L2_EPS)
+    rule = kernels.DeltaRule(w, hk, grouped, L2_EPS)
+    o, new_convs, new = kernels.delta_net_step(mixed, convs, g, beta, list(state), rule)
     key_of = [h // (hv // hk) if grouped else h % hk for h in range(hv)]
     for i in range(b):
         conv, _ = causal_conv(window[i, :, kc - 1 :].T.double(), window[i, :, : kc - 1].double(), w.double())
@@ -187,8 +188,8 @@ def test_the_delta_net_step_equals_the_definition(grouped: bool) -> None:
         torch.testing.assert_close(o[i].transpose(0, 1).double(), ro, rtol=1e-4, atol=1e-4)  # o[i] [T, Hv, S]
         torch.testing.assert_close(new[i].transpose(-1, -2).double(), rs, rtol=1e-4, atol=1e-4)
         assert torch.equal(new_convs[i], window[i, :, t:])  # the last Kc-1 inputs
-        alone = kernels.delta_net_step(mixed[i : i + 1], convs[i : i + 1], w, g[i : i + 1], beta[i : i + 1],
-                                       [state[i]], hk, grouped, L2_EPS)  # fmt: skip
+        alone = kernels.delta_net_step(mixed[i : i + 1], convs[i : i + 1], g[i : i + 1], beta[i : i + 1],
+                                       [state[i]], rule)  # fmt: skip
         assert torch.equal(alone[0][0], o[i]) and torch.equal(alone[2][0], new[i])
         assert torch.equal(alone[1][0], new_convs[i])
 

@@ -21,6 +21,7 @@ from reference import assert_logits_close
 from swarm.coordinator.experts import LocalExperts
 from swarm.coordinator.loader import load_model
 from swarm.coordinator.models.deltanet import (
+    GatedDeltaNet,
     check_text_rope_sections,
     gated_delta_chunked,
     gated_delta_recurrent,
@@ -148,6 +149,37 @@ def test_batched_sequences_equal_each_alone(f32_model: tuple[DecoderModel, Any])
     mixed = model(torch.cat([torch.tensor([7]), b]), [s3, s4], [1, len(b)])
     torch.testing.assert_close(mixed[0], step_a[0], rtol=0, atol=ATOL_SELF)
     torch.testing.assert_close(mixed[1:], alone_b, rtol=0, atol=ATOL_SELF)
+
+
+def test_the_one_graph_delta_net_layer_gives_the_op_by_op_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A DeltaNet layer runs as one ggml graph where it can (kernels.delta_net_layer) and op by op in
+    three graphs and torch otherwise; on a quantized file in the native numerics, a prompt, decode steps
+    and a call mixing a prompt with a decode step give the same bits either way."""
+    model = load(FIXTURES / "qwen35moe-quant" / "model-q4_k_m.gguf")
+    ref = np.load(FIXTURES / "qwen35moe-quant" / "reference.npz")
+    a, b = tokens(ref, 0), tokens(ref, 1)
+
+    def run() -> list[torch.Tensor]:
+        sa, sb = model.new_state(), model.new_state()
+        out = [model.run(a, sa), model.run([5], sa)]
+        out.append(model(torch.cat([torch.tensor([9]), b]), [sa, sb], [1, len(b)]))
+        out.append(model(torch.tensor([3, 4]), [sa, sb], [1, 1]))
+        return out
+
+    ran: list[bool] = []
+    whole = GatedDeltaNet._whole
+
+    def counted(*args: Any) -> torch.Tensor | None:
+        y = whole(*args)
+        ran.append(y is not None)
+        return y
+
+    monkeypatch.setattr(GatedDeltaNet, "_whole", counted)
+    fused = run()
+    assert ran and all(ran)  # every DeltaNet layer of every call took the one graph
+    monkeypatch.setattr(GatedDeltaNet, "_whole", lambda *args: None)
+    for got, want in zip(fused, run(), strict=True):
+        assert torch.equal(got, want)
 
 
 def test_chunked_delta_rule_equals_recurrent() -> None:

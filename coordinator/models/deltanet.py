@@ -38,6 +38,7 @@ from swarm.coordinator.models.layers import (
     MoEConfig,
     RMSNorm,
     attend,
+    ggml_form,
     meta_float,
     meta_int,
     n_vocab_of,
@@ -316,16 +317,10 @@ class GatedDeltaNet(nn.Module):
     def new_state(self) -> DeltaNetState:
         return DeltaNetState()
 
-    def project(
-        self, x: torch.Tensor, norm: RMSNorm
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """norm(x) for x [N, D] -> conv input [N, C] = [all q; all k; all v], silu(z) [N, Hv*Dv], beta and g (log decay)
-        [N, Hv] (value-head order)."""
-        c, n = self.cfg, x.shape[0]
-        hk, hv, ds = c.n_k_heads, c.n_v_heads, c.d_state
-        r = hv // hk
-        # every projection of x in one ggml graph, each output's activation in it where the output is whole:
-        # silu(z), beta = sigmoid(b), g = softplus(a + dt_bias) * ssm_a
+    def _inputs(self) -> tuple[list[Linear], list[kernels.Post | None]]:
+        """Every projection of x, and each output's activation where the output is whole: silu(z),
+        beta = sigmoid(b), g = softplus(a + dt_bias) * ssm_a."""
+        c = self.cfg
         qkvz = [self.ssm_in] if c.fused_qkvz else [self.attn_qkv, self.attn_gate]
         ba = [self.ssm_ba] if c.fused_ba else [self.ssm_beta, self.ssm_alpha]
         post: list[kernels.Post | None] = [None] if c.fused_qkvz else [None, ("silu",)]
@@ -334,7 +329,18 @@ class GatedDeltaNet(nn.Module):
             if c.fused_ba
             else [("sigmoid",), (("add", self.ssm_dt.bias), "softplus", ("mul", self.ssm_a))]
         )
-        outs = project(x, *qkvz, *ba, post=post, norm=norm)  # type: ignore[arg-type]
+        return qkvz + ba, post  # type: ignore[operator]
+
+    def project(
+        self, x: torch.Tensor, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """norm(x) for x [N, D] -> conv input [N, C] = [all q; all k; all v], silu(z) [N, Hv*Dv], beta and g (log decay)
+        [N, Hv] (value-head order)."""
+        c, n = self.cfg, x.shape[0]
+        hk, hv, ds = c.n_k_heads, c.n_v_heads, c.d_state
+        r = hv // hk
+        linears, post = self._inputs()
+        outs = project(x, *linears, post=post, norm=norm)
         if c.fused_qkvz:
             # HF's in_proj_qkvz, interleaved per key head as [q (Dk), k (Dk), v (r*Dv), z (r*Dv)].
             per = outs[0].view(n, hk, 2 * ds + 2 * r * ds)
@@ -358,12 +364,14 @@ class GatedDeltaNet(nn.Module):
         """x [N, D] -> x + delta_net(norm(x))."""
         c, n = self.cfg, x.shape[0]
         hv, ds = c.n_v_heads, c.d_state
-        mixed, z, beta, g = self.project(x, norm)  # z activated; g: log of the per-step decay [N, Hv]
-
         for st in states:
             if st.conv is None or st.ssm is None:
                 st.conv = x.new_zeros(c.conv_dim, c.conv_kernel - 1)
                 st.ssm = x.new_zeros(hv, ds, ds)
+        whole = self._whole(x, norm, batch, states)
+        if whole is not None:
+            return whole
+        mixed, z, beta, g = self.project(x, norm)  # z activated; g: log of the per-step decay [N, Hv]
         parts = list(zip(batch.split(mixed), batch.split(g), batch.split(beta), states, strict=True))
         outs: list[torch.Tensor | None] = [None] * len(parts)
         # Sequences bringing one token (decode) step together, each longer one on its own; a token's values
@@ -391,18 +399,48 @@ class GatedDeltaNet(nn.Module):
         # ssm_out(ssm_norm(o) * z) per value head, and the residual, in one graph
         return project(o, self.ssm_out, norm=self.ssm_norm, gate=z, residual=x)[0]
 
+    def _rule(self) -> kernels.DeltaRule:
+        c = self.cfg
+        return kernels.DeltaRule(self.ssm_conv1d.weight, c.n_k_heads, not c.v_heads_tiled, L2_EPS)
+
+    def _whole(
+        self, x: torch.Tensor, norm: RMSNorm, batch: Batch, states: list[DeltaNetState]
+    ) -> torch.Tensor | None:
+        """The layer as one ggml graph (kernels.delta_net_layer: the ops of the path below, so the same
+        bits) when every matrix is on ggml, the file has separate q/k/v/z and beta/alpha matrices, and no
+        sequence is long enough for the chunked form; else None."""
+        c = self.cfg
+        if c.fused_qkvz or c.fused_ba or max(batch.lengths) > RECURRENT_MAX:
+            return None
+        linears, post = self._inputs()
+        inputs = ggml_form(linears, post)
+        out = ggml_form([self.ssm_out], [None])
+        if inputs is None or out is None:
+            return None
+        y, convs, ssms = kernels.delta_net_layer(
+            x,
+            batch.lengths,
+            *inputs,
+            kernels.Norm(norm.weight, norm.eps),
+            [st.conv for st in states],  # type: ignore[misc]
+            [st.ssm for st in states],  # type: ignore[misc]
+            self._rule(),
+            kernels.Norm(self.ssm_norm.weight, self.ssm_norm.eps),
+            out[0][0],
+        )
+        for st, conv, ssm in zip(states, convs, ssms, strict=True):
+            st.conv, st.ssm = conv, ssm
+        return y
+
     def _steps(
         self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, states: list[DeltaNetState]
     ) -> list[torch.Tensor]:
         """T new tokens of each of B sequences: mixed [B, T, C], g, beta [B, T, Hv] -> o: B x [T, Hv, Dv]
         (conv, SiLU, L2 norms and the delta rule in one ggml graph); the states advanced (each new state is
         that sequence's own tensor, never a copy of a batch's)."""
-        c = self.cfg
         convs = [st.conv for st in states if st.conv is not None]
         ssms = [st.ssm for st in states if st.ssm is not None]
-        o, convs, ssms = kernels.delta_net_step(
-            mixed, convs, self.ssm_conv1d.weight, g, beta, ssms, c.n_k_heads, not c.v_heads_tiled, L2_EPS
-        )
+        o, convs, ssms = kernels.delta_net_step(mixed, convs, g, beta, ssms, self._rule())
         for st, conv, ssm in zip(states, convs, ssms, strict=True):
             st.conv, st.ssm = conv, ssm
         return o

@@ -118,21 +118,11 @@ def project(
     One ggml graph when every matrix is on ggml (a decode step's pieces are small, and each graph and each
     torch op around it has a fixed cost), else torch op by op (a GPU)."""
     posts = list(post) if post is not None else [None] * len(linears)
-    mats = [lin.matrix for lin in linears]
-    if all(isinstance(m, GGMLMatrix) for m in mats):
-        # a bias is the first step after its product
-        posts = [
-            (("add", lin.bias), *(p or ())) if lin.bias is not None else p
-            for lin, p in zip(linears, posts, strict=True)
-        ]
+    on_ggml = ggml_form(linears, posts)
+    if on_ggml is not None:
+        weights, steps = on_ggml
         return kernels.linear(
-            [m.weight for m in mats],  # type: ignore[union-attr]
-            x,
-            posts,
-            norm=kernels.Norm(norm.weight, norm.eps) if norm is not None else None,
-            gate=gate,
-            residual=residual,
-            normed=normed,
+            weights, x, steps, norm=ggml_norm(norm), gate=gate, residual=residual, normed=normed
         )
     xn = x if norm is None else norm(x.view(*x.shape[:-1], -1, norm.weight.numel())).view(x.shape)
     if gate is not None:
@@ -141,6 +131,25 @@ def project(
     if residual is not None:
         outs[0] = outs[0] + residual
     return [xn, *outs] if normed else outs
+
+
+def ggml_form(
+    linears: Sequence[Linear], posts: Sequence[kernels.Post | None]
+) -> tuple[list[kernels.Weight], list[kernels.Post | None]] | None:
+    """The matrices and steps ggml multiplies these Linears as (a bias is the first step after its
+    product), or None when one of them is not on ggml (a GPU)."""
+    mats = [lin.matrix for lin in linears]
+    if not all(isinstance(m, GGMLMatrix) for m in mats):
+        return None
+    steps = [
+        (("add", lin.bias), *(p or ())) if lin.bias is not None else p
+        for lin, p in zip(linears, posts, strict=True)
+    ]
+    return [m.weight for m in mats], steps  # type: ignore[union-attr]
+
+
+def ggml_norm(norm: RMSNorm | None) -> kernels.Norm | None:
+    return kernels.Norm(norm.weight, norm.eps) if norm is not None else None
 
 
 @dataclass(frozen=True)
