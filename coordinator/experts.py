@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import torch
 
-from swarm.node.kernels import NATIVE, Numerics
+from swarm.node.kernels import NATIVE, ExpertStack, Numerics
 from swarm.node.store import ExpertStore
 from swarm.sharding.errors import UserError
 
@@ -90,6 +90,13 @@ class LocalExperts:
         self.store = store
         self.wire_dtype = wire_dtype
         self.numerics = numerics
+
+    def stack(self, layer: int, ids: torch.Tensor) -> ExpertStack | None:
+        """The layer's experts as one stack a graph multiplies where they lie (ids checked held), when this
+        backend computes them so (native numerics, float32 wire, stacked in the file); else None."""
+        if self.numerics != NATIVE or self.wire_dtype != torch.float32:
+            return None
+        return self.store.held_stack(layer, ids)
 
     def start(self, layer: int, x: torch.Tensor, ids: torch.Tensor) -> PendingExperts:
         if self.numerics == NATIVE and self.wire_dtype == torch.float32:

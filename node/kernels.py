@@ -728,6 +728,119 @@ class ExpertStack:
     gate_up: Weight | None = None
 
 
+def _moe_scratch(n: int, slots: int, d: int, f: int) -> int:
+    return 4 * n * slots * (4 * f + d) + 4096
+
+
+def _moe_ops(gr: Graph, stack: ExpertStack, xt: object, it: object) -> object:
+    """Expert ids it [S, N] (int32) of rows xt [D, 1, N] -> their FFNs' outputs [D, S, N]."""
+    g, ctx = gr.g, gr.ctx
+    if stack.gate_up is not None:
+        h = g.ggml_swiglu(ctx, g.ggml_mul_mat_id(ctx, gr.weight(stack.gate_up), xt, it))
+    else:
+        assert stack.gate is not None and stack.up is not None
+        gate = g.ggml_mul_mat_id(ctx, gr.weight(stack.gate), xt, it)  # [F, S, N]
+        up = g.ggml_mul_mat_id(ctx, gr.weight(stack.up), xt, it)
+        h = g.ggml_swiglu_split(ctx, gate, up)
+    return g.ggml_mul_mat_id(ctx, gr.weight(stack.down), h, it)  # [D, S, N]
+
+
+def _combine_scratch(t: int, k: int, d: int) -> int:
+    """_combine_ops' tensors: the weighted outputs [D, K, T] and each sum [D, T] along the way."""
+    return 4 * t * d * (2 * k + 4) + 4096
+
+
+def _combine_ops(gr: Graph, out: object, wt: object, shared: object | None, ht: object) -> object:
+    """h + (sum over slots of w_k * out_k, in slot order) (+ shared): out [D, K, T], wt [1, K, T], shared
+    and ht [D, T] -> [D, T]. The slots are added one after the other, as llama.cpp's build_moe_ffn does."""
+    g, ctx = gr.g, gr.ctx
+    d, k, t = (int(out.contents.ne[i]) for i in range(3))
+    weighted = g.ggml_mul(ctx, out, wt)  # [D, K, T]
+    nb1, nb2 = int(weighted.contents.nb[1]), int(weighted.contents.nb[2])
+    acc = g.ggml_view_2d(ctx, weighted, d, t, nb2, 0)
+    for slot in range(1, k):
+        acc = g.ggml_add(ctx, acc, g.ggml_view_2d(ctx, weighted, d, t, nb2, slot * nb1))
+    if k == 1:
+        acc = g.ggml_cont(ctx, acc)
+    if shared is not None:
+        acc = g.ggml_add(ctx, acc, shared)
+    return g.ggml_add(ctx, ht, acc)
+
+
+def moe_combine(
+    h: torch.Tensor, out: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None
+) -> torch.Tensor:
+    """A MoE layer's output from its parts: h [T, D] + sum_k weights[:, k] * out[:, k] + shared [T, D], for
+    the experts' outputs out [T, K, D] however they were computed (a node's, in process); moe_layer computes
+    the same ops in its graph."""
+    t, k, d = (int(v) for v in out.shape)
+    ins = [_f32_rows(h), _f32_rows(out), _f32_rows(weights)] + (
+        [_f32_rows(shared)] if shared is not None else []
+    )
+    y = torch.empty(t, d)
+
+    def build(keep: bool) -> Graph:
+        gr = Graph(_combine_scratch(t, k, d), 2 * k + 12, keep)
+        ht, ot, wt = gr.input(d, t), gr.input(d, k, t), gr.input(1, k, t)
+        st = gr.input(d, t) if shared is not None else None
+        gr.output(_combine_ops(gr, ot, wt, st, ht))
+        return gr
+
+    key = ("combine", t, k, d, shared is not None) if t <= KEEP_ROWS else None
+    _run(key, build, ins, [y])
+    return y
+
+
+def moe_layer(
+    h: torch.Tensor,
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    stack: ExpertStack,
+    shared: FFN | None,
+    shared_gate: torch.Tensor | None,
+) -> torch.Tensor:
+    """A whole MoE layer in process, in one graph: h [T, D] + sum_k weights[:, k] * expert_k(x) +
+    shared_gate * shared(x), for the normed rows x [T, D], the routed experts ids [T, K] of `stack` and
+    their weights [T, K], shared_gate [T, 1]. The ops of moe_rows, ffn and moe_combine on the same values:
+    the same bits as computing the experts apart (here or on nodes) and combining them with moe_combine."""
+    t, d = int(x.shape[0]), int(x.shape[1])
+    k = int(ids.shape[1])
+    f = stack.down.cols
+    ins = [_f32_rows(x), ids.to(torch.int32).contiguous(), _f32_rows(weights), _f32_rows(h)]
+    if shared_gate is not None:
+        ins.append(_f32_rows(shared_gate))
+    y = torch.empty(t, d)
+
+    def build(keep: bool) -> Graph:
+        g = ggml_lib()
+        scratch = _moe_scratch(t, k, d, f) + _combine_scratch(t, k, d)
+        if shared is not None:
+            scratch += 4 * t * (3 * shared.width) + 4 * t * d + 256
+        gr = Graph(scratch, 2 * k + 40, keep)
+        xt = gr.input(d, t)
+        it = gr.input(k, t, qtype=g.GGML_TYPE_I32)
+        wt = gr.input(1, k, t)
+        ht = gr.input(d, t)
+        gt = gr.input(1, t) if shared_gate is not None else None
+        out = _moe_ops(gr, stack, g.ggml_reshape_3d(gr.ctx, xt, d, 1, t), it)
+        st = None
+        if shared is not None:
+            st = shared.add_to(gr, xt)
+            if gt is not None:
+                st = g.ggml_mul(gr.ctx, st, gt)
+        gr.output(_combine_ops(gr, out, wt, st, ht))
+        return gr
+
+    key = None
+    if t <= KEEP_ROWS:
+        ws = (stack.down, stack.gate, stack.up, stack.gate_up)
+        key = ("moe-layer", t, k, *(w.ptr if w is not None else 0 for w in ws),
+               shared.shape if shared is not None else None, shared_gate is not None)  # fmt: skip
+    _run(key, build, ins, [y], shared.matrices if shared is not None else ())
+    return y
+
+
 def moe_rows(stack: ExpertStack, ids: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> None:
     """out[i, s] = expert ids[i, s]'s FFN of x[i] for rows x [N, D], ids [N, S] -> out [N, S, D]: one
     mul_mat_id per matrix for every expert at once (fewer, larger ops than one graph node per expert: the
@@ -742,18 +855,10 @@ def moe_rows(stack: ExpertStack, ids: torch.Tensor, x: torch.Tensor, out: torch.
     f = stack.down.cols
 
     def build(keep: bool) -> Graph:
-        g = ggml_lib()
-        gr = Graph(4 * n * slots * (4 * f + d) + 4096, 12, keep)
+        gr = Graph(_moe_scratch(n, slots, d, f), 12, keep)
         xt = gr.input(d, 1, n)  # [D, 1, N]: every slot of a row reads the row
-        it = gr.input(slots, n, qtype=g.GGML_TYPE_I32)
-        if stack.gate_up is not None:
-            h = g.ggml_swiglu(gr.ctx, g.ggml_mul_mat_id(gr.ctx, gr.weight(stack.gate_up), xt, it))
-        else:
-            assert stack.gate is not None and stack.up is not None
-            gate = g.ggml_mul_mat_id(gr.ctx, gr.weight(stack.gate), xt, it)  # [F, S, N]
-            up = g.ggml_mul_mat_id(gr.ctx, gr.weight(stack.up), xt, it)
-            h = g.ggml_swiglu_split(gr.ctx, gate, up)
-        gr.output(g.ggml_mul_mat_id(gr.ctx, gr.weight(stack.down), h, it))  # [D, S, N]
+        it = gr.input(slots, n, qtype=gr.g.GGML_TYPE_I32)
+        gr.output(_moe_ops(gr, stack, xt, it))
         return gr
 
     # the graph depends on the stack and the shape only (the experts are an input): a decode step's call

@@ -424,14 +424,21 @@ class ExpertStore:
         kernels.ffn_rows(blocks, x, out)
         return out
 
+    def held_stack(self, layer: int, ids: torch.Tensor) -> kernels.ExpertStack | None:
+        """This layer's experts as one stack (None when they do not lie stacked), after checking that every
+        expert of ids is held here."""
+        stack = self.stack(layer)
+        if stack is not None:
+            self._check_held(layer, ids.reshape(-1).tolist())
+        return stack
+
     def compute_slots(self, layer: int, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
         """Native numerics, in process: every token's K experts, x [T, D], ids [T, K] -> [T, K, D], with no
         packing when this layer's experts lie stacked (else None: use `compute`). The same bits as `compute`
         of the same pairs, on a node or here."""
-        stack = self.stack(layer)
-        if stack is None or x.device.type != "cpu":
+        stack = self.held_stack(layer, ids) if x.device.type == "cpu" else None
+        if stack is None:
             return None
-        self._check_held(layer, ids.reshape(-1).tolist())
         x = x.to(torch.float32).contiguous()
         out = torch.empty(x.shape[0], ids.shape[1], x.shape[1], dtype=torch.float32)
         kernels.moe_rows(stack, ids, x, out)

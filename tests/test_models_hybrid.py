@@ -26,7 +26,7 @@ from swarm.coordinator.models.deltanet import (
     gated_delta_chunked,
     gated_delta_recurrent,
 )
-from swarm.coordinator.models.layers import DecoderModel, PackedEmbedding
+from swarm.coordinator.models.layers import DecoderModel, MoE, PackedEmbedding
 from swarm.node.store import ExpertStore
 from swarm.sharding.gguf_io import GGUFError, open_gguf, read_metadata, tensor_to_numpy
 from swarm.sharding.shard import shard_model
@@ -151,10 +151,12 @@ def test_batched_sequences_equal_each_alone(f32_model: tuple[DecoderModel, Any])
     torch.testing.assert_close(mixed[1:], alone_b, rtol=0, atol=ATOL_SELF)
 
 
-def test_the_one_graph_delta_net_layer_gives_the_op_by_op_bits(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A DeltaNet layer runs as one ggml graph where it can (kernels.delta_net_layer) and op by op in
-    three graphs and torch otherwise; on a quantized file in the native numerics, a prompt, decode steps
-    and a call mixing a prompt with a decode step give the same bits either way."""
+def test_one_graph_layers_give_the_op_by_op_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A DeltaNet layer runs as one ggml graph where it can (kernels.delta_net_layer), and so does an
+    in-process MoE layer (kernels.moe_layer: experts, shared expert, sum); otherwise they go op by op (the
+    experts apart, as a node computes them, then kernels.moe_combine). On a quantized file in the native
+    numerics, a prompt, decode steps and a call mixing a prompt with a decode step give the same bits
+    either way."""
     model = load(FIXTURES / "qwen35moe-quant" / "model-q4_k_m.gguf")
     ref = np.load(FIXTURES / "qwen35moe-quant" / "reference.npz")
     a, b = tokens(ref, 0), tokens(ref, 1)
@@ -167,17 +169,19 @@ def test_the_one_graph_delta_net_layer_gives_the_op_by_op_bits(monkeypatch: pyte
         return out
 
     ran: list[bool] = []
-    whole = GatedDeltaNet._whole
+    for cls in (GatedDeltaNet, MoE):
+        whole = cls._whole
 
-    def counted(*args: Any) -> torch.Tensor | None:
-        y = whole(*args)
-        ran.append(y is not None)
-        return y
+        def counted(*args: Any, whole: Any = whole) -> torch.Tensor | None:
+            y = whole(*args)
+            ran.append(y is not None)
+            return y
 
-    monkeypatch.setattr(GatedDeltaNet, "_whole", counted)
+        monkeypatch.setattr(cls, "_whole", counted)
     fused = run()
-    assert ran and all(ran)  # every DeltaNet layer of every call took the one graph
-    monkeypatch.setattr(GatedDeltaNet, "_whole", lambda *args: None)
+    assert len(ran) == 4 * 7 and all(ran)  # every DeltaNet and MoE layer of every call took one graph
+    for cls in (GatedDeltaNet, MoE):
+        monkeypatch.setattr(cls, "_whole", lambda *args: None)
     for got, want in zip(fused, run(), strict=True):
         assert torch.equal(got, want)
 

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType, Keys
 from torch import nn
 
-from swarm.coordinator.experts import ExpertBackend
+from swarm.coordinator.experts import ExpertBackend, LocalExperts
 from swarm.node import kernels
 from swarm.node.dequant import dequantize
 from swarm.sharding.gguf_io import GGUFError
@@ -205,11 +205,13 @@ class MoE(nn.Module):
         x, probs, *shared_gate = project(
             h, *gates, post=[("soft_max",), ("sigmoid",)][: len(gates)], norm=norm, normed=True
         )
+        gate_value = shared_gate[0] if shared_gate else None
         weights, ids = route(probs, self.cfg.n_expert_used, self.cfg.renormalize)
+        whole = self._whole(h, x, weights, ids, gate_value)
+        if whole is not None:
+            return whole
         pending = self.experts.start(self.layer, x, ids)
-        shared = self._shared(
-            x, shared_gate[0] if shared_gate else None
-        )  # overlaps with the experts in flight
+        shared = self._shared(x, gate_value)  # overlaps with the experts in flight
         out = pending.wait()  # [T, K, D]
         dropped = getattr(pending, "dropped", None)  # [T, K] bool: degraded mode left these pairs out
         if dropped is not None:
@@ -217,19 +219,49 @@ class MoE(nn.Module):
             weights = kept * (
                 weights.sum(-1, keepdim=True) / kept.sum(-1, keepdim=True).clamp_min(RENORM_MIN)
             )
-        # Sum over K in slot order: the result does not depend on which holder answered first.
+        # Summed over K in slot order: the result does not depend on which holder answered first.
+        if h.device.type == "cpu":
+            return kernels.moe_combine(h, out, weights, shared)  # the ops of _whole's graph
         routed = (out * weights.unsqueeze(-1)).sum(dim=1)
         return h + (routed if shared is None else routed + shared)
+
+    def _whole(
+        self,
+        h: torch.Tensor,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        gate_value: torch.Tensor | None,
+    ) -> torch.Tensor | None:
+        """The experts, the shared expert and the sum in one graph (kernels.moe_layer: the ops of the path
+        below, the same bits) when the experts are this process's own, stacked where they lie in the
+        file, and every shared matrix is on ggml; else None."""
+        if not isinstance(self.experts, LocalExperts) or h.device.type != "cpu":
+            return None
+        stack = self.experts.stack(self.layer, ids)
+        shared = self._shared_ffn()
+        if stack is None or (self.ffn_gate_shexp is not None and shared is None):
+            return None
+        return kernels.moe_layer(h, x, ids, weights, stack, shared, gate_value)
+
+    def _shared_ffn(self) -> kernels.FFN | None:
+        """The shared expert as ggml multiplies it; None without one or off ggml."""
+        gate, up, down = self.ffn_gate_shexp, self.ffn_up_shexp, self.ffn_down_shexp
+        if gate is None or up is None or down is None:
+            return None
+        mats = (gate.matrix, up.matrix, down.matrix)
+        if not all(isinstance(m, GGMLMatrix) for m in mats):
+            return None
+        g, u, d = (m.weight for m in mats)  # type: ignore[union-attr]
+        return kernels.FFN(down=d, gate=g, up=u)
 
     def _shared(self, x: torch.Tensor, gate_value: torch.Tensor | None) -> torch.Tensor | None:
         gate, up, down = self.ffn_gate_shexp, self.ffn_up_shexp, self.ffn_down_shexp
         if gate is None or up is None or down is None:
             return None
-        mats = (gate.matrix, up.matrix, down.matrix)
-        if all(isinstance(m, GGMLMatrix) for m in mats):
-            # the same SwiGLU graph as a routed expert on a node
-            g, u, d = (m.weight for m in mats)  # type: ignore[union-attr]
-            y = kernels.ffn(kernels.FFN(down=d, gate=g, up=u), x)
+        on_ggml = self._shared_ffn()
+        if on_ggml is not None:
+            y = kernels.ffn(on_ggml, x)  # the same SwiGLU graph as a routed expert on a node
         else:
             y = down(F.silu(gate(x)) * up(x))
         if gate_value is not None:
