@@ -972,9 +972,8 @@ def _delta_rule_ops(
         q = l2_norm(heads(hk, 0))
         k = l2_norm(heads(hk, hk * s))
         v = heads(hv, 2 * hk * s)
-        if (
-            rule.grouped and hv != hk
-        ):  # value head h <- key head h // r: repeat each key head r times in place
+        if rule.grouped and hv != hk:
+            # value head h <- key head h // r: repeat each key head r times in place
             r = hv // hk
             shape = gr.placed(_F32, s, r, hk, t)  # only its shape is read
             q, k = (

@@ -287,9 +287,11 @@ class GatedDeltaNet(nn.Module):
     """Gated DeltaNet: causal depthwise conv over [q; k; v] -> SiLU -> L2-normed q, k -> delta rule
     with per-head decay exp(g) and rate beta -> RMSNorm(o; ssm_norm) * silu(z) -> ssm_out.
 
-    Conv, SiLU, L2 norms and the delta rule run as one ggml graph (llama.cpp's ops; each head's state is
-    updated in cache, one read and one write per call); a long prefill (more than RECURRENT_MAX tokens)
-    runs the chunked form in torch. The sequences of a call that bring one token (decode) step as one batch.
+    On ggml the whole layer is one graph (`_whole`: projections, conv, SiLU, L2 norms, the delta rule with
+    each head's state updated in cache, the gated norm, ssm_out, the residual), whatever the mix of
+    sequence lengths in the call; files with fused ssm_in / ssm_ba matrices (qwen3next) go op by op: the
+    projections' graph, the rule's graph (the sequences of a call that bring one token step together),
+    ssm_out's graph. A long prefill (more than RECURRENT_MAX tokens) runs the chunked form in torch.
     """
 
     GGUF_TRANSPARENT: ClassVar[bool] = True  # tensors are blk.N.attn_qkv, blk.N.ssm_*
