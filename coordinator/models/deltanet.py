@@ -423,11 +423,11 @@ class GatedDeltaNet(nn.Module):
             x,
             batch.lengths,
             *inputs,
-            kernels.Norm(norm.weight, norm.eps),
+            norm.on_ggml(),
             [st.conv for st in states],  # type: ignore[misc]
             [st.ssm for st in states],  # type: ignore[misc]
             self._rule(),
-            kernels.Norm(self.ssm_norm.weight, self.ssm_norm.eps),
+            self.ssm_norm.on_ggml(),
             out[0][0],
         )
         for st, conv, ssm in zip(states, convs, ssms, strict=True):

@@ -47,6 +47,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
 
+    def on_ggml(self) -> kernels.Norm:
+        """This norm as a ggml graph applies it."""
+        return kernels.Norm(self.weight, self.eps)
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
@@ -122,7 +126,13 @@ def project(
     if on_ggml is not None:
         weights, steps = on_ggml
         return kernels.linear(
-            weights, x, steps, norm=ggml_norm(norm), gate=gate, residual=residual, normed=normed
+            weights,
+            x,
+            steps,
+            norm=norm.on_ggml() if norm is not None else None,
+            gate=gate,
+            residual=residual,
+            normed=normed,
         )
     xn = x if norm is None else norm(x.view(*x.shape[:-1], -1, norm.weight.numel())).view(x.shape)
     if gate is not None:
@@ -146,10 +156,6 @@ def ggml_form(
         for lin, p in zip(linears, posts, strict=True)
     ]
     return [m.weight for m in mats], steps  # type: ignore[union-attr]
-
-
-def ggml_norm(norm: RMSNorm | None) -> kernels.Norm | None:
-    return kernels.Norm(norm.weight, norm.eps) if norm is not None else None
 
 
 @dataclass(frozen=True)
@@ -259,11 +265,8 @@ class MoE(nn.Module):
         gate, up, down = self.ffn_gate_shexp, self.ffn_up_shexp, self.ffn_down_shexp
         if gate is None or up is None or down is None:
             return None
-        on_ggml = self._shared_ffn()
-        if on_ggml is not None:
-            y = kernels.ffn(on_ggml, x)  # the same SwiGLU graph as a routed expert on a node
-        else:
-            y = down(F.silu(gate(x)) * up(x))
+        on_ggml = self._shared_ffn()  # the same SwiGLU graph as a routed expert on a node
+        y = kernels.ffn(on_ggml, x) if on_ggml is not None else down(F.silu(gate(x)) * up(x))
         if gate_value is not None:
             y = y * gate_value
         return y
