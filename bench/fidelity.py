@@ -3,9 +3,9 @@
     .venv/bin/python bench/fidelity.py [--no-write]
 
 For each GGUF: our prompt logits at every position, our decode logits with llama.cpp's greedy tokens fed
-back, and our own 16 greedy tokens, against llama.cpp's defaults (repacked/tiled/tinyBLAS GEMMs for
-prompts) and against its plain per-row kernels (the ones a swarm runs), as tests/test_native.py computes
-them. Also the exact numerics' distance to llama.cpp, to show what the native numerics buys. Figures go
+back, and our own 16 greedy tokens, against llama.cpp's defaults (tiled/tinyBLAS/repacked GEMMs for
+prompts) and against llama.cpp fed one token per call (its per-row kernels, the ones whose rows never depend
+on their batch), as tests/test_native.py computes them. Also the exact numerics' distance to llama.cpp, to show what the native numerics buys. Figures go
 to the `bench:fidelity` section of docs/BENCHMARKS.md.
 """
 
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT / "tests"))
 from _doc import publish  # noqa: E402
-from test_native import PLAIN, VARIANTS, agreement, llama_self_distance, load_native  # noqa: E402
+from test_native import N_PROMPTS, PER_ROW, VARIANTS, agreement, kl_rows, load_native  # noqa: E402
 
 from swarm.coordinator.experts import LocalExperts  # noqa: E402
 from swarm.coordinator.loader import load_model  # noqa: E402
@@ -36,15 +36,30 @@ def types_of(gguf: Path) -> str:
     return "/".join(names)
 
 
+def llama_self_distance(
+    default: tuple[Path, Path, str], per_row: tuple[Path, Path, str]
+) -> tuple[float, float]:
+    """How far llama.cpp fed one token per call sits from its defaults on one GGUF (both llama.cpp's logits,
+    nothing of ours): (mean prompt KL(default || per-row), top-1 agreement)."""
+    ref, other = np.load(default[1]), np.load(per_row[1])
+    a, b = (
+        [r[f"{pre}_logits_{i}"] for i in range(N_PROMPTS)]
+        for r, pre in ((ref, default[2]), (other, per_row[2]))
+    )
+    kl = np.concatenate([kl_rows(x, y) for x, y in zip(a, b, strict=True)])
+    same = np.concatenate([x.argmax(-1) == y.argmax(-1) for x, y in zip(a, b, strict=True)])
+    return float(kl.mean()), float(same.mean())
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--no-write", action="store_true")
     args = p.parse_args(argv)
     rows = []
-    names = sorted(set(VARIANTS) | {n.removeprefix("fixture-") for n in PLAIN})
+    names = sorted(set(VARIANTS) | {n.removeprefix("fixture-") for n in PER_ROW})
     for name in names:
         default = VARIANTS.get(name)
-        plain = PLAIN.get(name) or PLAIN.get("fixture-" + name)
+        plain = PER_ROW.get(name) or PER_ROW.get("fixture-" + name)
         gguf = (default or plain)[0]  # type: ignore[index]
         model = load_native(gguf)
         d = agreement(model, np.load(default[1]), default[2]) if default else None
@@ -68,17 +83,17 @@ def main(argv: list[str] | None = None) -> int:
         "KL = mean over rows of KL(p_llama.cpp || p_ours), float64. Prompt: every position of the 4 fixture "
         "prompts (105 rows). Decode: llama.cpp's 16 greedy tokens of each prompt fed back one at a time (64 "
         "rows). Greedy: how many of llama.cpp's 16 greedy tokens per prompt ours reproduce before the first "
-        "difference (of 64). `default`: llama.cpp as users run it (repacked Q4_0/Q4_K/IQ4_NL, tiled K-quant "
-        "and tinyBLAS GEMMs for prompts); the fixture rows use the fixtures' own references (an AVX-512 "
-        "machine), the others ours (tests/fixtures/llama-refs, this AVX2 machine). `plain`: llama.cpp with "
-        "those off, the per-row kernels a swarm runs. `exact`: our --exact numerics against `default`, for "
-        "scale. `llama.cpp plain vs default`: llama.cpp's two kernel choices against each other (both its logits, "
-        "nothing of ours): no engine whose rows do not depend on their batch can sit closer to `default` than "
-        "that. The issue's bound is prompt KL <= 1e-4 with top-1 >= 0.99.",
+        "difference (of 64). `default`: llama.cpp as users run it (repacked Q4_0/Q4_K/IQ4_NL weights, tiled "
+        "K-quant, tinyBLAS and repacked GEMMs for prompts); the fixture rows use the fixtures' own references "
+        "(an AVX-512 machine), the others ours (tests/fixtures/llama-refs, an AVX2 build). `per-row`: llama.cpp "
+        "fed one token per call, so every matmul has one row (its per-row kernels, repacked GEMVs included: "
+        "what an engine whose rows never depend on their batch computes; AVX2 build). `exact`: our --exact "
+        "numerics against `default`, for scale. `llama.cpp per-row vs default`: llama.cpp against itself (both "
+        "its logits, nothing of ours). The issue's bound is prompt KL <= 1e-4 with top-1 >= 0.99.",
         "",
         "| GGUF | matrix types | prompt KL default | top-1 | decode KL default | greedy default | "
-        "prompt KL plain | top-1 | decode KL plain | greedy plain | prompt KL exact | "
-        "llama.cpp plain vs default: prompt KL | top-1 |",
+        "prompt KL per-row | top-1 | decode KL per-row | greedy per-row | prompt KL exact | "
+        "llama.cpp per-row vs default: prompt KL | top-1 |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, types, d, pl, ex, own in rows:

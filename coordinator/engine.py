@@ -117,7 +117,10 @@ def open_engine(
         if loaded.problems:
             raise UserError(f"{path}: some expert slabs cannot be used: " + "; ".join(loaded.problems[:5]))
         budget = default_memory_budget() if memory_budget is None else memory_budget
-        experts = LocalExperts(ExpertStore(loaded.slabs, dev, budget), wire_dtype, numerics)
+        store = ExpertStore(loaded.slabs, dev, budget)
+        if numerics == NATIVE:
+            store.prepare()  # repacked copies now, as llama.cpp's load makes them, not in the first prompt
+        experts = LocalExperts(store, wire_dtype, numerics)
         fingerprint = loaded.fingerprint
     else:
         identity, needed = model_identity(path)

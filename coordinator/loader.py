@@ -221,8 +221,11 @@ def load_dense_tensors(
         bar.update(int(t.n_bytes))
     bar.close()
     # the matrices' pages are mapped in while start-up goes on (the token table is read a row at a time)
+    # (a repacked matrix was read already, into its own memory)
     pages.populate(
-        np.asarray(lin.matrix.weight.keep) for lin in linears.values() if isinstance(lin.matrix, GGMLMatrix)
+        np.asarray(lin.matrix.weight.keep)
+        for lin in linears.values()
+        if isinstance(lin.matrix, GGMLMatrix) and lin.matrix.weight.repack is None
     )
     log.debug("%s: loaded %d tensors, left %d to the experts/MTP", path, len(names), skipped)
 

@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import re
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from swarm.sharding.errors import UserError
 from swarm.sharding.ranges import format_slabs, parse_ranges, parse_size
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from swarm.node.fetch_cli import NodeFetch
@@ -162,8 +166,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="budget for the float32 working copies that exact-numerics calls (swarm run --exact) and slab "
         "types without a ggml kernel need, e.g. 4GiB, 0 for unlimited (default: half the RAM). Native calls "
-        "(the default) keep no copies: they multiply the memory-mapped slabs, whose pages the OS keeps "
-        "resident while they are used and can drop under pressure",
+        "(the default) keep no float32 copies: they multiply the memory-mapped slabs, whose pages the OS keeps "
+        "resident while they are used and can drop under pressure, or, for the types ggml has repacked "
+        "kernels for on this CPU (Q4_0, Q4_K, IQ4_NL on x86), a repacked copy made at start-up that takes "
+        "the slab pages' place: those stay resident, about the slabs' own size",
     )
     p.add_argument(
         "--device",
@@ -353,9 +359,13 @@ def _store(loaded: Any, device: str, memory: int, source: str) -> Any:
     from swarm.node.store import ExpertStore
 
     try:
-        return ExpertStore(loaded.slabs, device=device, memory_budget=memory)
+        store = ExpertStore(loaded.slabs, device=device, memory_budget=memory)
     except ValueError as e:
         raise UserError(f"{source}: {e}") from e
+    t0 = time.perf_counter()
+    store.prepare()  # the repacked copies, before the node is announced: no slow first calls
+    log.info("experts ready for ggml's kernels in %.1f s", time.perf_counter() - t0)
+    return store
 
 
 def _shard_files(args: argparse.Namespace, store: Any) -> Any:

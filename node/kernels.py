@@ -68,12 +68,25 @@ def ggml_lib():  # noqa: ANN201 - the ggml-python module
                 import ggml
 
                 ggml.ggml_cpu_init()
+                _callbacks.append(ggml.ggml_log_callback(_ggml_log))  # kept alive while ggml may call it
+                ggml.ggml_log_set(_callbacks[-1], None)
                 if ggml.ggml_cpu_has_avx512():
                     log.warning(AVX512_WARNING)
                 elif ggml.ggml_cpu_has_avx2() and not ggml.ggml_cpu_has_llamafile():
                     log.warning(NO_TINYBLAS_WARNING)
                 _ggml = ggml
     return _ggml
+
+
+def _ggml_log(level: int, text: bytes | None, _user: object) -> None:
+    """ggml's own messages (a tensor repacked, a buffer allocated) into this module's log: debug-level news
+    stays out of a user's terminal, warnings and errors do not."""
+    msg = (text or b"").decode(errors="replace").rstrip()
+    if msg:
+        log.log(logging.WARNING if level >= 3 else logging.DEBUG, "ggml: %s", msg)  # 3: GGML_LOG_LEVEL_WARN
+
+
+_callbacks: list[object] = []
 
 
 # ggml built for an AVX-512 CPU takes AVX-512 code paths in some quantized dot products whose float sums round
@@ -208,11 +221,19 @@ class Weight:
     nbytes: int
     keep: object
     experts: int = 1  # > 1: a stack of that many [O, I] matrices, one after the other (a GGUF *_exps tensor)
+    repack: Repacked | None = None  # set: the bytes at ptr are ggml's repacked layout, not the file's
 
     def stacked(self, experts: int, first: int) -> Weight:
-        """The stack this matrix is expert `first` of, `experts` matrices in all, back to back in memory."""
-        return Weight(self.qtype, self.rows, self.cols, self.ptr - first * self.nbytes, experts * self.nbytes,
-                      self.keep, experts)  # fmt: skip
+        """The stack whose expert `first` this matrix (or the first of this stack) is, `experts` matrices in
+        all, back to back in memory."""
+        one = self.nbytes // self.experts
+        return Weight(self.qtype, self.rows, self.cols, self.ptr - first * one, experts * one, self.keep, experts,
+                      self.repack)  # fmt: skip
+
+    @property
+    def stored(self) -> np.ndarray:
+        """The matrix's bytes in its file layout (for dequantizing it): the file's own, even when repacked."""
+        return self.repack.source if self.repack is not None else np.asarray(self.keep)
 
     @classmethod
     def of_bytes(cls, data: np.ndarray, qtype: int, shape: Sequence[int]) -> Weight:
@@ -237,6 +258,114 @@ class Weight:
         if w.dtype != torch.float32 or w.device.type != "cpu" or not w.is_contiguous() or w.dim() != 2:
             raise ValueError("Weight.of_float takes a contiguous 2-D float32 CPU tensor")
         return cls(_F32, int(w.shape[0]), int(w.shape[1]), w.data_ptr(), w.numel() * 4, w)
+
+
+class Repacked:
+    """A matrix copied into ggml's CPU_REPACK buffer (the interleaved layout llama.cpp loads Q4_0, Q4_K and
+    IQ4_NL weights into on AVX2 CPUs, other types on ARM): its products run ggml's repacked kernels. Holds
+    the buffer (freed with this object) and the file bytes it came from (`source`, for dequantizing)."""
+
+    def __init__(self, ctx: object, buffer: object, tensor: object, source: np.ndarray) -> None:
+        self.g = ggml_lib()
+        self.ctx, self.buffer, self.source = ctx, buffer, source
+        self.ptr = int(tensor.contents.data)
+        self.extra = int(tensor.contents.extra)
+
+    def __del__(self) -> None:
+        g = getattr(self, "g", None)
+        if g is None or getattr(g, "ggml_free", None) is None:  # at interpreter exit ggml may be gone first
+            return
+        if self.buffer:
+            g.ggml_backend_buffer_free(self.buffer)
+            self.buffer = None
+        if self.ctx:
+            g.ggml_free(self.ctx)
+            self.ctx = None
+
+
+_repack_buft: list[object] = []  # [the CPU_REPACK buffer type, or None where ggml has none]
+_repackable: dict[tuple[int, int], bool] = {}
+
+
+def _repack_buffer_type() -> object | None:
+    if not _repack_buft:
+        g = ggml_lib()
+        reg = g.ggml_backend_cpu_reg()
+        fn = g.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_dev_get_extra_bufts")
+        found = None
+        if fn:
+            extra = ctypes.CFUNCTYPE(ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)(fn)(
+                g.ggml_backend_reg_dev_get(reg, 0)
+            )
+            i = 0
+            while extra and extra[i]:
+                if g.ggml_backend_buft_name(extra[i]) == b"CPU_REPACK":
+                    found = extra[i]
+                i += 1
+        _repack_buft.append(found)
+    return _repack_buft[0]
+
+
+def _new_repacked(qtype: int, ne: Sequence[int]) -> tuple[object, object, object] | None:
+    """A tensor of this type and ggml shape in a new CPU_REPACK buffer (ctx, buffer, tensor), or None when
+    ggml has no repacked layout for it on this CPU."""
+    g = ggml_lib()
+    buft = _repack_buffer_type()
+    if buft is None:
+        return None
+    ctx = g.ggml_init(
+        g.ggml_init_params(mem_size=4 * g.ggml_tensor_overhead(), mem_buffer=None, no_alloc=True)
+    )
+    t = g.ggml_new_tensor(ctx, qtype, len(ne), (ctypes.c_int64 * len(ne))(*ne))
+    buffer = g.ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft)
+    if not buffer or not t.contents.extra:  # no layout for this type/shape here: ggml left it unset
+        if buffer:
+            g.ggml_backend_buffer_free(buffer)
+        g.ggml_free(ctx)
+        return None
+    return ctx, buffer, t
+
+
+def repackable(qtype: int, rows: int) -> bool:
+    """Whether matrices of this type with this many rows get a repacked layout on this CPU (cheap, cached)."""
+    key = (int(qtype), int(rows))
+    known = _repackable.get(key)
+    if known is None:
+        block = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)][0] if qtype in _QTYPES else 1
+        made = _new_repacked(int(qtype), (block, int(rows))) if block > 1 else None
+        known = _repackable[key] = made is not None
+        if made is not None:
+            Repacked(*made, np.empty(0, np.uint8))  # freed at once
+    return known
+
+
+def repacked(w: Weight) -> Weight:
+    """w (a matrix or a stack of experts) in ggml's repacked layout, where this CPU has one for its type and
+    shape (llama.cpp's default for them), else w itself. The file's pages under w are released once copied
+    (they come back from the page cache if read again), so the copy replaces them in resident memory.
+
+    A repacked matrix is multiplied one activation row at a time (repacked gemv, Graph.mul_mat) and its
+    experts by mul_mat_id, which takes one row at a time too, so a row's bits never depend on its batch."""
+    if w.repack is not None or w.qtype in _FLOAT_TYPES or not repackable(w.qtype, w.rows):
+        return w
+    ne = (w.cols, w.rows, *([w.experts] if w.experts > 1 else []))
+    made = _new_repacked(w.qtype, ne)
+    if made is None:
+        return w
+    ctx, buffer, t = made
+    g = ggml_lib()
+    g.ggml_backend_tensor_set(t, ctypes.c_void_p(w.ptr), 0, w.nbytes)
+    from swarm.node import pages
+
+    source = np.asarray(w.keep)
+    pages.release(source, w.ptr, w.nbytes)
+    rp = Repacked(ctx, buffer, t, source)
+    return Weight(w.qtype, w.rows, w.cols, rp.ptr, w.nbytes, rp, w.experts, rp)
+
+
+_QTYPES = frozenset(int(t) for t in GGMLQuantizationType)
+_FLOAT_TYPES = frozenset(int(t) for t in (GGMLQuantizationType.F32, GGMLQuantizationType.F16,
+                                          GGMLQuantizationType.BF16))  # fmt: skip
 
 
 class _Buffers(threading.local):
@@ -288,7 +417,7 @@ class Graph:
         self.inputs: list[tuple[object, object, int]] = []
         self.outputs: list[tuple[object, object, int]] = []
         self.views: list[tuple[object, object, int]] = []  # (view, its slot, offset): found by build()
-        self.weight_slots: list[tuple[object, int]] = []  # (tensor struct, bytes)
+        self.weight_slots: list[tuple[object, int, bool]] = []  # (tensor struct, bytes, repacked)
         self.graph: object = None
         self.plan: object = None
         self.plan_threads = 0
@@ -321,11 +450,18 @@ class Graph:
         """A weight of w's type and shape whose matrix is given on each run (`run(weights=...)`), so one
         graph serves every matrix of that shape: a node's call for other experts of the same layer shape."""
         t = self._matrix(w)
-        self.weight_slots.append((t.contents, w.nbytes))
+        self.weight_slots.append((t.contents, w.nbytes, w.repack is not None))
+        self._weights.append(
+            w.keep
+        )  # a repacked slot points at this weight's buffer (its type is all ggml reads)
         return t
 
     def _matrix(self, w: Weight) -> object:
-        return self.placed(w.qtype, w.cols, w.rows, *([w.experts] if w.experts > 1 else []))
+        t = self.placed(w.qtype, w.cols, w.rows, *([w.experts] if w.experts > 1 else []))
+        if w.repack is not None:  # ggml runs the repacked kernels for a weight in a CPU_REPACK buffer
+            t.contents.buffer = ctypes.cast(w.repack.buffer, ctypes.c_void_p)
+            t.contents.extra = w.repack.extra
+        return t
 
     def input(self, *ne: int, qtype: int = _F32) -> object:
         """An input slot of ggml shape `ne` (fastest first: [cols, rows] for a matrix), float32 by default."""
@@ -343,11 +479,13 @@ class Graph:
 
     def mul_mat(self, w: object, x: object) -> object:
         """w [I, O] (ggml order) times the rows of x [I, N] -> [O, N], each element by one kernel whatever N:
-        a weight type whose tinyBLAS sums differ from vec_dot's gets its rows as N batches of one row
-        [I, 1, N] (tinyBLAS only takes matmuls of 2 or more rows per batch; the products are the same bytes)."""
+        a repacked weight (whose GEMM for 4 rows sums in another order than its GEMV for one) or a weight type
+        whose tinyBLAS sums differ from vec_dot's gets its rows as N batches of one row [I, 1, N] (tinyBLAS
+        only takes matmuls of 2 or more rows per batch, the repacked GEMM 4 rows of one batch)."""
         g = self.g
         n = int(x.contents.ne[1])
-        if n > 1 and int(x.contents.ne[2]) == 1 and not _tinyblas_exact(int(w.contents.type)):
+        one_by_one = bool(w.contents.buffer) or not _tinyblas_exact(int(w.contents.type))  # repacked: gemv
+        if n > 1 and int(x.contents.ne[2]) == 1 and one_by_one:
             rows = g.ggml_reshape_3d(self.ctx, x, int(x.contents.ne[0]), 1, n)
             y = g.ggml_mul_mat(self.ctx, w, rows)  # [O, 1, N]
             return g.ggml_reshape_2d(self.ctx, y, int(y.contents.ne[0]), n)
@@ -401,8 +539,8 @@ class Graph:
         matrices in the weight slots (each of its slot's type and shape; the caller keeps them alive)."""
         assert len(inputs) == len(self.inputs) and len(outputs) == len(self.outputs)
         assert len(weights) == len(self.weight_slots)
-        for (t, nbytes), w in zip(self.weight_slots, weights, strict=True):
-            if w.nbytes != nbytes or w.qtype != t.type:
+        for (t, nbytes, packed), w in zip(self.weight_slots, weights, strict=True):
+            if w.nbytes != nbytes or w.qtype != t.type or (w.repack is not None) != packed:
                 raise ValueError(
                     f"a matrix of {w.nbytes} bytes of type {w.qtype} for a slot of {nbytes} / {t.type}"
                 )
@@ -656,7 +794,7 @@ class FFN:
         given on each run), and its biases (constants of the graph)."""
         bs = (self.gate_bias, self.up_bias, self.down_bias)
         return (
-            *((w.qtype, w.rows, w.cols) for w in self.matrices),
+            *((w.qtype, w.rows, w.cols, w.repack is not None) for w in self.matrices),
             *(b.data_ptr() if b is not None else 0 for b in bs),
         )
 
@@ -874,8 +1012,10 @@ def stored_weight(
     """The Weight a matrix is multiplied as: its stored bytes (native, or any float32 tensor), else a float32
     copy dequantized bit-identically to gguf-py (exact, or a type ggml has no kernel for)."""
     qtype = int(qtype)
-    if qtype == _F32 or (numerics == NATIVE and has_kernel(qtype)):
+    if qtype == _F32:
         return Weight.of_bytes(data, qtype, shape)
+    if numerics == NATIVE and has_kernel(qtype):
+        return repacked(Weight.of_bytes(data, qtype, shape))
     if numerics == NATIVE:
         warn_no_kernel(qtype, what)
     from swarm.node.dequant import dequantize

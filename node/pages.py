@@ -85,3 +85,30 @@ def populate(arrays: Iterable[np.ndarray], background: bool = True) -> threading
     t = threading.Thread(target=run, name="swarm-populate", daemon=True)
     t.start()
     return t
+
+
+MADV_DONTNEED = 4
+
+
+def file_mapped(arr: np.ndarray) -> bool:
+    """Whether the array's bytes are a view of a memory-mapped file (np.memmap or mmap.mmap somewhere under it)."""
+    base: object = arr
+    while base is not None:
+        if isinstance(base, np.memmap | mmap.mmap):
+            return True
+        base = getattr(base, "base", None) if isinstance(base, np.ndarray) else getattr(base, "obj", None)
+    return False
+
+
+def release(owner: np.ndarray, ptr: int, nbytes: int) -> None:
+    """Drop this process's mapping of the pages under [ptr, ptr + nbytes) of `owner`, a file-mapped array (a
+    GGUF or slab whose bytes were copied elsewhere, repacked): the resident memory falls by them, and a later
+    read maps them in again from the page cache, so nothing is lost. Pages at the edges go too (they come
+    back on their next use). Not for memory of the process's own (madvise would zero it): an owner that is
+    not file-mapped is left alone, as everything is where madvise is missing."""
+    fn = _madvise()
+    if fn is None or nbytes <= 0 or not file_mapped(owner):
+        return
+    start = ptr // PAGE * PAGE
+    end = -(-(ptr + nbytes) // PAGE) * PAGE
+    fn(start, end - start, MADV_DONTNEED)

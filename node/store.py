@@ -2,7 +2,9 @@
 
 Dimension letters: N rows, D model width, F expert width.
 The quantized slab bytes stay memory-mapped. In the native numerics (the default) ggml multiplies them as
-they are (swarm.node.kernels): nothing else is kept, so what is resident is the slab pages in use. The
+they are (swarm.node.kernels), or, for the types this CPU has ggml's repacked kernels for (Q4_0, Q4_K, IQ4_NL
+on x86), a repacked copy that replaces the slab's pages in memory (`prepare` makes them at start-up): what is
+resident is the slab pages in use and those copies, no float32. The
 exact numerics multiplies float32 working copies, dequantized on first use and kept under a byte budget,
 least recently used first out (a call that needs an evicted expert dequantizes it again); so does a slab
 type that ggml has no kernel for, whatever the call asks. The store is shared by concurrent calls: one
@@ -22,6 +24,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -139,7 +142,7 @@ def native_ffn(parts: dict[str, SlabTensor]) -> FFN | None:
 
     def w(kind: str) -> Weight | None:
         s = parts.get(kind)
-        return Weight.of_bytes(s.data, s.qtype, s.shape) if s is not None else None
+        return kernels.repacked(Weight.of_bytes(s.data, s.qtype, s.shape)) if s is not None else None
 
     def bias(kind: str) -> torch.Tensor | None:
         s = parts.get(kind + ".bias")
@@ -161,7 +164,7 @@ def _find_stack(layer: int, experts: dict[int, dict[str, SlabTensor]]) -> kernel
     kinds = sorted(first)
     if any(k.endswith(".bias") for k in kinds) or any(sorted(p) != kinds for p in experts.values()):
         return None
-    n_stack = max(experts) + 1
+    n_stack, lo = max(experts) + 1, min(experts)
     e0 = next(iter(experts))
     stacks: dict[str, Weight] = {}
     for kind in kinds:
@@ -184,11 +187,25 @@ def _find_stack(layer: int, experts: dict[int, dict[str, SlabTensor]]) -> kernel
                 or arr.__array_interface__["data"][0] != base + e * w.nbytes
             ):
                 return None
-        stacks[kind] = w.stacked(n_stack, e0)
+        stacks[kind] = Weight(w.qtype, w.rows, w.cols, base + lo * w.nbytes, (n_stack - lo) * w.nbytes, owner,
+                              n_stack - lo)  # fmt: skip
+    # the held experts lo.. in ggml's repacked layout where it has one, indexed from expert 0 as in the file
+    stacks = {k: kernels.repacked(h).stacked(n_stack, lo) for k, h in stacks.items()}
     log.debug("layer %d: %d experts multiplied as stacks", layer, len(experts))
     return kernels.ExpertStack(
         down=stacks[DOWN], gate=stacks.get(GATE), up=stacks.get(UP), gate_up=stacks.get(GATE_UP)
     )
+
+
+def _multiplied_in_place(slabs: Iterable[dict[str, SlabTensor]]) -> list[np.ndarray]:
+    """The bytes of the slab parts that native calls multiply where they lie (not as a repacked copy)."""
+    out = []
+    for parts in slabs:
+        for s in parts.values():
+            rows = int(np.prod(s.shape[:-1])) if len(s.shape) > 1 else 1
+            if s.kind.endswith(".bias") or not kernels.repackable(int(s.qtype), rows):
+                out.append(s.data)
+    return out
 
 
 def swiglu(w: ExpertWeights, x: torch.Tensor) -> torch.Tensor:
@@ -272,8 +289,10 @@ class ExpertStore:
         self._cache: OrderedDict[SlabKey, ExpertWeights] = OrderedDict()
         self._native: dict[SlabKey, FFN | None] = {}  # metadata only: views of the slab bytes
         self._stacks: dict[int, kernels.ExpertStack | None] = {}  # per layer, where the GGUF stacks them
+        self._stack_lock = threading.Lock()
         # the slab pages are mapped in while the process starts up, not one fault at a time in the first calls
-        pages.populate(s.data for parts in slabs.values() for s in parts.values())
+        # (not those that native calls multiply as a repacked copy: they are read once, by `prepare`)
+        pages.populate(_multiplied_in_place(slabs.values()))
         self._bytes = 0
         self._hits = self._misses = self._evictions = 0
 
@@ -294,7 +313,7 @@ class ExpertStore:
             self._stacks.pop(layer, None)
             self._native.pop(key, None)
             self.hidden_size = d
-        pages.populate((s.data for s in parts.values()), background=False)  # the caller's thread: one slab
+        pages.populate(_multiplied_in_place([parts]), background=False)  # the caller's thread: one slab
 
     def held(self) -> list[SlabKey]:
         return sorted(self.slabs)
@@ -380,7 +399,9 @@ class ExpertStore:
             raise MissingSlabs(layer, [expert], self.layers())
         if numerics == NATIVE:
             if key not in self._native:
-                self._native[key] = native_ffn(self.slabs[key])
+                with self._load_locks[key]:  # two calls needing the same new expert repack it once
+                    if key not in self._native:
+                        self._native[key] = native_ffn(self.slabs[key])
             f = self._native[key]
             if f is not None:
                 return f
@@ -390,10 +411,21 @@ class ExpertStore:
         """This layer's experts as one stack per matrix, when they lie back to back as a whole GGUF's stacked
         tensors do (a shard directory's slab files do not): then one mul_mat_id multiplies them all."""
         if layer not in self._stacks:
-            self._stacks[layer] = _find_stack(
-                layer, {e: self.slabs[(layer, e)] for e in self._experts_of[layer]}
-            )
+            with self._stack_lock:
+                if layer not in self._stacks:
+                    self._stacks[layer] = _find_stack(
+                        layer, {e: self.slabs[(layer, e)] for e in self._experts_of[layer]}
+                    )
         return self._stacks[layer]
+
+    def prepare(self) -> None:
+        """Put every held expert in the form native calls multiply it in (ggml's repacked layout, where this
+        CPU has one for its type: a copy that replaces the slab's pages in memory) now rather than on its
+        first use: a start-up cost, as llama.cpp's load has, not a slow first prompt."""
+        for layer in self.layers():
+            if self.stack(layer) is None:
+                for expert in sorted(self._experts_of[layer]):
+                    self.ffn(layer, expert, NATIVE)
 
     def compute(
         self,

@@ -1,6 +1,7 @@
-"""Answers are checked: a node whose slab files are damaged after it started, beside an honest holder, is
-caught and banned, and what the user gets equals the in-process result bit for bit (the work its answers
-touched is done again). Real node processes on loopback, real files damaged in place."""
+"""Answers are checked: a node serving damaged slabs (damaged before it started, or under it while it runs),
+beside an honest holder, is caught and banned, and what the user gets equals the in-process result bit for
+bit (the work its answers touched is done again). Real node processes on loopback, real files damaged in
+place."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from swarm.coordinator.audit import Auditor, Verdict
 from swarm.coordinator.cli import main
 from swarm.coordinator.engine import open_engine
 from swarm.coordinator.generate import GenerationStats, SamplingParams, checked_logits, forward_one, generate
+from swarm.node import kernels
 from swarm.node.auth import KEY_ENV, SwarmKey, generate_key_text
 from swarm.node.launch import start_nodes, stop_nodes
 from swarm.sharding.gguf_io import open_gguf
@@ -39,15 +41,39 @@ def damage(shard_dir, layer: int, experts: list[int]) -> None:
                 f.write(bytes([b[0] ^ 0x5A]))
 
 
-@pytest.fixture()
-def rig(tmp_path):
-    """An honest node and a liar-to-be, each holding every expert, from two copies of one shard dir."""
+def make_rig(tmp_path, damaged: dict[int, list[int]] | None = None):
+    """An honest node and a liar (or liar-to-be), each holding every expert, from two copies of one shard dir.
+    `damaged` {layer: experts}: the liar's slab files are damaged before it starts (with --no-verify, so it
+    serves them rather than refusing them)."""
     honest_dir, liar_dir = tmp_path / "honest.swarm", tmp_path / "liar.swarm"
     shard_model(MODEL, honest_dir)
     shutil.copytree(honest_dir, liar_dir)
-    nodes = start_nodes([(honest_dir, []), (liar_dir, [])], tmp_path / "nodes", env={KEY_ENV: KEY_TEXT})
-    yield honest_dir, liar_dir, nodes
-    stop_nodes(nodes)
+    for layer, experts in (damaged or {}).items():
+        damage(liar_dir, layer, experts)
+    liar_args = ["--no-verify"] if damaged else []
+    nodes = start_nodes(
+        [(honest_dir, []), (liar_dir, liar_args)], tmp_path / "nodes", env={KEY_ENV: KEY_TEXT}
+    )
+    return honest_dir, liar_dir, nodes
+
+
+@pytest.fixture()
+def rig(tmp_path):
+    rig = make_rig(tmp_path)
+    yield rig
+    stop_nodes(rig[2])
+
+
+def _tensor(name: str):  # noqa: ANN202 - gguf's ReaderTensor
+    return next(t for t in open_gguf(MODEL).tensors if t.name == name)
+
+
+def read_in_place(layer: int) -> bool:
+    """Whether a node multiplies this fixture layer's down matrices where they lie in the slab files (a type
+    without a repacked layout on this CPU: Q6_K on x86), so that damaging the files under a running node
+    changes its answers; a repacked type is copied at start-up and the files are not read again."""
+    t = _tensor(f"blk.{layer}.ffn_down_exps.weight")
+    return not kernels.repackable(int(t.tensor_type), int(t.shape[1]))
 
 
 def _swarm(shard_dir, rate: float, seed: int = 7):
@@ -57,10 +83,10 @@ def _swarm(shard_dir, rate: float, seed: int = 7):
 
 
 @pytest.mark.slow
-def test_a_damaged_node_is_banned_and_the_logits_are_still_exact(rig):
-    honest_dir, liar_dir, (honest, liar) = rig
-    n = read_manifest(honest_dir).n_expert
-    damage(liar_dir, 1, list(range(n // 2)))  # after the node started: it serves the changed bytes
+def test_a_damaged_node_is_banned_and_the_logits_are_still_exact(tmp_path):
+    n = _tensor("blk.1.ffn_down_exps.weight").shape[-1]
+    honest_dir, liar_dir, nodes = make_rig(tmp_path, {1: list(range(int(n) // 2))})
+    honest, liar = nodes
     local = open_engine(honest_dir, local=True, device="cpu")
     swarm = _swarm(honest_dir, rate=1.0)
     try:
@@ -78,6 +104,7 @@ def test_a_damaged_node_is_banned_and_the_logits_are_still_exact(rig):
     finally:
         swarm.close()
         local.close()
+        stop_nodes(nodes)
 
 
 @pytest.mark.slow
@@ -93,6 +120,7 @@ def test_sampled_audits_catch_a_node_that_turns_and_redo_what_it_touched(rig, ca
         prompt = list(range(5, 25))
         forward_one(swarm.model, prompt[:4], swarm.model.new_state(), "cpu")  # both admitted (probed)
         assert not swarm.checker.report.banned
+        assert read_in_place(2) and read_in_place(3)  # else the damage below could not reach its answers
         damage(liar_dir, 2, list(range(n)))
         damage(liar_dir, 3, list(range(n)))
         params = SamplingParams(max_tokens=24)
@@ -108,28 +136,30 @@ def test_sampled_audits_catch_a_node_that_turns_and_redo_what_it_touched(rig, ca
 
 
 @pytest.mark.slow
-def test_status_reports_a_node_whose_answers_differ(rig, tmp_path, capsys):
-    honest_dir, liar_dir, (honest, liar) = rig
-    n = read_manifest(honest_dir).n_expert
-    for layer in read_manifest(honest_dir).moe_layers:
-        damage(liar_dir, layer, list(range(n)))
-    key_file = tmp_path / "swarm.key"
-    key_file.write_text(KEY_TEXT)
-    argv = [
-        "status",
-        str(honest_dir),
-        "--mdns-interface",
-        "127.0.0.1",
-        "--key-file",
-        str(key_file),
-        "--wait",
-        "1.5",
-    ]
-    assert main(argv) == 0
-    out = capsys.readouterr().out
-    assert "with 1 holder" in out and "with 2 holders" not in out, out  # the liar's slabs do not count
-    assert f"{liar.address}: BANNED: its answer for layer" in out
-    assert [ln for ln in out.splitlines() if ln.startswith(honest.address)][0].rstrip().endswith("ok")
+def test_status_reports_a_node_whose_answers_differ(tmp_path, capsys):
+    n = int(_tensor("blk.0.ffn_down_exps.weight").shape[-1])
+    honest_dir, liar_dir, nodes = make_rig(tmp_path, {layer: list(range(n)) for layer in range(4)})
+    (honest, liar) = nodes
+    try:
+        key_file = tmp_path / "swarm.key"
+        key_file.write_text(KEY_TEXT)
+        argv = [
+            "status",
+            str(honest_dir),
+            "--mdns-interface",
+            "127.0.0.1",
+            "--key-file",
+            str(key_file),
+            "--wait",
+            "1.5",
+        ]
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        assert "with 1 holder" in out and "with 2 holders" not in out, out  # the liar's slabs do not count
+        assert f"{liar.address}: BANNED: its answer for layer" in out
+        assert [ln for ln in out.splitlines() if ln.startswith(honest.address)][0].rstrip().endswith("ok")
+    finally:
+        stop_nodes(nodes)
 
 
 def test_settling_holds_open_work_and_catches(tmp_path):

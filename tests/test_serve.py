@@ -374,7 +374,7 @@ def test_a_node_caught_lying_mid_batch_changes_no_text(tmp_path: Path, server: S
     conversation, and each text is its in-process text alone."""
     import shutil
 
-    from test_audit import damage
+    from test_audit import damage, read_in_place
 
     honest_dir, liar_dir = tmp_path / "honest.swarm", tmp_path / "liar.swarm"
     shard_model(MODEL, honest_dir)
@@ -387,7 +387,9 @@ def test_a_node_caught_lying_mid_batch_changes_no_text(tmp_path: Path, server: S
         try:
             c = s.client(key="-")
             assert complete(c, "The list", temperature=0, max_tokens=2)  # both nodes admitted while honest
-            damage(liar_dir, 1, list(range(8)))
+            assert read_in_place(2) and read_in_place(3)  # else the damage could not reach its answers
+            damage(liar_dir, 2, list(range(8)))
+            damage(liar_dir, 3, list(range(8)))
             with cf.ThreadPoolExecutor(4) as ex:
                 texts = list(ex.map(lambda p: complete(c, p, temperature=0), PROMPTS[:4]))
             assert texts == [complete(server.client(), p, temperature=0) for p in PROMPTS[:4]]

@@ -82,8 +82,8 @@ class GGMLMatrix:
     def dense(self) -> torch.Tensor:
         w = self.weight
         if w.qtype == int(GGMLQuantizationType.F32):
-            return torch.from_numpy(np.array(w.keep, dtype=np.float32)).view(w.rows, w.cols)
-        return dequantize(np.asarray(w.keep), GGMLQuantizationType(w.qtype), (w.rows, w.cols))
+            return torch.from_numpy(np.array(w.stored, dtype=np.float32)).view(w.rows, w.cols)
+        return dequantize(w.stored, GGMLQuantizationType(w.qtype), (w.rows, w.cols))
 
 
 Matrix = TorchMatrix | GGMLMatrix
