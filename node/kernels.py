@@ -835,7 +835,7 @@ def ffn_rows(blocks: Sequence[tuple[FFN, int, int]], x: torch.Tensor, out: torch
 
     def build(kept: bool) -> Graph:
         scratch = sum(4 * n * (3 * f.width) + 4 * n * d + 256 for f, _, n in blocks)
-        gr = Graph(scratch, 12 * len(blocks) + 2, kept)
+        gr = Graph(scratch, 16 * len(blocks) + 2, kept)  # 3 products, their views, swiglu, in, out
         for f, _, n in blocks:
             gr.output(f.add_to(gr, gr.input(d, n)))
         return gr

@@ -261,3 +261,22 @@ def test_every_install_path_builds_the_same_kernels() -> None:
         f'ARG GGML_CMAKE_ARGS="{kernels.GGML_CMAKE_ARGS}"'
         in (root / "deploy/container/Dockerfile").read_text()
     )
+
+
+def test_a_call_of_many_experts_fits_its_graph() -> None:
+    """A node's call for 32 experts of the real layer shape (D 2048, F 512, Q4_K), 2 rows each: the graph's
+    memory holds every tensor (ggml aborted the process here when it was sized for fewer), and each
+    expert's rows are its FFN of them alone."""
+    d, f = 2048, 512
+
+    def matrix(rows: int, cols: int, seed: int) -> kernels.Weight:
+        raw = random_blocks(Q.Q4_K, rows * cols // 256, seed=seed)
+        return kernels.stored_weight(raw.reshape(-1), Q.Q4_K, (rows, cols), "native")
+
+    ffns = [kernels.FFN(down=matrix(d, f, 3 * i), gate=matrix(f, d, 3 * i + 1), up=matrix(f, d, 3 * i + 2))
+            for i in range(32)]  # fmt: skip
+    x = torch.randn(64, d, generator=torch.Generator().manual_seed(0))
+    out = torch.empty_like(x)
+    kernels.ffn_rows([(fn, 2 * i, 2) for i, fn in enumerate(ffns)], x, out)
+    for i in (0, 31):
+        assert torch.equal(out[2 * i : 2 * i + 2], kernels.ffn(ffns[i], x[2 * i : 2 * i + 2]))
