@@ -346,7 +346,7 @@ def repacked(w: Weight) -> Weight:
 
     A repacked matrix is multiplied one activation row at a time (repacked gemv, Graph.mul_mat) and its
     experts by mul_mat_id, which takes one row at a time too, so a row's bits never depend on its batch."""
-    if w.repack is not None or w.qtype in _FLOAT_TYPES or not repackable(w.qtype, w.rows):
+    if w.repack is not None or not repackable(w.qtype, w.rows):  # (float types have none: 1-value blocks)
         return w
     ne = (w.cols, w.rows, *([w.experts] if w.experts > 1 else []))
     made = _new_repacked(w.qtype, ne)
@@ -364,8 +364,6 @@ def repacked(w: Weight) -> Weight:
 
 
 _QTYPES = frozenset(int(t) for t in GGMLQuantizationType)
-_FLOAT_TYPES = frozenset(int(t) for t in (GGMLQuantizationType.F32, GGMLQuantizationType.F16,
-                                          GGMLQuantizationType.BF16))  # fmt: skip
 
 
 class _Buffers(threading.local):
