@@ -306,25 +306,21 @@ def run_swarm(
     numerics: str,
     audit: float | None = None,
     program: Sequence[str] = SWARM_CLI,
+    by_layer: bool = False,
 ) -> Run:
     """`swarm run` over loopback nodes; `audit`: the share of node answers checked (None: the default);
-    `program`: what runs the nodes' CLI (ZERO_NODE: nodes that answer zeros, the transport's floor)."""
+    `program`: what runs the nodes' CLI (ZERO_NODE: nodes that answer zeros, the transport's floor);
+    `by_layer`: each node holds every expert of a range of the MoE layers (llama.cpp's RPC placement: one call
+    per layer and step) instead of a range of every layer's experts (a call to every node per layer)."""
     set_threads(threads)
-    n_expert = read_manifest(shard_dir).n_expert
+    manifest = read_manifest(shard_dir)
+    if by_layer:
+        held = [["--layers", format_ranges([manifest.moe_layers[i] for i in r])]
+                for r in split(len(manifest.moe_layers), n_nodes)]  # fmt: skip
+    else:
+        held = [["--experts", format_ranges(r)] for r in split(manifest.n_expert, n_nodes)]
     specs = [
-        (
-            shard_dir,
-            [
-                "--host",
-                LOOPBACK,
-                "--experts",
-                format_ranges(r),
-                "--threads",
-                str(node_threads),
-                "--no-verify",
-            ],
-        )
-        for r in split(n_expert, n_nodes)
+        (shard_dir, ["--host", LOOPBACK, *h, "--threads", str(node_threads), "--no-verify"]) for h in held
     ]
     nodes: list[LocalNode] = start_nodes(specs, workdir / "nodes", timeout=120.0, program=program)
     engine = None
@@ -463,6 +459,8 @@ def render(
         "swarm-noaudit": f"swarm, {args.nodes} loopback nodes, `--audit 0` (answers trusted, as RPC does)",
         "swarm-floor": f"swarm, {args.nodes} loopback nodes that answer zeros (no expert compute: the "
         "transport's floor), `--audit 0`",
+        "swarm-layers": f"swarm, {args.nodes} loopback nodes holding a layer's experts each (RPC's "
+        "placement: one call per layer), `--audit 0`",
         "llama.cpp": f"llama.cpp (llama-bench, {args.threads} threads)",
         "llama.cpp-rpc": f"llama.cpp RPC, {args.rpc_servers} local rpc-servers",
         "in-process-exact": "in-process experts, `--exact`",
@@ -484,7 +482,8 @@ def render(
         f"(decode tokens/s counts the {args.decode_tokens - 1} steps after the token prefill gives). "
         f"{args.reps} repetitions; each runs every configuration once, in a rotating order, from a cold start "
         "(a fresh process opens the model; no warm-up pass), timed as `swarm run` times it; medians. Nodes: "
-        f"`--threads {args.node_threads}` each, disjoint expert ranges, found by mDNS on 127.0.0.1, f32 wire.",
+        f"`--threads {args.node_threads}` each, disjoint expert ranges (unless the row says otherwise), found by mDNS on "
+        "127.0.0.1, f32 wire.",
         "",
         "| configuration | prefill tok/s | decode tok/s | prefill vs in-process | decode vs in-process | "
         "decode tok/s of each run |",
@@ -566,6 +565,20 @@ def render(
             f"{med_bd(floor, 'node_busy_sum'):.1f} in all. That is what the transport and the coordinator cost "
             "before any expert is multiplied.",
         ]
+    layers = results.get("swarm-layers")
+    if layers:
+        lines += [
+            "",
+            f"Placed by layer as llama.cpp's RPC places them (each node holds every expert of "
+            f"{statistics.median(r.breakdown['moe_calls'] for r in layers) / args.nodes:.0f} MoE layer(s), so a "
+            f"step makes {statistics.median(r.breakdown['node_calls'] for r in layers):.0f} Compute calls instead "
+            f"of one per node and layer), a decode step takes {med_bd(layers, 'step'):.1f} ms (medians): dense "
+            f"path {med_bd(layers, 'dense'):.1f}, dispatch {med_bd(layers, 'start'):.1f}, blocked wait "
+            f"{med_bd(layers, 'wait'):.1f}, the nodes' busy time {med_bd(layers, 'node_busy_sum'):.1f} in all. "
+            "The same nodes and model; only which node holds which slab differs. It is the placement for few "
+            "round trips; the expert-range placement spreads each layer's compute over every node instead "
+            "(what a long prompt gains from: compare the prefill columns).",
+        ]
     if base:
         lines += [
             "",
@@ -641,7 +654,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--only",
         default=None,
-        help="comma list of configurations: in-process,swarm,swarm-noaudit,swarm-floor,llama.cpp,"
+        help="comma list of configurations: in-process,swarm,swarm-noaudit,swarm-floor,swarm-layers,llama.cpp,"
         "llama.cpp-rpc,in-process-exact,swarm-exact",
     )
     p.add_argument("--workdir", type=Path, default=None, help="keep/reuse the synthesized model here")
@@ -654,7 +667,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     cmd = "python bench/decode.py" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
 
-    configs = ["in-process", "swarm", "swarm-noaudit", "swarm-floor", "in-process-exact", "swarm-exact"]
+    configs = ["in-process", "swarm", "swarm-noaudit", "swarm-floor", "swarm-layers", "in-process-exact",
+               "swarm-exact"]  # fmt: skip
     unavailable: dict[str, str] = {}
     llama_ver = None
     if MODELS[args.model]["llama"]:
@@ -708,6 +722,7 @@ def main(argv: list[str] | None = None) -> int:
             "swarm-exact": partial(swarm, "exact"),
             "swarm-noaudit": partial(swarm, "native", 0.0),
             "swarm-floor": partial(swarm, "native", 0.0, ZERO_NODE),
+            "swarm-layers": partial(swarm, "native", 0.0, by_layer=True),
             "llama.cpp": partial(
                 llama_bench, args.llama_bench, gguf, args.threads, args.prompt_tokens, args.decode_tokens
             ),
@@ -726,7 +741,9 @@ def main(argv: list[str] | None = None) -> int:
         }
         # Our engine runs in a child process per pass: a cold start each time (and the exact numerics' float32
         # working copies, 10-13 GB, are surely given back before the next configuration starts).
-        for key in ("in-process", "swarm", "swarm-noaudit", "swarm-floor", "in-process-exact", "swarm-exact"):
+        ours_keys = ("in-process", "swarm", "swarm-noaudit", "swarm-floor", "swarm-layers", "in-process-exact",
+                     "swarm-exact")  # fmt: skip
+        for key in ours_keys:
             runners[key] = _in_child(runners[key], experts_remote=key.startswith("swarm"))
         active = [c for c in configs if c not in unavailable]
         results: dict[str, list[Run]] = {c: [] for c in active}
@@ -752,7 +769,11 @@ def main(argv: list[str] | None = None) -> int:
                     time.perf_counter() - t0,
                 )
         for sfx, label in (("", "native"), ("-exact", "exact")):
-            keys = ("in-process" + sfx, "swarm" + sfx, *(("swarm-noaudit",) if not sfx else ()))
+            keys = (
+                "in-process" + sfx,
+                "swarm" + sfx,
+                *(("swarm-noaudit", "swarm-layers") if not sfx else ()),
+            )
             ours = [r.tokens for k in keys for r in results.get(k, [])]
             if ours:
                 same = all(t == ours[0] for t in ours)

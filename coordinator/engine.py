@@ -31,8 +31,10 @@ from swarm.sharding.slabs import SlabKey, read_manifest
 log = logging.getLogger(__name__)
 
 WIRE_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
-# The float32 copies exact-numerics audits keep (native audits multiply the mapped slabs and keep none).
-AUDIT_MEMORY = 256 << 20
+# The copies of experts audits keep, least recently used first out: repacked ones (native numerics, Q4_0 /
+# Q4_K / IQ4_NL on x86: 1.8 MB an expert at the 35B shape) or float32 ones (exact). Without a bound they would
+# grow towards the size of every expert the coordinator has ever checked.
+AUDIT_MEMORY = 512 << 20
 
 
 @dataclass
@@ -80,7 +82,7 @@ def make_auditor(
     if not loaded.slabs:
         log.warning("%s holds no expert slabs here: node answers cannot be audited", path)
         return None
-    store = ExpertStore(loaded.slabs, torch.device("cpu"), AUDIT_MEMORY)
+    store = ExpertStore(loaded.slabs, torch.device("cpu"), AUDIT_MEMORY, stacked=False)
     shard_dir = Path(path) if Path(path).is_dir() else None
     return Auditor(store, numerics, wire_dtype, rate, shard_dir, seed)
 

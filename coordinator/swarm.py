@@ -226,6 +226,17 @@ def split_parts(parts: Sequence[Part], max_rows: int, unit: int = ROWS_PER_MATMU
     return calls
 
 
+def _span(begins: Sequence[int], parts: Sequence[Part]) -> int | None:
+    """Where the parts' rows end when they lie back to back from begins[0] (a node holding a range of
+    experts gets its experts' blocks so, in the packed order), else None."""
+    end = begins[0]
+    for b, p in zip(begins, parts, strict=True):
+        if b != end:
+            return None
+        end = b + p.rows
+    return end
+
+
 class _SwarmPending:
     def __init__(
         self,
@@ -277,10 +288,14 @@ class _SwarmPending:
                     )
                     if auditor.is_banned(call.address):
                         self.backend.placement.ban(call.address)
+                begins = [offsets[p.index] + p.start for p in call.parts]
+                end = _span(begins, call.parts)
+                if end is not None:
+                    out[begins[0] : end].copy_(result)  # one copy for the whole answer
+                    continue
                 at = 0
-                for p in call.parts:
-                    begin = offsets[p.index] + p.start
-                    out[begin : begin + p.rows] = result[at : at + p.rows].float()
+                for begin, p in zip(begins, call.parts, strict=True):
+                    out[begin : begin + p.rows].copy_(result[at : at + p.rows])
                     at += p.rows
         if self._dropped:
             mask = torch.zeros(self.rows.shape[0], 1)
@@ -412,7 +427,11 @@ class SwarmExperts:
         for address, node_parts in by_node.items():
             for chunk in split_parts(node_parts, max_rows):
                 begins = [offsets[p.index] + p.start for p in chunk]
-                part = torch.cat([rows[b : b + p.rows] for b, p in zip(begins, chunk, strict=True)])
+                end = _span(begins, chunk)
+                if end is not None:
+                    part = rows[begins[0] : end]  # a view: the rows lie back to back already
+                else:
+                    part = torch.cat([rows[b : b + p.rows] for b, p in zip(begins, chunk, strict=True)])
                 call = self.clients[address].compute_async(
                     layer,
                     [groups.expert_ids[p.index] for p in chunk],

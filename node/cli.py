@@ -164,12 +164,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--memory",
         default=None,
-        help="budget for the float32 working copies that exact-numerics calls (swarm run --exact) and slab "
-        "types without a ggml kernel need, e.g. 4GiB, 0 for unlimited (default: half the RAM). Native calls "
-        "(the default) keep no float32 copies: they multiply the memory-mapped slabs, whose pages the OS keeps "
-        "resident while they are used and can drop under pressure, or, for the types ggml has repacked "
-        "kernels for on this CPU (Q4_0, Q4_K, IQ4_NL on x86), a repacked copy made at start-up that takes "
-        "the slab pages' place: those stay resident, about the slabs' own size",
+        help="budget for the copies of experts this node keeps, e.g. 4GiB, 0 for unlimited (default: half "
+        "the RAM), least recently used first out. Native calls (the default) multiply the memory-mapped slabs, "
+        "whose pages the OS keeps resident while they are used and can drop under pressure, or, for the types "
+        "ggml has repacked kernels for on this CPU (Q4_0, Q4_K, IQ4_NL on x86), a repacked copy (about the "
+        "slab's own size) that takes the slab pages' place: made at start-up for as many experts as the "
+        "budget holds, the others when a call needs them. Exact-numerics calls (swarm run --exact) and slab "
+        "types without a ggml kernel use float32 copies (4-8x the slab) under the same budget. An evicted "
+        "expert is copied again when needed: the same answers, slower calls",
     )
     p.add_argument(
         "--device",

@@ -5,9 +5,9 @@ The quantized slab bytes stay memory-mapped. In the native numerics (the default
 they are (swarm.node.kernels), or, for the types this CPU has ggml's repacked kernels for (Q4_0, Q4_K, IQ4_NL
 on x86), a repacked copy that replaces the slab's pages in memory (`prepare` makes them at start-up): what is
 resident is the slab pages in use and those copies, no float32. The
-exact numerics multiplies float32 working copies, dequantized on first use and kept under a byte budget,
-least recently used first out (a call that needs an evicted expert dequantizes it again); so does a slab
-type that ggml has no kernel for, whatever the call asks. The store is shared by concurrent calls: one
+exact numerics multiplies float32 working copies, dequantized on first use; so does a slab type that ggml
+has no kernel for, whatever the call asks. Both kinds of copy are kept under one byte budget, least recently
+used first out (a call that needs an evicted expert copies it again, with the same bits). The store is shared by concurrent calls: one
 lock guards only the cache bookkeeping, each expert has its own loading lock (two calls needing the same
 cold expert dequantize it once), and the matmuls run outside any lock.
 
@@ -42,6 +42,9 @@ GATE, UP, DOWN, GATE_UP = "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_
 # A coordinator that has to cut one expert's rows over several calls cuts at multiples of this. ggml's rows
 # are independent, so any cut gives the same bits; the unit only keeps the pieces of a long prefill even.
 ROWS_PER_MATMUL = 1024
+
+
+_UNSET = object()
 
 
 class MissingSlabs(KeyError):
@@ -157,6 +160,16 @@ def native_ffn(parts: dict[str, SlabTensor]) -> FFN | None:
     )
 
 
+def _copied_bytes(parts: dict[str, SlabTensor]) -> int:
+    """The bytes of one expert's parts that native calls multiply as a repacked copy (resident memory)."""
+    return sum(s.data.nbytes for s in parts.values() if not _in_place(s))
+
+
+def _in_place(s: SlabTensor) -> bool:
+    rows = int(np.prod(s.shape[:-1])) if len(s.shape) > 1 else 1
+    return s.kind.endswith(".bias") or not kernels.repackable(int(s.qtype), rows)
+
+
 def _find_stack(layer: int, experts: dict[int, dict[str, SlabTensor]]) -> kernels.ExpertStack | None:
     """The ExpertStack of one layer's held experts, or None when their slabs are not back to back in one
     mapping (slab files), carry biases, or have a type without a ggml kernel."""
@@ -199,13 +212,7 @@ def _find_stack(layer: int, experts: dict[int, dict[str, SlabTensor]]) -> kernel
 
 def _multiplied_in_place(slabs: Iterable[dict[str, SlabTensor]]) -> list[np.ndarray]:
     """The bytes of the slab parts that native calls multiply where they lie (not as a repacked copy)."""
-    out = []
-    for parts in slabs:
-        for s in parts.values():
-            rows = int(np.prod(s.shape[:-1])) if len(s.shape) > 1 else 1
-            if s.kind.endswith(".bias") or not kernels.repackable(int(s.qtype), rows):
-                out.append(s.data)
-    return out
+    return [s.data for parts in slabs for s in parts.values() if _in_place(s)]
 
 
 def swiglu(w: ExpertWeights, x: torch.Tensor) -> torch.Tensor:
@@ -239,11 +246,16 @@ def _slab_dims(key: SlabKey, parts: dict[str, SlabTensor]) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class CacheStats:
+    """The float32 working copies (hits, misses, evictions, resident_*) and the repacked copies (repacked_*)."""
+
     hits: int
     misses: int
     evictions: int
     resident_bytes: int
     resident_experts: int
+    repacked_bytes: int = 0
+    repacked_experts: int = 0
+    repacks: int = 0  # repacked copies made (more than the experts held once the budget evicts some)
 
 
 def default_memory_budget() -> int:
@@ -259,10 +271,14 @@ def default_memory_budget() -> int:
 class ExpertStore:
     """The slabs one process holds, computing any of them on request.
 
-    `memory_budget` bounds the bytes of dequantized float32 working copies, which only exact calls (and
-    slab types without a ggml kernel) make (None or 0: unlimited). The experts a call is computing stay
-    alive until it ends, so a budget smaller than one expert still works. `device`: where exact calls
-    compute (a GPU runs them with torch); native calls always run ggml's CPU kernels.
+    `memory_budget` bounds the copies this store keeps, least recently used first out (None or 0:
+    unlimited): the dequantized float32 working copies that exact calls (and slab types without a ggml kernel)
+    make, and the repacked copies native calls multiply one expert at a time (slab files; a whole GGUF's
+    stacked experts are one copy per layer, not bounded). An evicted expert is copied again when a call needs
+    it, with the same bits. The experts a call is computing stay alive until it ends, so a budget smaller than
+    one expert still works. `device`: where exact calls compute (a GPU runs them with torch); native calls
+    always run ggml's CPU kernels. `stacked=False`: per-expert copies only (a layer's whole stack is not
+    copied to compute a few of its experts).
     """
 
     def __init__(
@@ -270,8 +286,10 @@ class ExpertStore:
         slabs: dict[SlabKey, dict[str, SlabTensor]],
         device: str | torch.device = "cpu",
         memory_budget: int | None = None,
+        stacked: bool = True,
     ) -> None:
         self.slabs = slabs
+        self.stacked = stacked  # False: per-expert copies even where the GGUF stacks them (what audits use)
         self.device = torch.device(device)
         self.memory_budget = int(memory_budget or 0)
         dims = {key: _slab_dims(key, parts) for key, parts in slabs.items()}
@@ -287,7 +305,9 @@ class ExpertStore:
         self._lock = threading.Lock()  # guards _cache, _bytes and the counters only
         self._load_locks = {key: threading.Lock() for key in slabs}
         self._cache: OrderedDict[SlabKey, ExpertWeights] = OrderedDict()
-        self._native: dict[SlabKey, FFN | None] = {}  # metadata only: views of the slab bytes
+        self._native: dict[SlabKey, FFN | None] = {}  # views of the slab bytes, or repacked copies
+        self._packed: OrderedDict[SlabKey, int] = OrderedDict()  # the repacked ones: bytes, LRU order
+        self._packed_bytes = self._repacks = 0
         self._stacks: dict[int, kernels.ExpertStack | None] = {}  # per layer, where the GGUF stacks them
         self._stack_lock = threading.Lock()
         # the slab pages are mapped in while the process starts up, not one fault at a time in the first calls
@@ -312,6 +332,7 @@ class ExpertStore:
             self.slabs = {**self.slabs, key: parts}
             self._stacks.pop(layer, None)
             self._native.pop(key, None)
+            self._packed_bytes -= self._packed.pop(key, 0)
             self.hidden_size = d
         pages.populate(_multiplied_in_place([parts]), background=False)  # the caller's thread: one slab
 
@@ -323,7 +344,10 @@ class ExpertStore:
 
     def cache_stats(self) -> CacheStats:
         with self._lock:
-            return CacheStats(self._hits, self._misses, self._evictions, self._bytes, len(self._cache))
+            return CacheStats(
+                self._hits, self._misses, self._evictions, self._bytes, len(self._cache),
+                self._packed_bytes, len(self._packed), self._repacks,
+            )  # fmt: skip
 
     def weights(self, layer: int, expert: int) -> ExpertWeights:
         """The working copy of one expert, dequantizing it if it is not resident."""
@@ -352,17 +376,21 @@ class ExpertStore:
         return w
 
     def _evict_over_budget(self, keep: SlabKey) -> None:
+        """Drop the least recently used copies (float32 ones first: only exact calls use them) until what is
+        kept fits the budget; never `keep`, the copy just made. Under self._lock."""
         if not self.memory_budget:
             return
-        while self._bytes > self.memory_budget and len(self._cache) > 1:
-            key = next(iter(self._cache))
-            if key == keep:
-                self._cache.move_to_end(key)
-                continue
-            evicted = self._cache.pop(key)
-            self._bytes -= evicted.nbytes
-            self._evictions += 1
-            log.debug("evicted expert %d of layer %d (%d bytes)", key[1], key[0], evicted.nbytes)
+        for cache in (self._cache, self._packed):
+            for key in [k for k in cache if k != keep]:
+                if self._bytes + self._packed_bytes <= self.memory_budget:
+                    return
+                if cache is self._cache:
+                    self._bytes -= self._cache.pop(key).nbytes
+                    self._evictions += 1
+                else:
+                    self._packed_bytes -= self._packed.pop(key)
+                    self._native.pop(key, None)  # a call computing it holds its own reference
+                log.debug("evicted the copy of expert %d of layer %d", key[1], key[0])
 
     def check(self, layer: int, expert_ids: Sequence[int], counts: Sequence[int], rows: torch.Tensor) -> None:
         """Raise BadCall or MissingSlabs when a call does not fit this store; do nothing otherwise."""
@@ -398,18 +426,39 @@ class ExpertStore:
         if key not in self.slabs:
             raise MissingSlabs(layer, [expert], self.layers())
         if numerics == NATIVE:
-            if key not in self._native:
-                with self._load_locks[key]:  # two calls needing the same new expert repack it once
-                    if key not in self._native:
-                        self._native[key] = native_ffn(self.slabs[key])
-            f = self._native[key]
+            f = self._native_ffn(key)
             if f is not None:
                 return f
         return self.weights(layer, expert).ffn()
 
+    def _native_ffn(self, key: SlabKey) -> FFN | None:
+        """The expert as native calls multiply it (None: a type without a ggml kernel); a repacked copy is
+        made on first use, or again after the budget evicted it."""
+        f = self._native.get(key, _UNSET)
+        if f is _UNSET:
+            with self._load_locks[key]:  # two calls needing the same new expert repack it once
+                f = self._native.get(key, _UNSET)
+                if f is _UNSET:
+                    f = native_ffn(self.slabs[key])
+                    copied = sum(w.nbytes for w in f.matrices if w.repack is not None) if f else 0
+                    with self._lock:
+                        self._native[key] = f
+                        if copied:
+                            self._packed[key] = copied
+                            self._packed_bytes += copied
+                            self._repacks += 1
+                            self._evict_over_budget(keep=key)
+        elif key in self._packed:
+            with self._lock:
+                if key in self._packed:
+                    self._packed.move_to_end(key)
+        return f  # type: ignore[return-value]
+
     def stack(self, layer: int) -> kernels.ExpertStack | None:
         """This layer's experts as one stack per matrix, when they lie back to back as a whole GGUF's stacked
         tensors do (a shard directory's slab files do not): then one mul_mat_id multiplies them all."""
+        if not self.stacked:
+            return None
         if layer not in self._stacks:
             with self._stack_lock:
                 if layer not in self._stacks:
@@ -421,11 +470,29 @@ class ExpertStore:
     def prepare(self) -> None:
         """Put every held expert in the form native calls multiply it in (ggml's repacked layout, where this
         CPU has one for its type: a copy that replaces the slab's pages in memory) now rather than on its
-        first use: a start-up cost, as llama.cpp's load has, not a slow first prompt."""
+        first use: a start-up cost, as llama.cpp's load has, not a slow first prompt. Within the memory
+        budget: past it, the remaining experts are repacked when calls need them."""
+        made = total = 0
         for layer in self.layers():
-            if self.stack(layer) is None:
-                for expert in sorted(self._experts_of[layer]):
-                    self.ffn(layer, expert, NATIVE)
+            if self.stack(layer) is not None:
+                continue
+            for expert in sorted(self._experts_of[layer]):
+                total += 1
+                size = _copied_bytes(self.slabs[(layer, expert)])
+                if (
+                    self.memory_budget
+                    and size
+                    and self._bytes + self._packed_bytes + size > self.memory_budget
+                ):
+                    continue
+                self.ffn(layer, expert, NATIVE)
+                made += 1
+        if made < total:
+            log.warning(
+                "%d of %d experts fit the memory budget (%.1f GiB) as ggml's repacked copies; the others are "
+                "copied when a call needs them (slower calls): give more memory (--memory) to keep them all",
+                made, total, self.memory_budget / 2**30,
+            )  # fmt: skip
 
     def compute(
         self,

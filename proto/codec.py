@@ -46,7 +46,8 @@ def dtype_from_proto(value: int) -> torch.dtype:
 def encode_tensor(t: torch.Tensor) -> pb.Tensor:
     """A tensor as a wire message (copied to host memory if it lives on a device)."""
     code = dtype_to_proto(t.dtype)
-    t = t.detach().to("cpu").contiguous()
+    if t.device.type != "cpu" or not t.is_contiguous() or t.requires_grad:
+        t = t.detach().to("cpu").contiguous()
     if sys.byteorder != "little":
         t = t.view(_SWAP_VIEW[t.dtype]).numpy().byteswap()
         data = t.tobytes()
@@ -62,7 +63,7 @@ def decode_tensor(msg: pb.Tensor, what: str = "tensor") -> torch.Tensor:
     n = 1
     for d in shape:
         n *= d
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     if len(msg.data) != n * itemsize:
         raise CodecError(
             f"{what} has shape {list(shape)} {pb.DType.Name(msg.dtype)} = {n * itemsize} bytes but carries "

@@ -13,6 +13,7 @@ original model's stacked tensor.
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
 from functools import cache
 from pathlib import Path
@@ -422,6 +423,34 @@ def test_store_lru_keeps_recent_experts_under_the_budget():
     for e in (0, 1, 2, 3, 0):
         unlimited.compute(0, [e], [1], x, "exact")
     assert unlimited.cache_stats().evictions == 0 and unlimited.cache_stats().hits == 1
+
+
+def test_repacked_copies_stay_under_the_budget_with_the_same_bits(caplog):
+    """Native calls multiply Q4_K experts as repacked copies; the budget bounds them as it bounds float32
+    copies (least recently used first out), an evicted expert is copied again, and its answers keep their bits."""
+    from swarm.node.store import ExpertStore, _copied_bytes
+    from swarm.sharding.slabs import slabs_from_gguf
+
+    slabs = slabs_from_gguf(Q4KM_GGUF, layers=[0], experts=range(4))
+    one = _copied_bytes(slabs[(0, 0)])
+    assert one > 0  # its Q4_K matrices have a repacked layout on this CPU
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(5))
+    unlimited = ExpertStore(slabs, stacked=False)
+    want = {e: unlimited.compute(0, [e], [2], x) for e in range(4)}
+    store = ExpertStore(slabs, memory_budget=2 * one, stacked=False)
+    for e in (0, 1, 0, 2, 0, 1):  # 0 stays recent, so 1 is evicted by 2 and must be copied again
+        assert torch.equal(store.compute(0, [e], [2], x), want[e]), e
+    s = store.cache_stats()
+    assert (s.repacks, s.repacked_experts, s.repacked_bytes) == (4, 2, 2 * one)
+    assert (s.resident_bytes, s.misses) == (0, 0)  # no float32 copies in the native numerics
+    assert unlimited.cache_stats().repacked_experts == 4
+    # at start-up as many as fit are copied, and the log says so
+    with caplog.at_level(logging.WARNING, logger="swarm.node.store"):
+        small = ExpertStore(slabs, memory_budget=3 * one, stacked=False)
+        small.prepare()
+    assert small.cache_stats().repacked_experts == 3
+    assert "3 of 4 experts fit the memory budget" in caplog.text
+    assert torch.equal(small.compute(0, [3], [2], x), want[3])
 
 
 def test_native_calls_keep_no_working_copies():
