@@ -8,7 +8,10 @@ against the manifest's SHA-256 before first using each one.
 - Probe: before a node gets its first pair, rows of known values go through a few of the slabs it claims.
 - Audit: each answered call is recomputed here with probability `rate` (chosen after the answer arrived, so
   a node cannot tell which answers are checked). A node whose answer differs is banned for the run: it never
-  gets another pair, and its answer is replaced by the coordinator's.
+  gets another pair (`on_ban` tells the placement at once). Audits run on a thread of their own, one core,
+  beside the model's next layers (a check of a cold expert verifies its slab file and copies it: milliseconds
+  the model need not wait for); `settle` waits for them. Without that thread (`background=False`) an audit
+  runs in the call, and a caught answer is replaced by the coordinator's.
 - Settling: an answer counts as checked once a later audit of the same node passed. `settle()` says whether
   everything since the last settle is checked (SETTLED), still open (OPEN), or whether a node was caught
   (CAUGHT: the work since the last settled point must be done again, without that node). With `force`, it
@@ -20,6 +23,8 @@ from __future__ import annotations
 import logging
 import random
 import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -27,7 +32,7 @@ from typing import Any
 
 import torch
 
-from swarm.node.kernels import Numerics
+from swarm.node.kernels import Numerics, one_thread
 from swarm.node.store import ExpertStore
 from swarm.sharding.slabs import SlabKey
 
@@ -77,6 +82,7 @@ class Auditor:
         rate: float = DEFAULT_RATE,
         shard_dir: Path | None = None,
         seed: int | None = None,
+        background: bool = True,
     ) -> None:
         if not 0.0 <= rate <= 1.0:
             raise ValueError(f"audit rate {rate} is not between 0 and 1")
@@ -89,6 +95,9 @@ class Auditor:
         self._caught = False
         self._lock = threading.Lock()
         self.report = AuditReport()
+        self.on_ban: Callable[[str], None] | None = None  # told the address of every node banned
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="swarm-audit") if background else None
+        self._pending: list[Future[None]] = []
 
     # --- the coordinator's own answer ---------------------------------------------------------------
 
@@ -157,10 +166,30 @@ class Auditor:
             book.last_call = call
             book.open_calls += 1
         if self.rate > 0 and self._rng.random() < self.rate:
+            if self._worker is not None:
+                audit = self._worker.submit(self._audit_aside, address, call)
+                with self._lock:
+                    self._pending.append(audit)
+                return answer
             own = self._audit(address, call)
             if own is not None:
                 return own
         return answer
+
+    def _audit_aside(self, address: str, call: _Call) -> None:
+        with one_thread():
+            self._audit(address, call)
+
+    def wait_audits(self) -> None:
+        """Until every audit started so far has its verdict (raising what one of them raised)."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for audit in pending:
+            audit.result()
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(wait=True, cancel_futures=True)
 
     def _audit(self, address: str, call: _Call) -> torch.Tensor | None:
         """None when the node's answer holds (its open calls are then checked), else the right rows."""
@@ -208,12 +237,15 @@ class Auditor:
             self.report.banned[address] = why
             self._caught = True
         log.error("banned node %s: %s", address, why)
+        if self.on_ban is not None:
+            self.on_ban(address)
 
     def is_banned(self, address: str) -> bool:
         return address in self.report.banned
 
     def settle(self, force: bool = False) -> Verdict:
         """What the answers since the last settle amount to (see the module docstring)."""
+        self.wait_audits()
         if force:
             with self._lock:
                 todo = [

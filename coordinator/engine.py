@@ -143,6 +143,8 @@ def open_engine(
         experts.degraded = degraded
         if audit > 0:
             experts.auditor = make_auditor(path, numerics, wire_dtype, audit, audit_seed)
+            if experts.auditor is not None:
+                experts.auditor.on_ban = experts.placement.ban
     try:
         model, meta = load_model(path, experts, dev, progress=progress, numerics=numerics)
         tokenizer = GGUFTokenizer(meta)

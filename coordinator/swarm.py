@@ -575,6 +575,8 @@ class SwarmExperts:
             self.follow_mdns()
 
     def close(self) -> None:
+        if self.auditor is not None:
+            self.auditor.close()
         if self.browser is not None:
             self.browser.close()
             self.browser = None

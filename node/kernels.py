@@ -29,11 +29,12 @@ torch's (the one libgomp in the process), so the two pools never fight over the 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -114,7 +115,22 @@ def set_threads(n: int) -> None:
 
 
 def threads() -> int:
-    return _threads or torch.get_num_threads()
+    return getattr(_here, "threads", 0) or _threads or torch.get_num_threads()
+
+
+_here = threading.local()
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """ggml graphs run on one thread in this block, on this thread only (work off the critical path, e.g.
+    audits, takes one core rather than the model's whole team)."""
+    saved = getattr(_here, "threads", 0)
+    _here.threads = 1
+    try:
+        yield
+    finally:
+        _here.threads = saved
 
 
 # Types whose tinyBLAS GEMM can sum each element as vec_dot does (x86: Q8_0 pairs, and Q4_0 / Q5_0 unpacked to

@@ -182,6 +182,32 @@ def test_settling_holds_open_work_and_catches(tmp_path):
     assert auditor.settle() is Verdict.SETTLED
 
 
+def test_audits_run_beside_the_model_and_settle_waits_for_their_verdict():
+    """An audited answer is handed back at once (its check runs on the auditor's own thread); the verdict is
+    in by the next settle, and a caught node is reported to the placement (`on_ban`) as soon as it is caught."""
+    from swarm.node.source import load_slabs
+    from swarm.node.store import ExpertStore
+
+    loaded = load_slabs(MODEL)
+    auditor = Auditor(ExpertStore(loaded.slabs), "native", torch.float32, rate=1.0, seed=1)
+    banned: list[str] = []
+    auditor.on_ban = banned.append
+    try:
+        x = torch.randn(2, 256)
+        right = auditor.expected(0, [0, 1], [1, 1], x)
+        wrong = right.clone()
+        wrong[1, 3] -= 1e-3
+        assert auditor.answered("a", 0, [0, 1], [1, 1], x, right) is right
+        assert auditor.answered("b", 0, [0, 1], [1, 1], x, wrong) is wrong  # not replaced: checked aside
+        assert auditor.settle() is Verdict.CAUGHT
+        assert banned == ["b"] and set(auditor.report.banned) == {"b"} and auditor.report.audits == 2
+        assert auditor.settle() is Verdict.SETTLED  # a's audit passed: nothing is open
+    finally:
+        auditor.close()
+    inline = Auditor(ExpertStore(loaded.slabs), "native", torch.float32, rate=1.0, seed=1, background=False)
+    assert torch.equal(inline.answered("b", 0, [0, 1], [1, 1], x, wrong), right)  # replaced in the call
+
+
 def test_audit_rate_is_checked(capsys):
     assert main(["run", str(MODEL), "--audit", "1.5", "--prompt", "x", "--no-mdns"]) == 2
     assert "--audit 1.5" in capsys.readouterr().err
