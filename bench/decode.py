@@ -52,7 +52,7 @@ import torch
 
 from swarm.coordinator.engine import Engine, open_engine
 from swarm.coordinator.experts import PendingExperts
-from swarm.coordinator.generate import GenerationStats, forward_one
+from swarm.coordinator.generate import GenerationStats, SamplingParams, generate
 from swarm.coordinator.swarm import SwarmExperts
 from swarm.node import kernels
 from swarm.node.client import NodeClient
@@ -212,30 +212,24 @@ def timed_pass(
     backend: TimedBackend | TimedInProcess,
     clients: Sequence[NodeClient] = (),
 ) -> Run:
-    """Prefill `ids`, then greedy-decode n_decode tokens, one forward_one per step (what generate() does);
-    bookkeeping snapshots are taken outside the timed regions."""
-    model, dev = engine.model, engine.device
+    """Prefill `ids`, then greedy-decode n_decode tokens as `swarm run` does (generate(), with the engine's
+    answer checker: its audits and settling are part of the time); bookkeeping snapshots are taken outside
+    the timed regions."""
     stats = GenerationStats(prompt_tokens=len(ids))
-    state = model.new_state()
     swarm = engine.experts if isinstance(engine.experts, SwarmExperts) else None
-
-    t0 = time.perf_counter()
-    logits = forward_one(model, ids, state, dev, last_only=True)[-1]
-    token = int(torch.argmax(logits))
-    stats.prefill_seconds = time.perf_counter() - t0
-    tokens = [token]
+    params = SamplingParams(max_tokens=n_decode)  # greedy, no stop tokens: always n_decode tokens
+    tokens = generate(engine.model, ids, params, engine.device, stats, checker=engine.checker)
+    first = [next(tokens)]  # the prompt's pass (settled: the first token is what a user waits for)
 
     s0, w0, n0 = backend.start_s, backend.wait_s, backend.starts
     sw0 = swarm.wait_seconds if swarm else 0.0
     b0 = node_busy(clients)
     t0 = time.perf_counter()
-    for _ in range(n_decode - 1):
-        logits = forward_one(model, [token], state, dev)[-1]
-        token = int(torch.argmax(logits))
-        tokens.append(token)
+    rest = list(tokens)
     stats.decode_seconds = time.perf_counter() - t0
-    stats.generated_tokens = len(tokens)
     b1 = node_busy(clients)
+    tokens = first + rest
+    stats.generated_tokens = len(tokens)
 
     steps = max(1, n_decode - 1)
     bd = {
@@ -537,7 +531,7 @@ def render(
             "",
             "| part | ms / step | what it is |",
             "| --- | ---: | --- |",
-            f"| whole step | {med_bd(swarm, 'step'):.1f} | wall time of one forward_one of one token |",
+            f"| whole step | {med_bd(swarm, 'step'):.1f} | wall time of one decode step (one token, as `swarm run` steps: generate() with its answer checks) |",
             f"| dense path | {med_bd(swarm, 'dense'):.1f} | the step minus the two rows below: attention / "
             "DeltaNet, norms, routers, shared experts, output head, argmax (coordinator compute) |",
             f"| dispatch | {med_bd(swarm, 'start'):.1f} | SwarmExperts.start: group expert-major, pack, "
