@@ -1,7 +1,7 @@
 """Serving several users at once: aggregate tokens/s and time to first token at 1, 2, 4, 8 concurrent requests.
 
     .venv/bin/python bench/serve.py [--reps 3] [--prompt-tokens 64] [--max-tokens 32] \
-        [--llama-server /work/llamacpp-build/noamx/bin/llama-server]
+        [--llama-server /work/llamacpp-build/build/bin/llama-server]
 
 On the real Qwen3.6-35B-A3B layer shape (bench/decode's model: `swarm synth` preset qwen3.6-35b-a3b, 4 layers,
 Q4_K experts, Q8_0 dense), three servers side by side, each started cold in every repetition (rotating order)
@@ -48,7 +48,7 @@ from swarm.sharding.slabs import read_manifest  # noqa: E402
 
 log = logging.getLogger("bench.serve")
 CONCURRENCY = (1, 2, 4, 8)
-DEFAULT_LLAMA = Path("/work/llamacpp-build/noamx/bin/llama-server")
+DEFAULT_LLAMA = Path("/work/llamacpp-build/build/bin/llama-server")  # the build docs/BENCHMARKS.md describes
 N_NODES = 4
 
 
