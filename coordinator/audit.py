@@ -10,8 +10,9 @@ against the manifest's SHA-256 before first using each one.
   a node cannot tell which answers are checked). A node whose answer differs is banned for the run: it never
   gets another pair (`on_ban` tells the placement at once). Audits run on a thread of their own, one core,
   beside the model's next layers (a check of a cold expert verifies its slab file and copies it: milliseconds
-  the model need not wait for); `settle` waits for them. Without that thread (`background=False`) an audit
-  runs in the call, and a caught answer is replaced by the coordinator's.
+  the model need not wait for); a settle takes in the verdicts that are in, a forced one waits for all.
+  Without that thread (`background=False`) an audit runs in the call, and a caught answer is replaced by the
+  coordinator's.
 - Settling: an answer counts as checked once a later audit of the same node passed. `settle()` says whether
   everything since the last settle is checked (SETTLED), still open (OPEN), or whether a node was caught
   (CAUGHT: the work since the last settled point must be done again, without that node). With `force`, it
@@ -180,12 +181,17 @@ class Auditor:
         with one_thread():
             self._audit(address, call)
 
-    def wait_audits(self) -> None:
-        """Until every audit started so far has its verdict (raising what one of them raised)."""
+    def _collect(self, wait: bool) -> bool:
+        """Take in the verdicts of the audits started so far: every one (`wait`) or those that have one (an
+        audit that failed raises here); whether none is still running."""
         with self._lock:
-            pending, self._pending = self._pending, []
-        for audit in pending:
+            pending = list(self._pending)
+        ended = [a for a in pending if wait or a.done()]
+        for audit in ended:
             audit.result()
+        with self._lock:
+            self._pending = [a for a in self._pending if all(a is not e for e in ended)]
+            return not self._pending
 
     def close(self) -> None:
         if self._worker is not None:
@@ -244,8 +250,9 @@ class Auditor:
         return address in self.report.banned
 
     def settle(self, force: bool = False) -> Verdict:
-        """What the answers since the last settle amount to (see the module docstring)."""
-        self.wait_audits()
+        """What the answers since the last settle amount to (see the module docstring). Unforced, audits still
+        running leave the work open (the model goes on meanwhile); forced, they are waited for."""
+        all_in = self._collect(wait=force)
         if force:
             with self._lock:
                 todo = [
@@ -263,4 +270,4 @@ class Auditor:
                     b.open_calls = 0  # the work is redone: those answers are dropped
                 return Verdict.CAUGHT
             open_ = any(b.open_calls for a, b in self._books.items() if a not in self.report.banned)
-            return Verdict.OPEN if open_ else Verdict.SETTLED
+            return Verdict.OPEN if open_ or not all_in else Verdict.SETTLED

@@ -183,8 +183,8 @@ def test_settling_holds_open_work_and_catches(tmp_path):
 
 
 def test_audits_run_beside_the_model_and_settle_waits_for_their_verdict():
-    """An audited answer is handed back at once (its check runs on the auditor's own thread); the verdict is
-    in by the next settle, and a caught node is reported to the placement (`on_ban`) as soon as it is caught."""
+    """An audited answer is handed back at once (its check runs on the auditor's own thread); a forced settle
+    waits for the verdicts, and a caught node is reported to the placement (`on_ban`) as soon as it is caught."""
     from swarm.node.source import load_slabs
     from swarm.node.store import ExpertStore
 
@@ -199,7 +199,7 @@ def test_audits_run_beside_the_model_and_settle_waits_for_their_verdict():
         wrong[1, 3] -= 1e-3
         assert auditor.answered("a", 0, [0, 1], [1, 1], x, right) is right
         assert auditor.answered("b", 0, [0, 1], [1, 1], x, wrong) is wrong  # not replaced: checked aside
-        assert auditor.settle() is Verdict.CAUGHT
+        assert auditor.settle(force=True) is Verdict.CAUGHT
         assert banned == ["b"] and set(auditor.report.banned) == {"b"} and auditor.report.audits == 2
         assert auditor.settle() is Verdict.SETTLED  # a's audit passed: nothing is open
     finally:
