@@ -70,6 +70,10 @@ ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "BENCHMARKS.md"
 LOOPBACK = "127.0.0.1"
 DEFAULT_BUILD = Path("/work/llamacpp-build/build/bin")
+# The same llama.cpp built for the AVX2 baseline, the x86 level swarm's ggml is built for (README): how much of
+# the gap to llama.cpp is the instruction set rather than the engine.
+AVX2_BUILD = Path("/work/llamacpp-avx2/build/bin")
+AVX2_CMAKE = "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
 OUTER = "decode"  # this script's section of docs/BENCHMARKS.md; one inner section per model
 # Nodes that answer zeros (the transport's floor): the real `swarm node` under bench/zero_node.py.
 ZERO_NODE: tuple[str, ...] = (str(ROOT / "bench" / "zero_node.py"),)
@@ -434,6 +438,30 @@ def med_bd(runs: Sequence[Run], key: str) -> float:
     return statistics.median(r.breakdown[key] for r in runs) * 1e3
 
 
+# (ours, llama.cpp's) configurations compared run by run: the engine in process against llama-bench, the swarm
+# against llama.cpp's RPC.
+PAIRS = (
+    ("in-process", "llama.cpp"),
+    ("in-process", "llama.cpp-avx2"),
+    ("swarm", "llama.cpp-rpc"),
+    ("swarm-noaudit", "llama.cpp-rpc"),
+)
+
+
+def side_by_side(results: dict[str, list[Run]]) -> dict[tuple[str, str], tuple[list[float], list[float]]]:
+    """For each pair both measured: the prefill and decode ratios of the runs of the same repetition."""
+    out = {}
+    for ours, theirs in PAIRS:
+        a, b = results.get(ours, []), results.get(theirs, [])
+        n = min(len(a), len(b))
+        if n:
+            out[(ours, theirs)] = (
+                [a[i].prefill_tps / b[i].prefill_tps for i in range(n)],
+                [a[i].decode_tps / b[i].decode_tps for i in range(n)],
+            )
+    return out
+
+
 def render(
     args: argparse.Namespace,
     cmd: str,
@@ -456,6 +484,8 @@ def render(
         "swarm-layers": f"swarm, {args.nodes} loopback nodes holding a layer's experts each (RPC's "
         "placement: one call per layer), `--audit 0`",
         "llama.cpp": f"llama.cpp (llama-bench, {args.threads} threads)",
+        "llama.cpp-avx2": f"llama.cpp built for the AVX2 baseline as swarm's ggml is (llama-bench, {args.threads} "
+        "threads)",
         "llama.cpp-rpc": f"llama.cpp RPC, {args.rpc_servers} local rpc-servers",
         "in-process-exact": "in-process experts, `--exact`",
         "swarm-exact": f"swarm, {args.nodes} loopback nodes, `--exact`",
@@ -497,6 +527,19 @@ def render(
             rd = f"{dec / med(base, lambda r: r.decode_tps):.2f}x"
         each = ", ".join(f"{r.decode_tps:.1f}" for r in runs)
         lines.append(f"| {label} | {pre:,.1f} | {dec:,.1f} | {rp} | {rd} | {each} |")
+    pairs = side_by_side(results)
+    if pairs:
+        lines += [
+            "",
+            "Against llama.cpp, run by run (each ratio from runs of the same repetition; median, then each):",
+            "",
+        ]
+        lines += [
+            f"- {names[ours]} vs {names[theirs]}: prefill {statistics.median(p):.2f}x "
+            f"({', '.join(f'{r:.2f}' for r in p)}), decode {statistics.median(d):.2f}x "
+            f"({', '.join(f'{r:.2f}' for r in d)})"
+            for (ours, theirs), (p, d) in pairs.items()
+        ]
     for key, why in unavailable.items():
         lines += ["", f"**{names[key]}: unavailable.** {why}"]
     if llama_ver:
@@ -522,6 +565,15 @@ def render(
             "cmake --build /work/llamacpp-build/build -j2 --target llama-bench ggml-rpc-server llama-server",
             "```",
         ]
+        if "llama.cpp-avx2" in results:
+            lines += [
+                "",
+                "The AVX2-baseline row is the same source built for the x86 level swarm's ggml is built for "
+                "(no AVX-512 or VNNI even where the CPU has them; see the README's install), the same two "
+                "commands with `-B /work/llamacpp-avx2/build` and",
+                "",
+                f"`{AVX2_CMAKE}` added to the configure line.",
+            ]
     swarm = results.get("swarm")
     if swarm:
         w = med_bd(swarm, "swarm_wait")
@@ -646,10 +698,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--llama-bench", type=Path, default=DEFAULT_BUILD / "llama-bench")
     p.add_argument("--rpc-server", type=Path, default=DEFAULT_BUILD / "ggml-rpc-server")
     p.add_argument(
+        "--llama-bench-avx2",
+        type=Path,
+        default=AVX2_BUILD / "llama-bench",
+        help="llama-bench built for the AVX2 baseline (the row is left out where there is none)",
+    )
+    p.add_argument(
         "--only",
         default=None,
         help="comma list of configurations: in-process,swarm,swarm-noaudit,swarm-floor,swarm-layers,llama.cpp,"
-        "llama.cpp-rpc,in-process-exact,swarm-exact",
+        "llama.cpp-avx2,llama.cpp-rpc,in-process-exact,swarm-exact",
     )
     p.add_argument("--workdir", type=Path, default=None, help="keep/reuse the synthesized model here")
     p.add_argument(
@@ -675,6 +733,8 @@ def main(argv: list[str] | None = None) -> int:
             unavailable["llama.cpp"] = unavailable["llama.cpp-rpc"] = why
         else:
             llama_ver = llama_version(args.llama_bench)
+            if os.access(args.llama_bench_avx2, os.X_OK):
+                configs.append("llama.cpp-avx2")
             if not os.access(args.rpc_server, os.X_OK):
                 unavailable["llama.cpp-rpc"] = (
                     f"no rpc-server at {args.rpc_server}; build llama.cpp with -DGGML_RPC=ON and pass --rpc-server"
@@ -719,6 +779,9 @@ def main(argv: list[str] | None = None) -> int:
             "swarm-layers": partial(swarm, "native", 0.0, by_layer=True),
             "llama.cpp": partial(
                 llama_bench, args.llama_bench, gguf, args.threads, args.prompt_tokens, args.decode_tokens
+            ),
+            "llama.cpp-avx2": partial(
+                llama_bench, args.llama_bench_avx2, gguf, args.threads, args.prompt_tokens, args.decode_tokens
             ),
             "llama.cpp-rpc": partial(
                 run_llama_rpc,

@@ -8,7 +8,9 @@ Q4_K experts, Q8_0 dense), three servers side by side, each started cold in ever
 and given one short warm-up request:
   - `swarm serve GGUF --local` (experts in process),
   - `swarm serve SHARD_DIR` over 4 loopback `swarm node` processes (one expert quarter each, found by --peer),
-  - llama.cpp's own `llama-server -np 8` on the same GGUF, same threads.
+  - llama.cpp's own `llama-server -np 8` on the same GGUF, same threads,
+  - and, where it is built (`--llama-server-avx2`), the same llama-server built for the AVX2 baseline that
+    swarm's ggml is built for (bench/decode.py's AVX2_CMAKE): what of the gap is the instruction set.
 For each concurrency N, N streamed requests (each its own prompt of --prompt-tokens random token ids, the same
 ids for every server) are sent at once through the official `openai` client; aggregate tokens/s = completion
 tokens of all N / wall time from the first send to the last token, and time to first token per request.
@@ -49,6 +51,9 @@ from swarm.sharding.slabs import read_manifest  # noqa: E402
 log = logging.getLogger("bench.serve")
 CONCURRENCY = (1, 2, 4, 8)
 DEFAULT_LLAMA = Path("/work/llamacpp-build/build/bin/llama-server")  # the build docs/BENCHMARKS.md describes
+AVX2_LLAMA = Path(
+    "/work/llamacpp-avx2/build/bin/llama-server"
+)  # the same, built for the AVX2 baseline (bench/decode)
 N_NODES = 4
 
 
@@ -95,7 +100,9 @@ class SwarmServe(Target):
 
 
 class LlamaServer(Target):
-    def __init__(self, binary: Path, gguf: Path, threads: int, parallel: int, ctx: int, work: Path) -> None:
+    def __init__(
+        self, binary: Path, gguf: Path, threads: int, parallel: int, ctx: int, work: Path, build: str = ""
+    ) -> None:
         self.binary, self.gguf, self.threads, self.parallel, self.ctx, self.work = (
             binary,
             gguf,
@@ -104,7 +111,7 @@ class LlamaServer(Target):
             ctx,
             work,
         )
-        self.name = f"llama-server -np {parallel}"
+        self.name = f"llama-server -np {parallel}" + (f", {build}" if build else "")
         self.proc: subprocess.Popen | None = None
         self.model = gguf.stem
 
@@ -112,7 +119,7 @@ class LlamaServer(Target):
         port = free_port()
         cmd = [str(self.binary), "-m", str(self.gguf), "-t", str(self.threads), "-np", str(self.parallel),
                "-c", str(self.ctx * self.parallel), "--host", LOOPBACK, "--port", str(port), "-a", self.model]  # fmt: skip
-        self.log = open(self.work / "llama-server.log", "wb")  # noqa: SIM115 (closed in stop)
+        self.log = open(self.work / f"{self.name.replace(' ', '_').replace(',', '')}.log", "wb")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + 300
         while True:
@@ -123,7 +130,7 @@ class LlamaServer(Target):
             except OSError:
                 pass
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"llama-server did not come up; see {self.work / 'llama-server.log'}")
+                raise RuntimeError(f"llama-server did not come up; see {self.log.name}")
             time.sleep(0.2)
         return f"http://{LOOPBACK}:{port}/v1"
 
@@ -242,15 +249,14 @@ def render(
         lines.append(
             f"| {name} | " + " | ".join(cells) + f" | {med(name, 8, 'tps') / med(name, 1, 'tps'):.2f}x |"
         )
-    llama_name = next((n for n in names if n.startswith("llama")), None)
-    if llama_name:
+    for llama_name in (n for n in names if n.startswith("llama")):
         lines += [
             "",
-            "Aggregate at 8 against llama-server's, side by side in each repetition (median of the ratios):",
+            f"Aggregate at 8 against {llama_name}'s, side by side in each repetition (median of the ratios):",
             "",
         ]
         for name in names:
-            if name == llama_name:
+            if name.startswith("llama"):
                 continue
             ratios = [a[8]["tps"] / b[8]["tps"] for a, b in zip(runs[name], runs[llama_name], strict=True)]
             lines.append(f"- {name}: {statistics.median(ratios):.2f}x")
@@ -274,6 +280,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--llama-server", type=Path, default=DEFAULT_LLAMA)
+    p.add_argument(
+        "--llama-server-avx2", type=Path, default=AVX2_LLAMA, help="llama-server built for the AVX2 baseline"
+    )
     p.add_argument("--workdir", type=Path, default=Path("/work/bench-models/decode"))
     p.add_argument("--only", default=None, help="comma-separated server names to run (default all)")
     p.add_argument("--no-write", action="store_true", help="print, do not write docs/BENCHMARKS.md")
@@ -325,6 +334,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.llama_server.exists():
         targets.append(LlamaServer(args.llama_server, gguf, args.threads, 8, ctx, work))
         llama = f"llama-server {llama_version(args.llama_server)}"
+        if args.llama_server_avx2.exists():
+            targets.append(
+                LlamaServer(args.llama_server_avx2, gguf, args.threads, 8, ctx, work, "AVX2 baseline build")
+            )
     if args.only:
         keep = set(args.only.split(","))
         targets = [t for t in targets if t.name in keep]
