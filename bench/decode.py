@@ -305,11 +305,13 @@ def run_swarm(
     audit: float | None = None,
     program: Sequence[str] = SWARM_CLI,
     by_layer: bool = False,
+    stream: bool = True,
 ) -> Run:
     """`swarm run` over loopback nodes; `audit`: the share of node answers checked (None: the default);
     `program`: what runs the nodes' CLI (ZERO_NODE: nodes that answer zeros, the transport's floor);
     `by_layer`: each node holds every expert of a range of the MoE layers (llama.cpp's RPC placement: one call
-    per layer and step) instead of a range of every layer's experts (a call to every node per layer)."""
+    per layer and step) instead of a range of every layer's experts (a call to every node per layer); `stream`:
+    Compute calls over the nodes' compute streams (the default) or, with False, over gRPC (`--no-stream`)."""
     set_threads(threads)
     manifest = read_manifest(shard_dir)
     if by_layer:
@@ -318,8 +320,10 @@ def run_swarm(
     else:
         held = [["--experts", format_ranges(r)] for r in split(manifest.n_expert, n_nodes)]
     specs = [
-        (shard_dir, ["--host", LOOPBACK, *h, "--threads", str(node_threads), "--no-verify"]) for h in held
-    ]
+        (shard_dir, ["--host", LOOPBACK, *h, "--threads", str(node_threads), "--no-verify",
+                     *(() if stream else ("--no-stream",))])
+        for h in held
+    ]  # fmt: skip
     nodes: list[LocalNode] = start_nodes(specs, workdir / "nodes", timeout=120.0, program=program)
     engine = None
     clients: list[NodeClient] = []
@@ -445,6 +449,8 @@ PAIRS = (
     ("in-process", "llama.cpp-avx2"),
     ("swarm", "llama.cpp-rpc"),
     ("swarm-noaudit", "llama.cpp-rpc"),
+    ("swarm-grpc", "llama.cpp-rpc"),
+    ("swarm-noaudit", "swarm-grpc"),
 )
 
 
@@ -479,6 +485,8 @@ def render(
         "in-process": "in-process experts",
         "swarm": f"swarm, {args.nodes} loopback nodes",
         "swarm-noaudit": f"swarm, {args.nodes} loopback nodes, `--audit 0` (answers trusted, as RPC does)",
+        "swarm-grpc": f"swarm, {args.nodes} loopback nodes, `--audit 0`, Compute calls over gRPC (nodes started "
+        "with `--no-stream`)",
         "swarm-floor": f"swarm, {args.nodes} loopback nodes that answer zeros (no expert compute: the "
         "transport's floor), `--audit 0`",
         "swarm-layers": f"swarm, {args.nodes} loopback nodes holding a layer's experts each (RPC's "
@@ -706,8 +714,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--only",
         default=None,
-        help="comma list of configurations: in-process,swarm,swarm-noaudit,swarm-floor,swarm-layers,llama.cpp,"
-        "llama.cpp-avx2,llama.cpp-rpc,in-process-exact,swarm-exact",
+        help="comma list of configurations: in-process,swarm,swarm-noaudit,swarm-grpc,swarm-floor,swarm-layers,"
+        "llama.cpp,llama.cpp-avx2,llama.cpp-rpc,in-process-exact,swarm-exact",
     )
     p.add_argument("--workdir", type=Path, default=None, help="keep/reuse the synthesized model here")
     p.add_argument(
@@ -719,8 +727,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     cmd = "python bench/decode.py" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
 
-    configs = ["in-process", "swarm", "swarm-noaudit", "swarm-floor", "swarm-layers", "in-process-exact",
-               "swarm-exact"]  # fmt: skip
+    configs = ["in-process", "swarm", "swarm-noaudit", "swarm-grpc", "swarm-floor", "swarm-layers",
+               "in-process-exact", "swarm-exact"]  # fmt: skip
     unavailable: dict[str, str] = {}
     llama_ver = None
     if MODELS[args.model]["llama"]:
@@ -775,6 +783,7 @@ def main(argv: list[str] | None = None) -> int:
             "swarm": partial(swarm, "native"),
             "swarm-exact": partial(swarm, "exact"),
             "swarm-noaudit": partial(swarm, "native", 0.0),
+            "swarm-grpc": partial(swarm, "native", 0.0, stream=False),
             "swarm-floor": partial(swarm, "native", 0.0, ZERO_NODE),
             "swarm-layers": partial(swarm, "native", 0.0, by_layer=True),
             "llama.cpp": partial(
@@ -798,8 +807,8 @@ def main(argv: list[str] | None = None) -> int:
         }
         # Our engine runs in a child process per pass: a cold start each time (and the exact numerics' float32
         # working copies, 10-13 GB, are surely given back before the next configuration starts).
-        ours_keys = ("in-process", "swarm", "swarm-noaudit", "swarm-floor", "swarm-layers", "in-process-exact",
-                     "swarm-exact")  # fmt: skip
+        ours_keys = ("in-process", "swarm", "swarm-noaudit", "swarm-grpc", "swarm-floor", "swarm-layers",
+                     "in-process-exact", "swarm-exact")  # fmt: skip
         for key in ours_keys:
             runners[key] = _in_child(runners[key], experts_remote=key.startswith("swarm"))
         active = [c for c in configs if c not in unavailable]
@@ -829,7 +838,7 @@ def main(argv: list[str] | None = None) -> int:
             keys = (
                 "in-process" + sfx,
                 "swarm" + sfx,
-                *(("swarm-noaudit", "swarm-layers") if not sfx else ()),
+                *(("swarm-noaudit", "swarm-grpc", "swarm-layers") if not sfx else ()),
             )
             ours = [r.tokens for k in keys for r in results.get(k, [])]
             if ours:

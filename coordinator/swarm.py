@@ -455,7 +455,11 @@ class SwarmExperts:
         for address, n in now.items():
             if address not in self.clients:
                 self.clients[address] = NodeClient(
-                    address, fingerprint=n.identity.fingerprint, key=self.key, tls=n.tls
+                    address,
+                    fingerprint=n.identity.fingerprint,
+                    key=self.key,
+                    tls=n.tls,
+                    stream_port=n.stream_port,
                 )
                 log.info("node joined: %s (%d slabs)", address, len(n.held))
             held = set(n.held)
@@ -632,9 +636,11 @@ def connect(
     by_header: list[str] = []  # nodes taken on the source GGUF's header hash alone
     strangers: list[str] = []  # peers of another model, passed over
 
-    def add(address: str, node: ModelIdentity, held: Iterable[SlabKey], tls: bool) -> None:
+    def add(address: str, node: ModelIdentity, held: Iterable[SlabKey], tls: bool, stream_port: int) -> None:
         if address not in clients:
-            clients[address] = NodeClient(address, fingerprint=node.fingerprint, key=key, tls=tls)
+            clients[address] = NodeClient(
+                address, fingerprint=node.fingerprint, key=key, tls=tls, stream_port=stream_port
+            )
             if identity.match(node) is Match.HEADER:
                 by_header.append(address)
         placement.add(address, held)
@@ -672,7 +678,7 @@ def connect(
 
         def covered(nodes: list) -> bool:
             for n in nodes:
-                add(n.address, n.identity, n.held, n.tls)
+                add(n.address, n.identity, n.held, n.tls, n.stream_port)
             return not placement.missing(needed)
 
         if browser.wait_for(covered, wait) is not None:
@@ -680,7 +686,7 @@ def connect(
             # ms at random): take them too, they are the replicas a failover will need.
             time.sleep(min(MDNS_SETTLE_SECONDS, wait))
         for n in browser.nodes():
-            add(n.address, n.identity, n.held, n.tls)
+            add(n.address, n.identity, n.held, n.tls, n.stream_port)
 
     missing = placement.missing(needed)
     if missing:

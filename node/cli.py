@@ -161,6 +161,18 @@ def register(sub: argparse._SubParsersAction) -> None:
         "other devices)",
     )
     p.add_argument("--port", type=int, default=0, help="port to listen on (0: any free port)")
+    stream = p.add_mutually_exclusive_group()
+    stream.add_argument(
+        "--stream-port",
+        type=int,
+        default=0,
+        help="port of the compute stream, which takes the coordinator's Compute calls on kept connections at "
+        "a tenth of a gRPC call's cost (0: any free port; the node announces it); a firewall must let it "
+        "through beside --port, or the coordinator falls back to gRPC",
+    )
+    stream.add_argument(
+        "--no-stream", action="store_true", help="no compute stream: Compute calls go over gRPC only"
+    )
     p.add_argument(
         "--memory",
         default=None,
@@ -412,6 +424,7 @@ def _serve(
         name=args.name or "",
         source_sha256=loaded.source_sha256,
         files=files,
+        stream_port=None if args.no_stream else args.stream_port,
     ).start()
     metrics_server, metrics_port = None, None
     if args.metrics_port is not None:
@@ -483,6 +496,7 @@ def _serve(
                 key=key,
                 tls=tls,
                 serves_files=files is not None,
+                stream_port=server.stream.port if server.stream is not None else 0,
             )
 
         interfaces = args.mdns_interface if args.mdns_interface else default_mdns_interfaces(args.host)

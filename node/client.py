@@ -28,28 +28,14 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from swarm.node.auth import AUTH_METADATA, TLS_NAME, Signer, SwarmKey, is_loopback_host
+from swarm.node.errors import NodeCallError, wrap_rpc_error
 from swarm.node.identity import ModelIdentity
+from swarm.node.streams import StreamPool, tls_context
 from swarm.proto import expert_pb2 as pb
 from swarm.proto.channel import CHANNEL_OPTIONS, PROTOCOL_VERSION, SERVICE_NAME
 from swarm.proto.codec import SlabKey, compute_request, decode_tensor, held_from_proto
+from swarm.proto.frames import COMPUTE_METHOD
 from swarm.sharding.errors import UserError
-
-
-class NodeCallError(RuntimeError):
-    """A call to a node failed: `code` is the grpc.StatusCode, `details` the node's message."""
-
-    def __init__(self, address: str, method: str, code: grpc.StatusCode, details: str) -> None:
-        self.address = address
-        self.method = method
-        self.code = code
-        self.details = details
-        super().__init__(f"{method} on node {address} failed: {code.name}: {details}")
-
-
-def _wrap(address: str, method: str, e: grpc.RpcError) -> NodeCallError:
-    code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
-    details = e.details() if hasattr(e, "details") else str(e)
-    return NodeCallError(address, method, code, details or "")
 
 
 @dataclass(frozen=True)
@@ -67,6 +53,7 @@ class NodeInfo:
     version: str
     source_sha256: str = ""  # the source GGUF's header hash; "" from an older node
     serves_files: bool = False  # gives out manifest.json and its held slabs' files (Fetch)
+    stream_port: int = 0  # its compute stream's port (swarm.node.streams); 0: none
 
     @property
     def identity(self) -> ModelIdentity:
@@ -101,7 +88,7 @@ class FileStream:
             for chunk in self._call:
                 yield chunk.offset, chunk.data, chunk.size
         except grpc.RpcError as e:
-            raise _wrap(self.address, "Fetch", e) from None
+            raise wrap_rpc_error(self.address, "Fetch", e) from None
 
     def cancel(self) -> None:
         self._call.cancel()
@@ -129,7 +116,7 @@ class ComputeCall:
         try:
             reply = self._future.result(timeout=timeout)
         except grpc.RpcError as e:
-            raise _wrap(self.address, "Compute", e) from None
+            raise wrap_rpc_error(self.address, "Compute", e) from None
         except CancelledError:
             raise NodeCallError(
                 self.address, "Compute", grpc.StatusCode.CANCELLED, "the call was cancelled"
@@ -169,6 +156,9 @@ class NodeClient:
     With a swarm key every call carries a swarm-auth tag (see swarm.node.auth); `tls` (default: off loopback
     whenever there is a key) makes the channel TLS with the key's identity, as nodes off loopback serve it.
     `max_in_flight` bounds the Compute calls running at once to this node (more wait their turn here).
+    With `stream_port` (the node's InfoReply.stream_port or mDNS record; `use_stream` sets it later) Compute
+    calls travel over the node's compute stream instead of gRPC (see swarm.node.streams); every other call is
+    gRPC.
     """
 
     def __init__(
@@ -178,6 +168,7 @@ class NodeClient:
         key: SwarmKey | None = None,
         max_in_flight: int = 8,
         tls: bool | None = None,
+        stream_port: int = 0,
     ) -> None:
         self.address = address
         self.fingerprint = fingerprint or ""
@@ -197,12 +188,41 @@ class NodeClient:
         self._methods: dict[str, Any] = {}
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._calls = ThreadPoolExecutor(max_in_flight, thread_name_prefix=f"swarm-call-{address}")
+        self._key, self._max_in_flight = key, max_in_flight
+        self._stream: StreamPool | None = None
+        self.use_stream(stream_port)
+
+    def use_stream(self, port: int) -> None:
+        """Send Compute calls to the node's compute stream on `port` of its host (0: keep them on gRPC)."""
+        if not port or self._stream is not None:
+            return
+        tls = tls_context(self._key, server=False) if self.tls and self._key is not None else None
+        host = self.address.rsplit(":", 1)[0]
+        self._stream = StreamPool(
+            self.address, host, port, self._sign_compute, self._compute_over_grpc, tls, self._max_in_flight
+        )
+
+    def _sign_compute(self, body: bytes) -> str:
+        return self._signer.token(COMPUTE_METHOD, body) if self._signer else ""
+
+    def _compute_over_grpc(self, body: bytes, token: str, timeout: float | None) -> pb.ComputeReply:
+        try:
+            return self._send("Compute", body, token, pb.ComputeReply, timeout)
+        except grpc.RpcError as e:
+            raise wrap_rpc_error(self.address, "Compute", e) from None
 
     def _call(
         self, method: str, request: Any, reply: Any, timeout: float | None, stream: bool = False
     ) -> Any:
         """One call (unary, or answered by a stream): the request serialized once, so that the tag covers
         exactly the bytes sent."""
+        body = request.SerializeToString()
+        token = self._signer.token(f"/{SERVICE_NAME}/{method}", body) if self._signer else ""
+        return self._send(method, body, token, reply, timeout, stream)
+
+    def _send(
+        self, method: str, body: bytes, token: str, reply: Any, timeout: float | None, stream: bool = False
+    ) -> Any:
         path = f"/{SERVICE_NAME}/{method}"
         stub = self._methods.get(path)
         if stub is None:
@@ -210,8 +230,7 @@ class NodeClient:
             stub = self._methods[path] = make(
                 path, request_serializer=None, response_deserializer=reply.FromString
             )
-        body = request.SerializeToString()
-        metadata = ((AUTH_METADATA, self._signer.token(path, body)),) if self._signer else None
+        metadata = ((AUTH_METADATA, token),) if token else None
         return stub(body, timeout=timeout, metadata=metadata)
 
     def compute_async(
@@ -236,6 +255,8 @@ class NodeClient:
             protocol_version=PROTOCOL_VERSION,
             numerics=numerics,
         )
+        if self._stream is not None:
+            return ComputeCall(self.address, self._stream.submit(request.SerializeToString(), timeout))
         future = self._calls.submit(self._call, "Compute", request, pb.ComputeReply, timeout)
         return ComputeCall(self.address, future)
 
@@ -262,7 +283,7 @@ class NodeClient:
         try:
             r = self._call("Info", pb.InfoRequest(), pb.InfoReply, timeout)
         except grpc.RpcError as e:
-            raise _wrap(self.address, "Info", e) from None
+            raise wrap_rpc_error(self.address, "Info", e) from None
         return NodeInfo(
             address=self.address,
             fingerprint=r.fingerprint,
@@ -277,13 +298,14 @@ class NodeClient:
             version=r.version,
             source_sha256=r.source_sha256,
             serves_files=r.serves_files,
+            stream_port=r.stream_port,
         )
 
     def stats(self, timeout: float | None = 10.0) -> NodeStats:
         try:
             r = self._call("Stats", pb.StatsRequest(), pb.StatsReply, timeout)
         except grpc.RpcError as e:
-            raise _wrap(self.address, "Stats", e) from None
+            raise wrap_rpc_error(self.address, "Stats", e) from None
         return NodeStats(
             calls=r.calls,
             rows=r.rows,
@@ -303,7 +325,7 @@ class NodeClient:
         try:
             r = self._health.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
         except grpc.RpcError as e:
-            raise _wrap(self.address, "Health.Check", e) from None
+            raise wrap_rpc_error(self.address, "Health.Check", e) from None
         return r.status == health_pb2.HealthCheckResponse.SERVING
 
     def wait_ready(self, timeout: float = 10.0) -> None:
@@ -316,6 +338,8 @@ class NodeClient:
             ) from None
 
     def close(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
         self._calls.shutdown(wait=False, cancel_futures=True)
         self._channel.close()
 
@@ -331,7 +355,9 @@ def ask_peer(address: str, key: SwarmKey | None, timeout: float = 10.0) -> tuple
     UserError saying so); one that does not answer raises NodeCallError (its client closed)."""
     client = NodeClient(address, key=key)
     try:
-        return client, client.info(timeout=timeout)
+        info = client.info(timeout=timeout)
+        client.use_stream(info.stream_port)
+        return client, info
     except NodeCallError as e:
         client.close()
         if e.code == grpc.StatusCode.UNAUTHENTICATED:

@@ -89,6 +89,7 @@ class DiscoveredNode:
     key_id: str = ""  # key_id() of the node's swarm key; "" when it has none
     tls: bool = False  # the node serves TLS (with its swarm key's identity)
     serves_files: bool = False  # it gives out manifest.json and its held slabs' files (Fetch)
+    stream_port: int = 0  # its compute stream's port (swarm.node.streams); 0: none
 
     @property
     def identity(self) -> ModelIdentity:
@@ -125,6 +126,7 @@ def node_properties(
     key: SwarmKey | None = None,
     tls: bool = False,
     serves_files: bool = False,
+    stream_port: int = 0,
 ) -> dict[str, str]:
     chunks = pack_slabs(held)
     props = {
@@ -144,6 +146,8 @@ def node_properties(
         props["tls"] = "1"
     if serves_files:
         props["fs"] = "1"  # gives out manifest.json and its held slabs' files (Fetch)
+    if stream_port:
+        props["cs"] = str(stream_port)  # its compute stream
     props.update({f"s{i}": c for i, c in enumerate(chunks)})
     return props
 
@@ -176,6 +180,7 @@ def parse_service(info: ServiceInfo) -> DiscoveredNode:
         key_id=_text(props, "kid"),
         tls=_text(props, "tls") == "1",
         serves_files=_text(props, "fs") == "1",
+        stream_port=int(_text(props, "cs", "0")),
     )
 
 

@@ -23,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from swarm.node.auth import AUTH_METADATA, SwarmKey, Verifier
 from swarm.node.files import BadPath, NotOffered, ShardFiles, chunks
 from swarm.node.store import BadCall, ExpertStore, MissingSlabs
+from swarm.node.streams import StreamServer, tls_context
 from swarm.proto import expert_pb2 as pb
 from swarm.proto import expert_pb2_grpc as pb_grpc
 from swarm.proto.channel import (
@@ -105,29 +106,32 @@ class CallStats:
                 c[1] += n
 
 
+def status_of(e: Exception, method: str) -> tuple[grpc.StatusCode, str]:
+    """Every way a call can fail, as a status code and a message that says what to do."""
+    if isinstance(e, Refused):
+        return e.code, str(e)
+    if isinstance(e, MissingSlabs | NotOffered):
+        return grpc.StatusCode.NOT_FOUND, str(e)
+    if isinstance(e, FileNotFoundError):
+        return grpc.StatusCode.NOT_FOUND, f"{e.filename}: gone from this node; ask another holder"
+    if isinstance(e, BadCall | CodecError | BadPath):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(e)
+    if isinstance(e, MemoryError | torch.OutOfMemoryError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, f"out of memory computing this call ({e}); send fewer rows"
+    # the node must outlive any bad call; the log keeps the traceback
+    log.error("%s failed", method, exc_info=e)
+    return grpc.StatusCode.INTERNAL, f"node error: {type(e).__name__}: {e}"
+
+
 def _answer(method: Callable[..., Reply]) -> Callable[..., Reply]:
-    """Map every way a call can fail to a status code and a message that says what to do."""
+    """A gRPC method whose failures end the call with `status_of`'s code and message."""
 
     @functools.wraps(method)
     def wrapper(self: ExpertServicer, request: Any, context: grpc.ServicerContext) -> Reply:
         try:
             return method(self, request, context)
-        except Refused as e:
-            code, msg = e.code, str(e)
-        except (MissingSlabs, NotOffered) as e:
-            code, msg = grpc.StatusCode.NOT_FOUND, str(e)
-        except FileNotFoundError as e:
-            code, msg = grpc.StatusCode.NOT_FOUND, f"{e.filename}: gone from this node; ask another holder"
-        except (BadCall, CodecError, BadPath) as e:
-            code, msg = grpc.StatusCode.INVALID_ARGUMENT, str(e)
-        except (MemoryError, torch.OutOfMemoryError) as e:
-            code, msg = (
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"out of memory computing this call ({e}); send fewer rows",
-            )
-        except Exception as e:  # the node must outlive any bad call; the log keeps the traceback
-            log.exception("%s failed", method.__name__)
-            code, msg = grpc.StatusCode.INTERNAL, f"node error: {type(e).__name__}: {e}"
+        except Exception as e:
+            code, msg = status_of(e, method.__name__)
         context.abort(code, msg)
 
     return wrapper
@@ -143,6 +147,7 @@ class ExpertServicer(pb_grpc.ExpertNodeServicer):
         stats: CallStats | None = None,
         source_sha256: str = "",
         files: ShardFiles | None = None,
+        stream_port: int | None = 0,
     ) -> None:
         self.store = store
         self.files = files
@@ -151,6 +156,7 @@ class ExpertServicer(pb_grpc.ExpertNodeServicer):
         self.workers = workers
         self.name = name
         self.stats = stats or CallStats()
+        self.stream_port = 0  # the compute stream's port, once NodeServer has opened it
         self._fetch_slots = threading.BoundedSemaphore(max(1, workers // FETCH_SHARE))
 
     def _check_model(self, request: pb.ComputeRequest | pb.FetchRequest) -> None:
@@ -169,6 +175,22 @@ class ExpertServicer(pb_grpc.ExpertNodeServicer):
 
     @_answer
     def Compute(self, request: pb.ComputeRequest, context: grpc.ServicerContext) -> pb.ComputeReply:
+        return self.compute(request)
+
+    def compute_frame(self, body: bytes) -> tuple[grpc.StatusCode, bytes]:
+        """A Compute call from the compute stream (swarm.node.streams): (status, the serialized ComputeReply or
+        the message), with the gRPC method's checks and codes."""
+        try:
+            return grpc.StatusCode.OK, self.compute(
+                pb.ComputeRequest.FromString(bytes(body))
+            ).SerializeToString()
+        except DecodeError as e:
+            return grpc.StatusCode.INVALID_ARGUMENT, f"not a Compute request ({e})".encode()
+        except Exception as e:
+            code, msg = status_of(e, "Compute")
+            return code, msg.encode()
+
+    def compute(self, request: pb.ComputeRequest) -> pb.ComputeReply:
         expert_ids, counts = list(request.expert_ids), list(request.counts)
         self.stats.begin()
         ok, t0 = False, time.perf_counter()
@@ -199,6 +221,7 @@ class ExpertServicer(pb_grpc.ExpertNodeServicer):
             version=software_version(),
             source_sha256=self.source_sha256,
             serves_files=self.files is not None,
+            stream_port=self.stream_port,
         )
 
     @_answer
@@ -318,7 +341,8 @@ def format_address(host: str, port: int) -> str:
 
 
 class NodeServer:
-    """A running expert node: the gRPC server with the expert and health services on host:port."""
+    """A running expert node: the gRPC server with the expert and health services on host:port, and the
+    compute stream (swarm.node.streams) on `stream_port` (0: any free port; None: none)."""
 
     def __init__(
         self,
@@ -333,6 +357,7 @@ class NodeServer:
         name: str = "",
         source_sha256: str = "",
         files: ShardFiles | None = None,
+        stream_port: int | None = 0,
     ) -> None:
         self.store = store
         self.host = host
@@ -343,7 +368,8 @@ class NodeServer:
             store, fingerprint, workers, name, source_sha256=source_sha256, files=files
         )
         self.health = health.HealthServicer()
-        interceptors = [GateInterceptor(Verifier(key) if key is not None else None)]
+        verifier = Verifier(key) if key is not None else None  # one replay window for both transports
+        interceptors = [GateInterceptor(verifier)]
         self._server = grpc.server(
             ThreadPoolExecutor(max_workers=workers, thread_name_prefix="swarm-node"),
             options=CHANNEL_OPTIONS,
@@ -369,6 +395,18 @@ class NodeServer:
                 f"cannot listen on {format_address(host, port)}: the port is taken or the address is not "
                 "this machine's; pick another --port (0 = any free port) or --host"
             )
+        self.stream: StreamServer | None = None
+        if stream_port is not None:
+            tls_ctx = tls_context(key, server=True) if tls and key is not None else None
+            try:
+                self.stream = StreamServer(host, stream_port, self.servicer.compute_frame, verifier, tls_ctx)
+            except OSError as e:
+                self._server.stop(None)
+                raise UserError(
+                    f"cannot listen on {format_address(host, stream_port)} for the compute stream ({e}); pick "
+                    "another --stream-port (0 = any free port), or --no-stream"
+                ) from e
+            self.servicer.stream_port = self.stream.port
 
     @property
     def address(self) -> str:
@@ -376,6 +414,8 @@ class NodeServer:
 
     def start(self) -> NodeServer:
         self._server.start()
+        if self.stream is not None:
+            self.stream.start()
         for service in ("", SERVICE_NAME):
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving %d slabs on %s", len(self.store.slabs), self.address)
@@ -385,6 +425,8 @@ class NodeServer:
         """Say NOT_SERVING, let in-flight calls finish for up to `grace` seconds, then stop."""
         self.health.enter_graceful_shutdown()
         self._server.stop(grace).wait()
+        if self.stream is not None:
+            self.stream.stop()
 
     def wait(self, timeout: float | None = None) -> bool:
         return self._server.wait_for_termination(timeout)

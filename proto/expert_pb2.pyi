@@ -84,7 +84,7 @@ class SlabGroup(_message.Message):
     def __init__(self, layers: _Optional[_Iterable[_Union[IdRange, _Mapping]]] = ..., experts: _Optional[_Iterable[_Union[IdRange, _Mapping]]] = ...) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("fingerprint", "protocol_version", "held", "device", "memory_budget_bytes", "max_message_bytes", "workers", "hidden_size", "node_name", "version", "source_sha256", "serves_files")
+    __slots__ = ("fingerprint", "protocol_version", "held", "device", "memory_budget_bytes", "max_message_bytes", "workers", "hidden_size", "node_name", "version", "source_sha256", "serves_files", "stream_port")
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     HELD_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +97,7 @@ class InfoReply(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SOURCE_SHA256_FIELD_NUMBER: _ClassVar[int]
     SERVES_FILES_FIELD_NUMBER: _ClassVar[int]
+    STREAM_PORT_FIELD_NUMBER: _ClassVar[int]
     fingerprint: str
     protocol_version: int
     held: _containers.RepeatedCompositeFieldContainer[SlabGroup]
@@ -109,7 +110,8 @@ class InfoReply(_message.Message):
     version: str
     source_sha256: str
     serves_files: bool
-    def __init__(self, fingerprint: _Optional[str] = ..., protocol_version: _Optional[int] = ..., held: _Optional[_Iterable[_Union[SlabGroup, _Mapping]]] = ..., device: _Optional[str] = ..., memory_budget_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., workers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., node_name: _Optional[str] = ..., version: _Optional[str] = ..., source_sha256: _Optional[str] = ..., serves_files: _Optional[bool] = ...) -> None: ...
+    stream_port: int
+    def __init__(self, fingerprint: _Optional[str] = ..., protocol_version: _Optional[int] = ..., held: _Optional[_Iterable[_Union[SlabGroup, _Mapping]]] = ..., device: _Optional[str] = ..., memory_budget_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., workers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., node_name: _Optional[str] = ..., version: _Optional[str] = ..., source_sha256: _Optional[str] = ..., serves_files: _Optional[bool] = ..., stream_port: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,378 @@
+"""The compute stream, both ends: Compute calls as frames (swarm.proto.frames) on kept TCP connections.
+
+A decode step makes one Compute call per node and MoE layer, so what a call costs beside its compute is paid
+hundreds of times a second. Over gRPC from Python that is ~0.8 ms of CPU per call between the two ends; on a
+kept connection it is a tenth of that. The node serves both: the ExpertNode service over gRPC (Info, Stats,
+Fetch, health, and Compute for any client) and this stream on a port of its own, which it announces
+(InfoReply.stream_port, the mDNS record). What crosses it is what a gRPC Compute call carries: the same
+ComputeRequest / ComputeReply bytes, the same swarm-auth tag over them (one tag is good for one call on either
+transport), the same checks and status codes, TLS with the swarm key's identity off loopback.
+
+Node side: `StreamServer`, a thread per connection (one call at a time on each; a client opens as many
+connections as it wants calls in flight). Client side: `StreamPool`, up to `size` connections to one node,
+each with its own thread that sends a call, reads its answer and resolves the call's future; a call whose node
+does not answer by its deadline ends DEADLINE_EXCEEDED and its connection is dropped. When the stream cannot be
+reached at all (a firewall that lets only the gRPC port through), the pool says so once and its calls go over
+gRPC (`fallback`) for a while before it tries the stream again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import ssl
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+
+import grpc
+
+from swarm.node.auth import TLS_NAME, SwarmKey, Verifier
+from swarm.node.errors import NodeCallError
+from swarm.proto import expert_pb2 as pb
+from swarm.proto.frames import (
+    COMPUTE_METHOD,
+    FrameError,
+    call_frame,
+    read_call,
+    read_reply,
+    reply_frame,
+)
+
+log = logging.getLogger(__name__)
+
+# Connections a node serves at once (a thread each); one more is closed at once, and its client falls back.
+MAX_CONNECTIONS = 256
+# How long a new connection may take to connect and finish its TLS handshake.
+CONNECT_SECONDS = 5.0
+# After the stream could not be reached, calls go over gRPC for this long before the stream is tried again.
+RETRY_STREAM_SECONDS = 30.0
+
+Answer = Callable[[bytes], tuple[grpc.StatusCode, bytes]]
+
+
+def tls_context(key: SwarmKey, server: bool) -> ssl.SSLContext:
+    """TLS with the swarm key's identity, both ways: each end shows the key's certificate and accepts only it
+    (what the gRPC channels do: see swarm.node.auth)."""
+    key_pem, cert_pem = key.tls_identity
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server else ssl.PROTOCOL_TLS_CLIENT)
+    ctx.load_verify_locations(cadata=cert_pem.decode())
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    with tempfile.TemporaryDirectory(prefix="swarm-tls-") as tmp:  # ssl reads a certificate chain from files
+        chain = Path(tmp) / "identity.pem"
+        fd = os.open(chain, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(cert_pem + key_pem)
+        ctx.load_cert_chain(chain)
+    return ctx
+
+
+def _nodelay(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Node side
+
+
+class StreamServer:
+    """Serves Compute frames on host:port (0: any free port) with `answer(body) -> (status, payload)`; with a
+    verifier every call's tag is checked first (UNAUTHENTICATED otherwise, as on gRPC)."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        answer: Answer,
+        verifier: Verifier | None = None,
+        tls: ssl.SSLContext | None = None,
+        max_connections: int = MAX_CONNECTIONS,
+    ) -> None:
+        self.answer, self.verifier, self.tls = answer, verifier, tls
+        self.max_connections = max_connections
+        bind_host = host.strip("[]") or "0.0.0.0"
+        family, kind, proto, _, where = socket.getaddrinfo(
+            bind_host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        self._listener = socket.socket(family, kind, proto)
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind(where)
+        self._listener.listen(64)
+        self.port: int = self._listener.getsockname()[1]
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._accepter = threading.Thread(target=self._accept, name="swarm-stream-accept", daemon=True)
+
+    def start(self) -> StreamServer:
+        self._accepter.start()
+        return self
+
+    def stop(self) -> None:
+        """Close the port and every connection (a call in flight ends UNAVAILABLE at its client)."""
+        with self._lock:
+            self._closed = True
+            conns = list(self._conns)
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        for c in conns:
+            with contextlib.suppress(OSError):
+                c.shutdown(socket.SHUT_RDWR)
+        if self._accepter.is_alive():
+            self._accepter.join(timeout=5)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return  # stopped
+            with self._lock:
+                if self._closed or len(self._conns) >= self.max_connections:
+                    full = not self._closed
+                    conn.close()
+                    if full:
+                        log.warning(
+                            "compute stream: %d connections already; refused one", self.max_connections
+                        )
+                    continue
+                self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="swarm-stream", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        sock = conn
+        try:
+            _nodelay(conn)
+            if self.tls is not None:
+                conn.settimeout(CONNECT_SECONDS)
+                sock = self.tls.wrap_socket(conn, server_side=True)
+                sock.settimeout(None)
+            while True:
+                token, body = read_call(sock)
+                refused = self.verifier.check(COMPUTE_METHOD, token or None, body) if self.verifier else ""
+                code, payload = (
+                    (grpc.StatusCode.UNAUTHENTICATED, refused.encode()) if refused else self.answer(body)
+                )
+                sock.sendall(reply_frame(code, payload))
+        except EOFError:
+            pass  # the client closed between calls
+        except (FrameError, OSError) as e:  # ssl.SSLError is an OSError
+            log.debug("compute stream connection ended: %s", e)
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            sock.close()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Client side
+
+
+class _Job:
+    __slots__ = ("body", "future", "deadline")
+
+    def __init__(self, body: bytes, future: Future[pb.ComputeReply], deadline: float | None) -> None:
+        self.body, self.future, self.deadline = body, future, deadline
+
+    def remaining(self) -> float | None:
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+
+
+class _Unreachable(OSError):
+    """A new connection to the stream could not be made."""
+
+
+class StreamPool:
+    """Compute calls to one node's stream at host:port; `sign(body)` gives a call's swarm-auth token ("" for
+    none), `fallback(body, token, timeout)` makes the same call over gRPC (used while the stream is unreachable; it
+    raises NodeCallError).
+    `address` names the node in errors."""
+
+    def __init__(
+        self,
+        address: str,
+        host: str,
+        port: int,
+        sign: Callable[[bytes], str],
+        fallback: Callable[[bytes, str, float | None], pb.ComputeReply],
+        tls: ssl.SSLContext | None = None,
+        size: int = 8,
+    ) -> None:
+        self.address, self.host, self.port = address, host.strip("[]"), port
+        self.sign, self.fallback, self.tls, self.size = sign, fallback, tls, size
+        self._lock = threading.Lock()
+        self._idle: list[_Conn] = []
+        self._conns: list[_Conn] = []
+        self._queue: deque[_Job] = deque()
+        self._closed = False
+        self._unreachable_until = 0.0
+
+    def submit(self, body: bytes, timeout: float | None) -> Future[pb.ComputeReply]:
+        """Start one call; its future ends with the ComputeReply or a NodeCallError."""
+        future: Future[pb.ComputeReply] = Future()
+        future.set_running_or_notify_cancel()
+        job = _Job(body, future, None if timeout is None else time.monotonic() + timeout)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the client is closed")
+            if self._idle:
+                conn = self._idle.pop()
+            elif len(self._conns) < self.size:
+                conn = _Conn(self)
+                self._conns.append(conn)
+            else:
+                self._queue.append(job)  # the next connection to finish takes it
+                return future
+        conn.give(job)
+        return future
+
+    def _next(self, conn: _Conn) -> _Job | None:
+        """A connection finished its call: its next job, or None (it goes idle; or it is closed)."""
+        with self._lock:
+            if self._queue and not self._closed:
+                return self._queue.popleft()
+            if self._closed:
+                return None
+            self._idle.append(conn)
+            return None
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            conns, self._conns, self._idle = self._conns, [], []
+            queued, self._queue = list(self._queue), deque()
+        for job in queued:
+            job.future.set_exception(_error(self.address, grpc.StatusCode.CANCELLED, "the client was closed"))
+        for conn in conns:
+            conn.stop()
+
+    def _connect(self, job: _Job) -> socket.socket:
+        if time.monotonic() < self._unreachable_until:
+            raise _Unreachable("unreachable a moment ago")
+        limit = job.remaining()
+        limit = CONNECT_SECONDS if limit is None else min(CONNECT_SECONDS, max(limit, 0.05))
+        try:
+            sock = socket.create_connection((self.host, self.port), timeout=limit)
+            _nodelay(sock)
+            if self.tls is not None:
+                sock = self.tls.wrap_socket(sock, server_hostname=TLS_NAME)
+        except OSError as e:
+            self._unreachable_until = time.monotonic() + RETRY_STREAM_SECONDS
+            log.warning(
+                "node %s: its compute stream (port %d) cannot be reached (%s); its calls go over gRPC for the next "
+                "%.0f s (if only that port is blocked, open it beside the node's gRPC port, or start the node with "
+                "--no-stream)",
+                self.address,
+                self.port,
+                e,
+                RETRY_STREAM_SECONDS,
+            )
+            raise _Unreachable(str(e)) from e
+        return sock
+
+    def _over_grpc(self, job: _Job) -> None:
+        try:
+            job.future.set_result(self.fallback(job.body, self.sign(job.body), job.remaining()))
+        except NodeCallError as e:
+            job.future.set_exception(e)
+
+
+def _error(address: str, code: grpc.StatusCode, details: str) -> NodeCallError:
+    return NodeCallError(address, "Compute", code, details)
+
+
+class _Conn:
+    """One kept connection and the thread that runs its calls, one at a time."""
+
+    def __init__(self, pool: StreamPool) -> None:
+        self.pool = pool
+        self.sock: socket.socket | None = None
+        self._job: _Job | None = None
+        self._go = threading.Semaphore(0)
+        self._stopped = False
+        threading.Thread(target=self._run, name=f"swarm-stream-{pool.address}", daemon=True).start()
+
+    def give(self, job: _Job) -> None:
+        self._job = job
+        self._go.release()
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._drop()
+        self._go.release()
+
+    def _drop(self) -> None:
+        sock, self.sock = self.sock, None
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+    def _run(self) -> None:
+        while True:
+            self._go.acquire()
+            job, self._job = self._job, None
+            if job is None or self._stopped:
+                if job is not None:
+                    job.future.set_exception(_error(self.pool.address, grpc.StatusCode.CANCELLED, "closed"))
+                return
+            while job is not None:
+                self._call(job)
+                job = self.pool._next(self)
+                if self._stopped:
+                    return
+
+    def _call(self, job: _Job) -> None:
+        pool = self.pool
+        for attempt in (1, 2):
+            reused = self.sock is not None
+            try:
+                if self.sock is None:
+                    self.sock = pool._connect(job)
+                left = job.remaining()
+                self.sock.settimeout(None if left is None else max(left, 1e-3))
+                self.sock.sendall(call_frame(pool.sign(job.body), job.body))
+                code, payload = read_reply(self.sock)
+            except _Unreachable:
+                pool._over_grpc(job)
+                return
+            except TimeoutError:
+                self._drop()  # its answer may still come: the connection is out of step
+                job.future.set_exception(
+                    _error(pool.address, grpc.StatusCode.DEADLINE_EXCEEDED, "no answer before the deadline")
+                )
+                return
+            except (EOFError, OSError) as e:  # FrameError and ssl errors are OSErrors
+                self._drop()
+                if self._stopped:
+                    job.future.set_exception(
+                        _error(pool.address, grpc.StatusCode.CANCELLED, "the client was closed")
+                    )
+                    return
+                if (
+                    reused
+                    and attempt == 1
+                    and isinstance(e, EOFError | BrokenPipeError | ConnectionResetError)
+                ):
+                    continue  # a kept connection the node closed while it was idle: once more on a new one
+                job.future.set_exception(
+                    _error(pool.address, grpc.StatusCode.UNAVAILABLE, f"compute stream connection lost ({e})")
+                )
+                return
+            if code == grpc.StatusCode.OK:
+                try:
+                    job.future.set_result(pb.ComputeReply.FromString(bytes(payload)))
+                except Exception as e:  # a reply that does not parse: the node is broken
+                    job.future.set_exception(
+                        _error(pool.address, grpc.StatusCode.INTERNAL, f"bad reply ({e})")
+                    )
+            else:
+                job.future.set_exception(_error(pool.address, code, payload.decode("utf-8", "replace")))
+            return

@@ -1,0 +1,246 @@
+"""The compute stream (swarm.node.streams): Compute calls as frames on kept connections, beside gRPC.
+
+Real node processes on 127.0.0.1, a real byte-logging TCP proxy (tests/tcp_proxy.py) in front of the stream
+port where a test needs to see or cut the wire, raw sockets for what a listener or a broken peer would send.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+from conftest import FIXTURES
+from tcp_proxy import TcpProxy
+
+from swarm.node.auth import Signer, SwarmKey, generate_key_text
+from swarm.node.client import NodeCallError, NodeClient
+from swarm.node.launch import start_nodes, stop_nodes
+from swarm.proto import expert_pb2 as pb
+from swarm.proto.channel import PROTOCOL_VERSION
+from swarm.proto.codec import compute_request
+from swarm.proto.frames import COMPUTE_METHOD, call_frame, read_reply
+
+GGUF = FIXTURES / "qwen3moe-tiny" / "model-f32.gguf"  # D = 64, 32 experts
+KEY_TEXT = generate_key_text()
+KEY = SwarmKey.from_text(KEY_TEXT)
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory):
+    """open: no key; keyed: keyed, plaintext on loopback; tls: keyed, --tls on; grpc: --no-stream."""
+    work = tmp_path_factory.mktemp("streams")
+    key_file = work / "swarm.key"
+    key_file.write_text(KEY_TEXT)
+    kf = ["--key-file", str(key_file), "--no-mdns"]
+    specs = [
+        (GGUF, ["--no-mdns"]),
+        (GGUF, kf),
+        (GGUF, [*kf, "--tls", "on"]),
+        (GGUF, ["--no-mdns", "--no-stream"]),
+    ]
+    started = start_nodes(specs, work / "nodes")
+    yield dict(zip(("open", "keyed", "tls", "grpc"), started, strict=True))
+    assert stop_nodes(started) == [0, 0, 0, 0]
+
+
+def _rows(n: int = 3) -> torch.Tensor:
+    g = torch.Generator().manual_seed(n)
+    return torch.randn(n, 64, generator=g)
+
+
+def _stream_port(address: str, key: SwarmKey | None = None, tls: bool | None = None) -> int:
+    with NodeClient(address, key=key, tls=tls) as c:
+        return c.info().stream_port
+
+
+def _raw_call(port: int, body: bytes, token: str) -> tuple[grpc.StatusCode, bytes]:
+    """One frame with exactly these bytes and this token, on a connection of its own."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(call_frame(token, body))
+        code, payload = read_reply(s)
+        return code, bytes(payload)
+
+
+def test_stream_answers_equal_grpc_and_the_calls_take_the_stream(nodes):
+    node = nodes["open"]
+    port = _stream_port(node.address)
+    assert port > 0 and _stream_port(nodes["grpc"].address) == 0  # --no-stream announces none
+    rows = _rows(5)
+    with NodeClient(node.address, fingerprint=node.fingerprint) as plain:
+        want = plain.compute(0, [3, 7, 30], [2, 1, 2], rows)
+    proxy = TcpProxy(f"127.0.0.1:{port}", keep=True)
+    try:
+        with NodeClient(node.address, fingerprint=node.fingerprint, stream_port=proxy.port) as client:
+            calls = [
+                client.compute_async(0, [3, 7, 30], [2, 1, 2], rows) for _ in range(6)
+            ]  # several at once
+            outs = [c.result() for c in calls]
+            half = client.compute(1, [5], [2], rows[:2], out_dtype=torch.float16)
+    finally:
+        proxy.close()
+    for out in outs:
+        assert torch.equal(out, want)
+    assert half.dtype == torch.float16 and half.shape == (2, 64)
+    assert rows.numpy().tobytes()[:64] in bytes(proxy.seen), "the calls went over the stream"
+
+
+def test_stream_errors_are_the_grpc_status_codes(nodes):
+    node = nodes["open"]
+    with NodeClient(node.address, fingerprint=node.fingerprint, stream_port=_stream_port(node.address)) as c:
+        with pytest.raises(NodeCallError) as e:
+            c.compute(0, [99], [1], _rows(1))  # an expert this model does not have
+        assert e.value.code is grpc.StatusCode.NOT_FOUND
+        with pytest.raises(NodeCallError) as e:
+            c.compute(0, [1], [2], _rows(1))  # counts that do not match the rows
+        assert e.value.code is grpc.StatusCode.INVALID_ARGUMENT
+        c.fingerprint = "0" * 64
+        with pytest.raises(NodeCallError) as e:
+            c.compute(0, [1], [1], _rows(1))
+        assert e.value.code is grpc.StatusCode.FAILED_PRECONDITION and "serves model" in e.value.details
+        c.fingerprint = node.fingerprint
+        assert c.compute(0, [1], [1], _rows(1)).shape == (1, 64)  # the connection is still good
+
+
+def test_stream_calls_are_authenticated_and_never_replayed_on_either_transport(nodes):
+    node = nodes["keyed"]
+    port = _stream_port(node.address, KEY)
+    body = compute_request(0, [0], [1], _rows(1), node.fingerprint, protocol_version=PROTOCOL_VERSION)
+    body_bytes = body.SerializeToString()
+    signer = Signer(KEY)
+    token = signer.token(COMPUTE_METHOD, body_bytes)
+    code, payload = _raw_call(port, body_bytes, token)
+    assert code is grpc.StatusCode.OK and pb.ComputeReply.FromString(payload).rows.shape == [1, 64]
+    assert _raw_call(port, body_bytes, token)[0] is grpc.StatusCode.UNAUTHENTICATED  # replayed
+    code, why = _raw_call(port, body_bytes, "")
+    assert code is grpc.StatusCode.UNAUTHENTICATED and b"needs the swarm key" in why
+    altered = compute_request(0, [1], [1], _rows(1), node.fingerprint, protocol_version=PROTOCOL_VERSION)
+    assert _raw_call(port, altered.SerializeToString(), signer.token(COMPUTE_METHOD, body_bytes))[0] is (
+        grpc.StatusCode.UNAUTHENTICATED
+    )
+    forged = Signer(SwarmKey.from_text("a guess")).token(COMPUTE_METHOD, body_bytes)
+    assert _raw_call(port, body_bytes, forged)[0] is grpc.StatusCode.UNAUTHENTICATED
+    # a tag spent on gRPC is spent on the stream too (one replay window for both transports)
+    fresh = signer.token(COMPUTE_METHOD, body_bytes)
+    with grpc.insecure_channel(node.address) as ch:
+        stub = ch.unary_unary(COMPUTE_METHOD, request_serializer=None, response_deserializer=None)
+        stub(body_bytes, metadata=(("swarm-auth", fresh),), timeout=10)
+    assert _raw_call(port, body_bytes, fresh)[0] is grpc.StatusCode.UNAUTHENTICATED
+    # the coordinator's own client, with the key, over the stream
+    with NodeClient(node.address, fingerprint=node.fingerprint, key=KEY, stream_port=port) as c:
+        assert c.compute(0, [0, 2], [1, 1], _rows(2)).shape == (2, 64)
+
+
+def test_tls_stream_keeps_activations_private_and_admits_only_key_holders(nodes):
+    node = nodes["tls"]
+    port = _stream_port(node.address, KEY, tls=True)
+    proxy = TcpProxy(f"127.0.0.1:{port}", keep=True)
+    rows = torch.full((2, 64), 1234.5678)
+    try:
+        with NodeClient(
+            node.address, fingerprint=node.fingerprint, key=KEY, tls=True, stream_port=proxy.port
+        ) as c:
+            out = c.compute(0, [0, 1], [1, 1], rows)
+    finally:
+        proxy.close()
+    with NodeClient(nodes["keyed"].address, fingerprint=node.fingerprint, key=KEY) as plain:
+        assert torch.equal(out, plain.compute(0, [0, 1], [1, 1], rows))
+    wire = bytes(proxy.seen)
+    assert len(wire) > 1000 and rows.numpy().tobytes()[:16] not in wire
+    assert node.fingerprint.encode() not in wire and KEY.secret not in wire
+    # plaintext frames to a TLS stream get no answer: the connection ends
+    body = compute_request(0, [0], [1], _rows(1), node.fingerprint).SerializeToString()
+    with pytest.raises((ConnectionError, EOFError)):
+        _raw_call(port, body, Signer(KEY).token(COMPUTE_METHOD, body))
+    # a client of another swarm gets no TLS session, so its call fails as a dead node's would
+    stranger_key = SwarmKey.from_text("another swarm")
+    with NodeClient(node.address, key=stranger_key, tls=True, stream_port=port) as stranger:
+        with pytest.raises(NodeCallError) as e:
+            stranger.compute(0, [0], [1], _rows(1), timeout=5)
+    assert e.value.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAUTHENTICATED)
+
+
+def test_garbage_on_the_stream_ends_that_connection_only(nodes):
+    node = nodes["open"]
+    port = _stream_port(node.address)
+    for junk in (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", b"SWc1" + b"\xff" * 8, b"\x00" * 3):
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(junk)
+            s.shutdown(socket.SHUT_WR)
+            try:
+                assert s.recv(100) == b""  # closed without an answer
+            except ConnectionResetError:
+                pass  # closed with bytes of ours unread
+    with NodeClient(node.address, fingerprint=node.fingerprint, stream_port=port) as c:
+        assert c.compute(0, [0], [1], _rows(1)).shape == (1, 64)
+
+
+def test_a_kept_connection_the_link_dropped_is_replaced_on_the_next_call(nodes):
+    node = nodes["open"]
+    proxy = TcpProxy(f"127.0.0.1:{_stream_port(node.address)}")
+    try:
+        with NodeClient(node.address, fingerprint=node.fingerprint, stream_port=proxy.port) as c:
+            first = c.compute(0, [4], [1], _rows(1))
+            proxy.cut()  # every kept connection drops while idle
+            time.sleep(0.2)
+            assert torch.equal(c.compute(0, [4], [1], _rows(1)), first)
+    finally:
+        proxy.close()
+
+
+def test_unreachable_stream_falls_back_to_grpc_and_says_so(nodes, caplog):
+    node = nodes["open"]
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        closed_port = s.getsockname()[1]  # nothing listens there once the block ends
+    with NodeClient(node.address, fingerprint=node.fingerprint) as plain:
+        want = plain.compute(0, [2], [1], _rows(1))
+    with caplog.at_level(logging.WARNING, logger="swarm.node.streams"):
+        with NodeClient(node.address, fingerprint=node.fingerprint, stream_port=closed_port) as c:
+            assert torch.equal(c.compute(0, [2], [1], _rows(1)), want)
+            assert torch.equal(c.compute(0, [2], [1], _rows(1)), want)
+    said = [r.getMessage() for r in caplog.records if "compute stream" in r.getMessage()]
+    assert len(said) == 1 and "over gRPC" in said[0] and str(closed_port) in said[0]
+
+
+def test_a_node_that_never_answers_ends_the_call_at_its_deadline():
+    listener = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        try:
+            while True:
+                held.append(listener.accept()[0])  # reads nothing, answers nothing
+        except OSError:
+            pass
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        with NodeClient("127.0.0.1:1", stream_port=listener.getsockname()[1]) as c:
+            t0 = time.monotonic()
+            with pytest.raises(NodeCallError) as e:
+                c.compute(0, [0], [1], _rows(1), timeout=0.5)
+            assert e.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
+            assert 0.4 < time.monotonic() - t0 < 5
+    finally:
+        listener.close()
+        for s in held:
+            s.close()
+
+
+def test_a_node_killed_mid_call_fails_the_call_unavailable(tmp_path):
+    (node,) = start_nodes([(GGUF, ["--no-mdns"])], tmp_path / "nodes")
+    try:
+        with NodeClient(node.address, fingerprint=node.fingerprint) as c:
+            c.use_stream(c.info().stream_port)
+            c.compute(0, [0], [1], _rows(1))
+            node.process.kill()
+            node.process.wait(10)
+            with pytest.raises(NodeCallError) as e:
+                c.compute(0, [0], [1], _rows(1), timeout=10)
+        assert e.value.code is grpc.StatusCode.UNAVAILABLE
+    finally:
+        stop_nodes([node])
