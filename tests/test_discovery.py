@@ -8,6 +8,7 @@ import time
 import pytest
 from conftest import FIXTURES
 
+from swarm.node.client import NodeClient
 from swarm.node.discovery import (
     Advertiser,
     browse,
@@ -47,7 +48,7 @@ def test_default_advertising_interface_follows_the_listen_address():
 def test_advertised_record_roundtrips_through_a_browser():
     rng = random.Random(2)
     held = {(rng.randrange(40), rng.randrange(256)) for _ in range(1500)}  # several TXT chunks
-    props = node_properties("ab" * 32, held, 2048, 123456, 3, "cpu")
+    props = node_properties("ab" * 32, held, 2048, 123456, 3, "cpu", stream_port=45679)
     with browse(interfaces=LOOPBACK) as browser:
         adv = Advertiser(45678, "127.0.0.1", props, LOOPBACK, name="roundtrip-test").start()
         try:
@@ -58,6 +59,7 @@ def test_advertised_record_roundtrips_through_a_browser():
         node = next(n for n in found if n.port == 45678)
         assert node.held == held
         assert (node.address, node.fingerprint, node.hidden_size) == ("127.0.0.1:45678", "ab" * 32, 2048)
+        assert node.stream_port == 45679  # its compute stream
         assert (node.memory_budget_bytes, node.workers, node.device, node.protocol_version) == (
             123456,
             3,
@@ -81,6 +83,8 @@ def test_node_process_appears_within_2s_and_leaves_on_sigterm(tmp_path):
             seen = next(n for n in found if n.port == node.port)
             assert seen.address == node.address and seen.fingerprint == node.fingerprint
             assert seen.held == {(layer, e) for layer in (0, 1) for e in range(4)}
+            with NodeClient(node.address) as client:
+                assert seen.stream_port == client.info().stream_port > 0  # the compute stream, as Info says
             assert time.monotonic() - ready <= 2.0
             fp_browser = browse(fingerprint=node.fingerprint, interfaces=LOOPBACK)
             try:
