@@ -167,7 +167,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=0,
         help="port of the compute stream, which takes the coordinator's Compute calls on kept connections at "
-        "a tenth of a gRPC call's cost (0: any free port; the node announces it); a firewall must let it "
+        "a third of a gRPC call's CPU for a decode step's calls (0: any free port; the node announces it); a firewall must let it "
         "through beside --port, or the coordinator falls back to gRPC",
     )
     stream.add_argument(

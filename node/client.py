@@ -1,14 +1,16 @@
 """Client side of the ExpertNode service, as the coordinator uses it.
 
-    client = NodeClient("127.0.0.1:50051", fingerprint=fp, key=None)
+    client = NodeClient("127.0.0.1:50051", fingerprint=fp, key=None, stream_port=info.stream_port)
     call = client.compute_async(layer, expert_ids, counts, rows, timeout=5.0)  # returns at once
     out = call.result()  # [sum(counts), D] torch tensor, rows in the order sent
 
 `compute_async` returns a ComputeCall at once, so a coordinator can start the calls to every node of a
-layer together and then collect them. Each call runs as a blocking unary call on a small thread pool of
-the client's: measured on loopback, that costs the caller ~10 us per call where grpc's own `.future()`
-costs ~300 us (a rendezvous object per call, woken through the channel's polling thread), which adds up
-at one call per node per layer per decoded token. Failures surface as NodeCallError with the
+layer together and then collect them. With the node's stream port a call travels over its compute stream
+(swarm.node.streams: frames on kept connections, a third of a gRPC call's CPU for a decode step's calls);
+without one it runs as a
+blocking unary gRPC call on a small thread pool of the client's: measured on loopback, that costs the caller
+~10 us per call where grpc's own `.future()` costs ~300 us (a rendezvous object per call, woken through the
+channel's polling thread), which adds up at one call per node per layer per decoded token. Failures surface as NodeCallError with the
 grpc status code (NOT_FOUND, INVALID_ARGUMENT, FAILED_PRECONDITION, RESOURCE_EXHAUSTED,
 UNAUTHENTICATED, UNAVAILABLE, DEADLINE_EXCEEDED, ...) and the node's message.
 """

@@ -181,11 +181,11 @@ class ExpertServicer(pb_grpc.ExpertNodeServicer):
         """A Compute call from the compute stream (swarm.node.streams): (status, the serialized ComputeReply or
         the message), with the gRPC method's checks and codes."""
         try:
-            return grpc.StatusCode.OK, self.compute(
-                pb.ComputeRequest.FromString(bytes(body))
-            ).SerializeToString()
+            request = pb.ComputeRequest.FromString(body)
         except DecodeError as e:
             return grpc.StatusCode.INVALID_ARGUMENT, f"not a Compute request ({e})".encode()
+        try:
+            return grpc.StatusCode.OK, self.compute(request).SerializeToString()
         except Exception as e:
             code, msg = status_of(e, "Compute")
             return code, msg.encode()

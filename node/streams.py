@@ -1,8 +1,9 @@
 """The compute stream, both ends: Compute calls as frames (swarm.proto.frames) on kept TCP connections.
 
 A decode step makes one Compute call per node and MoE layer, so what a call costs beside its compute is paid
-hundreds of times a second. Over gRPC from Python that is ~0.8 ms of CPU per call between the two ends; on a
-kept connection it is a tenth of that. The node serves both: the ExpertNode service over gRPC (Info, Stats,
+hundreds of times a second. Over gRPC from Python that is ~1 ms of CPU per call between the two ends; on a
+kept connection a third of that (bench/transport.py; prompt-sized calls, a megabyte each way, cost the same
+on both: there copying the rows is the cost). The node serves both: the ExpertNode service over gRPC (Info, Stats,
 Fetch, health, and Compute for any client) and this stream on a port of its own, which it announces
 (InfoReply.stream_port, the mDNS record). What crosses it is what a gRPC Compute call carries: the same
 ComputeRequest / ComputeReply bytes, the same swarm-auth tag over them (one tag is good for one call on either
@@ -39,10 +40,10 @@ from swarm.proto import expert_pb2 as pb
 from swarm.proto.frames import (
     COMPUTE_METHOD,
     FrameError,
-    call_frame,
     read_call,
     read_reply,
-    reply_frame,
+    send_call,
+    send_reply,
 )
 
 log = logging.getLogger(__name__)
@@ -164,7 +165,7 @@ class StreamServer:
                 code, payload = (
                     (grpc.StatusCode.UNAUTHENTICATED, refused.encode()) if refused else self.answer(body)
                 )
-                sock.sendall(reply_frame(code, payload))
+                send_reply(sock, code, payload)
         except EOFError:
             pass  # the client closed between calls
         except (FrameError, OSError) as e:  # ssl.SSLError is an OSError
@@ -319,7 +320,7 @@ class _Conn:
         assert self.sock is not None
         left = job.remaining()
         self.sock.settimeout(None if left is None else max(left, 1e-3))
-        self.sock.sendall(call_frame(self.pool.sign(job.body), job.body))
+        send_call(self.sock, self.pool.sign(job.body), job.body)
 
     def stop(self) -> None:
         self._stopped = True
@@ -386,7 +387,7 @@ class _Conn:
                 return
             if code == grpc.StatusCode.OK:
                 try:
-                    job.future.set_result(pb.ComputeReply.FromString(bytes(payload)))
+                    job.future.set_result(pb.ComputeReply.FromString(payload))
                 except Exception as e:  # a reply that does not parse: the node is broken
                     job.future.set_exception(
                         _error(pool.address, grpc.StatusCode.INTERNAL, f"bad reply ({e})")
