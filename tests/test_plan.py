@@ -128,7 +128,11 @@ def test_a_running_coordinator_takes_in_slabs_a_node_announces_later() -> None:
     from swarm.coordinator.swarm import Placement, SwarmExperts
 
     node = SimpleNamespace(
-        address="127.0.0.1:1", identity=SimpleNamespace(fingerprint="f"), tls=False, held=[(0, 0)]
+        address="127.0.0.1:1",
+        identity=SimpleNamespace(fingerprint="f"),
+        tls=False,
+        held=[(0, 0)],
+        stream_port=0,
     )
     browser = SimpleNamespace(version=1, nodes=lambda: [node], close=lambda: None)
     experts = SwarmExperts({}, Placement(), "m.swarm", browser=browser)  # type: ignore[arg-type]
