@@ -6,9 +6,11 @@
   --threads 1 and 2, and OpenMP's default (spinning) wait vs OMP_WAIT_POLICY=PASSIVE,
   on an idle machine and beside one busy process (a pure-Python loop: another app on the device).
 With --swarm DIR (a shard directory of that model): `swarm run DIR` over 4 loopback nodes (--threads 1
-each, the nodes' own passive waiting), the coordinator's threads waiting passively (what `swarm run` picks
-when its experts are remote), with a short spin (GOMP_SPINCOUNT=10000) or with OpenMP's full default spin
-(300000); written to the `bench:threads-swarm` section.
+each, the nodes' own passive waiting), the coordinator's threads waiting passively, with a brief spin
+(GOMP_SPINCOUNT=1000: what `swarm run` picks when its experts are remote), a short one (10000) or OpenMP's
+full default spin (300000): cold runs, then decode blocks in one process alternating the coordinator's 1
+and 2 threads (the 1-thread blocks are the control for the machine's load); written to the
+`bench:threads-swarm` section.
 Also reads, from a process that has run both torch and ggml, how many OpenMP runtimes it loaded (libgomp
 in /proc/self/maps) and how many threads it runs. Medians of --reps runs, side by side in one run.
 Figures go to the `bench:threads` section of docs/BENCHMARKS.md.
@@ -17,12 +19,14 @@ Figures go to the `bench:threads` section of docs/BENCHMARKS.md.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -68,10 +72,48 @@ def swarm_run(gguf: Path, threads: int, policy: str | None) -> tuple[float, floa
 
 
 SWARM_WAITS = (
-    ("passive (what `swarm run` picks when its experts are remote)", {"OMP_WAIT_POLICY": "PASSIVE"}),
+    ("passive, OMP_WAIT_POLICY=PASSIVE", {"OMP_WAIT_POLICY": "PASSIVE"}),
+    ("brief spin, GOMP_SPINCOUNT=1000", {"GOMP_SPINCOUNT": "1000"}),
     ("short spin, GOMP_SPINCOUNT=10000", {"GOMP_SPINCOUNT": "10000"}),
     ("full spin, GOMP_SPINCOUNT=300000", {"GOMP_SPINCOUNT": "300000"}),
 )
+
+
+STEP_BLOCKS, BLOCK_STEPS = 12, 6
+
+
+def steps_child(shard_dir: Path, peers: list[str]) -> None:
+    """In this process (its OpenMP wait set by the parent), decode blocks of BLOCK_STEPS steps through the
+    peers, alternating the coordinator's threads between 1 and 2: ms per step of each block, as JSON. The
+    1-thread blocks run no OpenMP team (nothing waits on a barrier), so they read how loaded the machine
+    was at the time; 2 threads against them is the wait's own effect."""
+    import json
+    import random
+
+    import torch
+
+    from swarm.coordinator.engine import open_engine
+    from swarm.node.kernels import set_threads
+
+    engine = open_engine(shard_dir, peers=tuple(peers), mdns=False, device="cpu", audit=0.0)
+    m = engine.model
+    rng = random.Random(0)
+    vocab = 1000  # token ids every vocabulary has
+    out: dict[int, list[float]] = {1: [], 2: []}
+    try:
+        with torch.inference_mode():
+            states = [m.new_state()]
+            m(torch.tensor([rng.randrange(vocab) for _ in range(64)]), states, [64], last_only=True)
+            for _ in range(STEP_BLOCKS):
+                for threads in (1, 2):
+                    set_threads(threads)
+                    t0 = time.perf_counter()
+                    for _ in range(BLOCK_STEPS):
+                        m(torch.tensor([rng.randrange(vocab)]), states, [1], last_only=True)
+                    out[threads].append((time.perf_counter() - t0) / BLOCK_STEPS * 1e3)
+    finally:
+        engine.close()
+    print(json.dumps(out))
 
 
 def swarm_waits(shard_dir: Path, reps: int, write: bool) -> None:
@@ -84,12 +126,15 @@ def swarm_waits(shard_dir: Path, reps: int, write: bool) -> None:
     specs = [(shard_dir, ["--host", "127.0.0.1", "--experts", f"{i * quarter}-{(i + 1) * quarter - 1}",
                           "--threads", "1", "--no-verify", "--no-mdns"]) for i in range(4)]  # fmt: skip
     results: dict[str, list[float]] = {name: [] for name, _ in SWARM_WAITS}
+    prefills: dict[str, list[float]] = {name: [] for name, _ in SWARM_WAITS}
+    steps: dict[str, dict[int, list[float]]] = {name: {1: [], 2: []} for name, _ in SWARM_WAITS}
     with tempfile.TemporaryDirectory(prefix="bench-threads-swarm-") as work:
         nodes = start_nodes(specs, Path(work), timeout=120.0)
         try:
             peers = [a for n in nodes for a in ("--peer", n.address)]
             for rep in range(reps):
-                order = SWARM_WAITS[rep % 3 :] + SWARM_WAITS[: rep % 3]
+                turn = rep % len(SWARM_WAITS)
+                order = SWARM_WAITS[turn:] + SWARM_WAITS[:turn]
                 for name, extra in order:
                     env = {
                         k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
@@ -103,7 +148,24 @@ def swarm_waits(shard_dir: Path, reps: int, write: bool) -> None:
                     if proc.returncode != 0 or m is None:
                         raise RuntimeError(f"swarm run failed ({proc.returncode}): {proc.stderr[-1500:]}")
                     results[name].append(float(m.group(2)))
-                    print(name, results[name][-1], flush=True)
+                    prefills[name].append(float(m.group(1)))
+                    print(name, prefills[name][-1], results[name][-1], flush=True)
+            for rep in range(max(1, reps // 2)):
+                turn = rep % len(SWARM_WAITS)
+                for name, extra in SWARM_WAITS[turn:] + SWARM_WAITS[:turn]:
+                    env = {
+                        k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+                    }
+                    proc = subprocess.run(
+                        [sys.executable, __file__, "--steps-child", str(shard_dir), *(n.address for n in nodes)],
+                        env={**env, **extra}, capture_output=True, text=True, timeout=600,
+                    )  # fmt: skip
+                    if proc.returncode != 0:
+                        raise RuntimeError(f"decode blocks failed ({proc.returncode}): {proc.stderr[-1500:]}")
+                    blocks = json.loads(proc.stdout.strip().splitlines()[-1])
+                    for threads in ("1", "2"):
+                        steps[name][int(threads)] += blocks[threads]
+                    print(name, {t: statistics.median(v) for t, v in blocks.items()}, flush=True)
         finally:
             stop_nodes(nodes)
     cmd = command("threads.py", None)
@@ -115,12 +177,29 @@ def swarm_waits(shard_dir: Path, reps: int, write: bool) -> None:
         "`swarm run` of the 4-layer Qwen3.6-35B-shape shard directory through 4 loopback nodes (`--threads 1`, "
         f"disjoint quarters of the experts, `--audit 0`), 48 tokens, {reps} runs per wait in a rotating order.",
         "",
-        "| coordinator's OpenMP wait | decode tok/s, median | runs |",
-        "| --- | ---: | --- |",
+        "| coordinator's OpenMP wait | prefill tok/s, median | decode tok/s, median | decode, each run |",
+        "| --- | ---: | ---: | --- |",
     ]
     for name, _ in SWARM_WAITS:
         runs = results[name]
-        lines.append(f"| {name} | {statistics.median(runs):.1f} | {', '.join(f'{r:.1f}' for r in runs)} |")
+        lines.append(
+            f"| {name} | {statistics.median(prefills[name]):.1f} | {statistics.median(runs):.1f} | "
+            f"{', '.join(f'{r:.1f}' for r in runs)} |"
+        )
+    lines += [
+        "",
+        f"Decode steps in one coordinator process per wait (the same nodes, `--audit 0`, after a 64-token "
+        f"prompt): blocks of {BLOCK_STEPS} steps alternating the coordinator's threads, 1 then 2, "
+        f"{STEP_BLOCKS} of each per process, {max(1, reps // 2)} process(es) per wait in a rotating order. "
+        "With 1 thread no OpenMP team runs, so those blocks read the machine's load at the time; 2 against 1 "
+        "is what the wait does to the coordinator's own work (medians of all blocks).",
+        "",
+        "| coordinator's OpenMP wait | 1 thread, ms/step | 2 threads, ms/step | 2 threads vs 1 (time) |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for name, _ in SWARM_WAITS:
+        one, two = statistics.median(steps[name][1]), statistics.median(steps[name][2])
+        lines.append(f"| {name} | {one:.1f} | {two:.1f} | {two / one:.2f}x |")
     publish("threads-swarm", "\n".join(lines), write=write)
 
 
@@ -131,7 +210,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-write", action="store_true")
     p.add_argument("--swarm", type=Path, default=None, metavar="DIR",
                    help="a shard directory: measure the coordinator's waits over 4 loopback nodes instead")  # fmt: skip
+    p.add_argument("--steps-child", nargs="+", default=None, help=argparse.SUPPRESS)  # DIR PEER...
     args = p.parse_args(argv)
+    if args.steps_child is not None:
+        steps_child(Path(args.steps_child[0]), args.steps_child[1:])
+        return 0
     if args.swarm is not None:
         swarm_waits(args.swarm, args.reps, not args.no_write)
         return 0

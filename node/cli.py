@@ -330,7 +330,7 @@ def open_store(args: argparse.Namespace, device: str = "cpu", memory: int = 0) -
 def run_node(args: argparse.Namespace) -> int:
     from swarm.node.openmp import set_wait_policy
 
-    set_wait_policy(experts_remote=True)  # before torch loads: a node shares its device (see openmp)
+    set_wait_policy(experts_remote=True, node=True)  # before torch loads: a node shares its device
     from swarm.node.store import default_memory_budget
 
     parent = os.getppid() if args.exit_with_parent else None  # read first: it may go while slabs load

@@ -1,23 +1,27 @@
 """How a process's compute threads wait between parallel regions, decided before torch is loaded.
 
-torch and ggml share one GNU OpenMP runtime (the libgomp torch ships; see swarm.node.kernels).
+torch and ggml share one GNU OpenMP runtime (the libgomp torch ships; see swarm.node.kernels). ggml runs a
+graph as one parallel region and meets at an OpenMP barrier after every op; torch runs a region per op.
+How long a thread that arrives first spins before it sleeps is libgomp's spin count (GOMP_SPINCOUNT;
+OMP_WAIT_POLICY=PASSIVE makes it 0, the default is 300000 spins, ~ms).
 
-torch's CPU build runs its parallel regions on GNU OpenMP, whose idle threads spin for a while after each
-region before they sleep. With the experts in this process that costs nothing: the next region comes at
-once. With the experts on nodes, the coordinator waits on the network for most of every MoE layer, and the
-spinning threads take the cores that nodes on the same machine (a laptop that is coordinator and node at
-once, `swarm demo`, loopback benchmarks) need to answer it: measured on 2 cores with 4 loopback nodes,
-swarm decode went from 0.70x to 0.91x of in-process by letting the threads sleep, while in-process prefill
-lost a quarter with the same setting. So: passive waiting when the experts are remote, OpenMP's default
-otherwise, and a user's own OMP_WAIT_POLICY always wins.
+- Experts in this process: OpenMP's default. The next op or region comes at once.
+- A coordinator whose experts are remote: a brief spin (BRIEF_SPIN spins, tens of microseconds). Its
+  threads catch every barrier of a graph while spinning (ops end microseconds apart: a sleeping thread
+  would be woken through the kernel at each one) and sleep soon while the step waits on the nodes, whose
+  cores they would take where nodes share the machine (a laptop that is coordinator and node at once,
+  `swarm demo`, loopback benchmarks). Measured on 2 cores through 4 loopback nodes (bench/threads.py
+  --swarm): passive waiting made the coordinator's 2 threads 1.13x slower per decode step than 1 thread
+  and cold `swarm run` decode 0.80x of the brief spin's; the default spin fell between them. (Passive
+  waiting was this case's choice while Compute calls went over gRPC, whose threads needed the cores: it
+  then gave 0.91x of in-process decode against 0.70x spinning.)
+- A node waits passively: it shares its device with whatever else runs there (apps on a phone, other
+  nodes and the coordinator on a loopback rig), so a spinning thread whose partner was descheduled burns a
+  whole time slice per op: measured on 2 cores with one other busy process, a decode step of the 35B layer
+  shape took seconds instead of 20 ms when spinning, 56 ms waiting passively.
 
-A node waits passively too: it shares its device with whatever else runs there (apps on a phone, other nodes
-and the coordinator on a loopback rig), and ggml's threads meet at a barrier after every op, so a spinning
-thread whose partner was descheduled burns a whole time slice per op: measured on 2 cores with one other
-busy process, a decode step of the 35B layer shape took seconds instead of 20 ms when spinning, 56 ms
-waiting passively.
-
-libgomp reads its environment once, when torch loads it, so this must run before the first `import torch`.
+A user's own OMP_WAIT_POLICY or GOMP_SPINCOUNT always wins. libgomp reads its environment once, when torch
+loads it, so this must run before the first `import torch`.
 """
 
 from __future__ import annotations
@@ -29,21 +33,40 @@ import sys
 log = logging.getLogger(__name__)
 
 WAIT_POLICY = "OMP_WAIT_POLICY"
+SPIN_COUNT = "GOMP_SPINCOUNT"
+BRIEF_SPIN = "1000"  # spins (each a pause instruction): tens of microseconds
+# The variables above that swarm set (not the user): a swarm process started from this one (nodes of
+# `swarm demo`, a benchmark's children) decides them again for its own role.
+OURS = "SWARM_OPENMP_SET"
 
 
-def wait_policy_env(experts_remote: bool) -> dict[str, str]:
-    """The OpenMP settings for a coordinator process (to merge into its environment)."""
-    if experts_remote and WAIT_POLICY not in os.environ:
-        return {WAIT_POLICY: "PASSIVE"}
-    return {}
+def _ours() -> set[str]:
+    return {k for k in os.environ.get(OURS, "").split(",") if k}
 
 
-def set_wait_policy(experts_remote: bool) -> None:
+def wait_policy_env(experts_remote: bool, node: bool = False) -> dict[str, str]:
+    """The OpenMP settings for a coordinator process, or with `node` a node's, to merge into its
+    environment (with OURS naming them); none where the user set their own."""
+    ours = _ours()
+    if any(k in os.environ and k not in ours for k in (WAIT_POLICY, SPIN_COUNT)):
+        return {}
+    if node:
+        env = {WAIT_POLICY: "PASSIVE"}
+    elif experts_remote:
+        env = {SPIN_COUNT: BRIEF_SPIN}
+    else:
+        env = {}
+    return {**env, OURS: ",".join(env)}
+
+
+def set_wait_policy(experts_remote: bool, node: bool = False) -> None:
     """Apply `wait_policy_env` to this process; too late (a no-op, logged) once torch is imported."""
-    env = wait_policy_env(experts_remote)
-    if not env:
-        return
     if "torch" in sys.modules:
         log.debug("torch is already loaded: OpenMP keeps its wait policy")
         return
+    env = wait_policy_env(experts_remote, node)
+    if not env:
+        return  # the user's own
+    for k in _ours():
+        os.environ.pop(k, None)  # a swarm parent's choice for its own role
     os.environ.update(env)

@@ -1,4 +1,5 @@
-"""The coordinator's OpenMP wait policy: passive only when the experts are remote, never over a user's choice."""
+"""OpenMP's wait, decided per role before torch loads: a brief spin for a coordinator of remote experts,
+passive waiting for a node, OpenMP's default in process, and never over a user's own choice."""
 
 from __future__ import annotations
 
@@ -6,33 +7,59 @@ import os
 import subprocess
 import sys
 
-from swarm.node.openmp import WAIT_POLICY, set_wait_policy, wait_policy_env
+import pytest
+
+from swarm.node.openmp import BRIEF_SPIN, OURS, SPIN_COUNT, WAIT_POLICY, set_wait_policy, wait_policy_env
 
 
-def test_remote_experts_get_passive_waiting_local_ones_keep_the_default(monkeypatch):
-    monkeypatch.delenv(WAIT_POLICY, raising=False)
-    assert wait_policy_env(experts_remote=True) == {WAIT_POLICY: "PASSIVE"}
-    assert wait_policy_env(experts_remote=False) == {}
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    for k in (WAIT_POLICY, SPIN_COUNT, OURS):
+        monkeypatch.delenv(k, raising=False)
+    return monkeypatch
 
 
-def test_a_users_own_policy_wins(monkeypatch):
-    monkeypatch.setenv(WAIT_POLICY, "ACTIVE")
+def test_each_role_gets_its_wait(clean_env: pytest.MonkeyPatch) -> None:
+    assert wait_policy_env(experts_remote=True) == {SPIN_COUNT: BRIEF_SPIN, OURS: SPIN_COUNT}
+    assert wait_policy_env(experts_remote=False) == {OURS: ""}
+    assert wait_policy_env(experts_remote=True, node=True) == {WAIT_POLICY: "PASSIVE", OURS: WAIT_POLICY}
+
+
+@pytest.mark.parametrize("var, value", [(WAIT_POLICY, "ACTIVE"), (SPIN_COUNT, "5")])
+def test_a_users_own_setting_wins(clean_env: pytest.MonkeyPatch, var: str, value: str) -> None:
+    clean_env.setenv(var, value)
     assert wait_policy_env(experts_remote=True) == {}
+    assert wait_policy_env(experts_remote=True, node=True) == {}
 
 
-def test_set_before_torch_loads_and_not_after(monkeypatch):
-    code = (
-        "import os, sys\n"
-        "from swarm.node.openmp import set_wait_policy\n"
-        "set_wait_policy(experts_remote=True)\n"
-        "print(os.environ.get('OMP_WAIT_POLICY'))\n"
+PROBE = (
+    "import os, sys\n"
+    "from swarm.node.openmp import set_wait_policy\n"
+    "set_wait_policy(experts_remote=True, node=sys.argv[1] == 'node')\n"
+    "print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))\n"
+)
+
+
+def _probe(role: str, env: dict[str, str]) -> str:
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, role], env=env, capture_output=True, text=True, check=True, timeout=60
     )
-    env = {k: v for k, v in os.environ.items() if k != WAIT_POLICY}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "PASSIVE"
-    # In this process torch is loaded already: changing the variable now would only mislead.
+    return out.stdout.strip()
+
+
+def test_set_before_torch_loads_and_a_child_decides_its_own_role() -> None:
+    base = {k: v for k, v in os.environ.items() if k not in (WAIT_POLICY, SPIN_COUNT, OURS)}
+    assert _probe("coordinator", base) == f"None {BRIEF_SPIN}"
+    assert _probe("node", base) == "PASSIVE None"
+    # A node started by a coordinator (swarm demo) inherits what the coordinator set: it is not the user's.
+    coordinator = {**base, **wait_policy_env(experts_remote=True)}
+    assert _probe("node", coordinator) == "PASSIVE None"
+    # What the user set is passed on and kept.
+    assert _probe("node", {**base, SPIN_COUNT: "7"}) == "None 7"
+
+
+def test_too_late_once_torch_is_loaded(clean_env: pytest.MonkeyPatch) -> None:
     import torch  # noqa: F401
 
-    monkeypatch.delenv(WAIT_POLICY, raising=False)
     set_wait_policy(experts_remote=True)
-    assert WAIT_POLICY not in os.environ
+    assert SPIN_COUNT not in os.environ and WAIT_POLICY not in os.environ
