@@ -54,9 +54,16 @@ print(len(libs), len(os.listdir('/proc/self/task')), ' '.join(os.path.basename(x
 TIMEOUT = 120  # seconds; a run that spins against a busy core can take far longer (not run again)
 
 
+def _env_without_waits() -> dict[str, str]:
+    """This process's environment without any OpenMP wait setting (each run sets the one it measures)."""
+    from swarm.node.openmp import OURS, SPIN_COUNT, WAIT_POLICY
+
+    return {k: v for k, v in os.environ.items() if k not in (WAIT_POLICY, SPIN_COUNT, OURS)}
+
+
 def swarm_run(gguf: Path, threads: int, policy: str | None) -> tuple[float, float] | None:
     """(prefill, decode) tokens/s of one cold `swarm run`, None when it ran past TIMEOUT."""
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env = _env_without_waits()
     if policy:
         env["OMP_WAIT_POLICY"] = policy
     cmd = [sys.executable, "-m", "swarm.coordinator.cli", "run", str(gguf), "--local", "--threads", str(threads),
@@ -87,7 +94,6 @@ def steps_child(shard_dir: Path, peers: list[str]) -> None:
     peers, alternating the coordinator's threads between 1 and 2: ms per step of each block, as JSON. The
     1-thread blocks run no OpenMP team (nothing waits on a barrier), so they read how loaded the machine
     was at the time; 2 threads against them is the wait's own effect."""
-    import json
     import random
 
     import torch
@@ -136,9 +142,7 @@ def swarm_waits(shard_dir: Path, reps: int, write: bool) -> None:
                 turn = rep % len(SWARM_WAITS)
                 order = SWARM_WAITS[turn:] + SWARM_WAITS[:turn]
                 for name, extra in order:
-                    env = {
-                        k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
-                    }
+                    env = _env_without_waits()
                     cmd = [sys.executable, "-m", "swarm.coordinator.cli", "run", str(shard_dir), "--no-mdns",
                            *peers, "--audit", "0", "--prompt", PROMPT, "--max-tokens", "48"]  # fmt: skip
                     proc = subprocess.run(
@@ -153,9 +157,7 @@ def swarm_waits(shard_dir: Path, reps: int, write: bool) -> None:
             for rep in range(max(1, reps // 2)):
                 turn = rep % len(SWARM_WAITS)
                 for name, extra in SWARM_WAITS[turn:] + SWARM_WAITS[:turn]:
-                    env = {
-                        k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
-                    }
+                    env = _env_without_waits()
                     proc = subprocess.run(
                         [sys.executable, __file__, "--steps-child", str(shard_dir), *(n.address for n in nodes)],
                         env={**env, **extra}, capture_output=True, text=True, timeout=600,

@@ -12,7 +12,8 @@ OMP_WAIT_POLICY=PASSIVE makes it 0, the default is 300000 spins, ~ms).
   cores they would take where nodes share the machine (a laptop that is coordinator and node at once,
   `swarm demo`, loopback benchmarks). Measured on 2 cores through 4 loopback nodes (bench/threads.py
   --swarm): passive waiting made the coordinator's 2 threads 1.13x slower per decode step than 1 thread
-  and cold `swarm run` decode 0.80x of the brief spin's; the default spin fell between them. (Passive
+  and cold `swarm run` decode 0.80x of the brief spin's; OpenMP's default spin did as well in cold runs
+  but took 1.06x per step, and keeps a core busy for milliseconds after each region. (Passive
   waiting was this case's choice while Compute calls went over gRPC, whose threads needed the cores: it
   then gave 0.91x of in-process decode against 0.70x spinning.)
 - A node waits passively: it shares its device with whatever else runs there (apps on a phone, other
