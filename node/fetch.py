@@ -4,7 +4,7 @@
     sources.discover(wait=3.0)
     manifest = ensure_manifest(directory, sources, fingerprint=None)  # manifest.json first, atomically
     job = plan_fetch(directory, manifest, wanted)  # what is here and verifies, what is to fetch
-    result = Fetcher(directory, manifest, sources, stop).run(job.to_fetch, on_verified=...)
+    result = Fetcher(directory, sources, stop, parallel=4).run(job.to_fetch, on_verified=...)
 
 Sources are the nodes that give out their shard files (Fetch: the manifest and the slabs they hold, see
 swarm.node.files): the --peer addresses (asked by Info) and the nodes mDNS finds, browsed for as long as the
@@ -58,7 +58,6 @@ PART_SUFFIX = ".part"
 # link is no failure, and a source that went quiet (a phone asleep) is found out within this time.
 STREAM_SECONDS = 30.0
 MAX_STRIKES = 3  # a source that failed this many times in a row without sending a byte is dropped
-DEFAULT_PARALLEL = 4  # slabs downloaded at once
 MDNS_SETTLE_SECONDS = 0.5  # other sources answer the same mDNS query within a few hundred ms
 
 # Codes after which a source will not give this slab (it does not hold it, or holds another model's).
@@ -419,7 +418,7 @@ class Fetcher:
         directory: Path,
         sources: Sources,
         stop: threading.Event,
-        parallel: int = DEFAULT_PARALLEL,
+        parallel: int,
         progress: Callable[[int], None] | None = None,
     ) -> None:
         self.directory = directory

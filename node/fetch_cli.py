@@ -14,28 +14,18 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from swarm.node.auth import SwarmKey
-from swarm.node.fetch import (
-    DEFAULT_PARALLEL,
-    Fetcher,
-    FetchJob,
-    FetchResult,
-    Sources,
-    choose_model,
-    ensure_manifest,
-    local_manifest,
-    locked,
-    plan_fetch,
-    wait_for_holders,
-)
-from swarm.node.source import LoadedSlabs, wanted_slabs
 from swarm.sharding.errors import UserError
-from swarm.sharding.manifest import Manifest, SlabEntry
 from swarm.sharding.ranges import format_slabs
-from swarm.sharding.slabs import read_slab_file
 
+if TYPE_CHECKING:  # the fetch machinery (grpc, torch) loads when a fetch starts, not when the parser is built
+    from swarm.node.auth import SwarmKey
+    from swarm.node.fetch import Fetcher, FetchJob, FetchResult
+    from swarm.node.source import LoadedSlabs
+    from swarm.sharding.manifest import Manifest, SlabEntry
+
+DEFAULT_PARALLEL = 4  # slabs downloaded at once
 PROGRESS_LINE_SECONDS = 10.0  # without a terminal: one progress line this often
 MiB = 1 << 20
 
@@ -129,6 +119,17 @@ class NodeFetch:
             raise UserError("--fetch-parallel must be at least 1")
         if not args.peer and args.no_mdns:
             raise UserError("--fetch needs sources: give --peer HOST:PORT, or leave out --no-mdns")
+        from swarm.node.fetch import (
+            Sources,
+            choose_model,
+            ensure_manifest,
+            local_manifest,
+            locked,
+            plan_fetch,
+            wait_for_holders,
+        )
+        from swarm.node.source import wanted_slabs
+
         self.directory = Path(args.source)
         self._exit = contextlib.ExitStack()
         self._exit.enter_context(locked(self.directory))
@@ -161,6 +162,9 @@ class NodeFetch:
 
     def loaded(self) -> LoadedSlabs:
         """The slabs already here and verified, opened (what the node serves from the start)."""
+        from swarm.node.source import LoadedSlabs
+        from swarm.sharding.slabs import read_slab_file
+
         m = self.manifest
         slabs = {(e.layer, e.expert): read_slab_file(self.directory / e.path) for e in self.job.present}
         return LoadedSlabs(
@@ -175,6 +179,8 @@ class NodeFetch:
 
     def start(self, stop: threading.Event, on_verified: Callable[[SlabEntry], None]) -> None:
         """Fetch the rest on a thread; `on_verified(entry)` for each slab once it is in place."""
+        from swarm.node.fetch import Fetcher
+
         to_fetch = self.job.to_fetch
         self._progress = progress = Progress(sum(e.size for e in to_fetch), len(to_fetch))
         self._fetcher = Fetcher(self.directory, self.sources, stop, self.parallel, progress.bytes)

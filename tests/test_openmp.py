@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -63,3 +64,44 @@ def test_too_late_once_torch_is_loaded(clean_env: pytest.MonkeyPatch) -> None:
 
     set_wait_policy(experts_remote=True)
     assert SPIN_COUNT not in os.environ and WAIT_POLICY not in os.environ
+
+
+# Through the real CLI: what OpenMP's variables hold at the moment torch is first imported (libgomp reads
+# them then), for each command. Building the parser must not load torch, or every command is too late.
+AT_TORCH_IMPORT = (
+    "import os, sys\n"
+    "class AtTorch:\n"
+    "    def find_spec(self, name, path=None, target=None):\n"
+    "        if name == 'torch':\n"
+    "            print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'), flush=True)\n"
+    "            os._exit(0)\n"
+    "sys.meta_path.insert(0, AtTorch())\n"
+    "from swarm.coordinator.cli import main\n"
+    "main(sys.argv[1:])\n"
+    "print('torch never loaded')\n"
+)
+
+
+@pytest.mark.parametrize(
+    "command, expected",
+    [
+        ("node {gguf} --no-mdns", "PASSIVE None"),
+        ("run {gguf} --prompt hi", f"None {BRIEF_SPIN}"),
+        ("run {gguf} --prompt hi --local", "None None"),
+        ("serve {gguf} --no-mdns", f"None {BRIEF_SPIN}"),
+        ("logits {gguf} --prompt hi -o {tmp}/logits.npy", f"None {BRIEF_SPIN}"),
+        ("perplexity {gguf} {tmp}/text.txt --local", "None None"),
+        ("demo --workdir {tmp}/demo", f"None {BRIEF_SPIN}"),
+    ],
+)
+def test_every_command_sets_the_wait_before_torch_loads(
+    command: str, expected: str, fixtures_dir: Path, tmp_path: Path
+) -> None:
+    gguf = f"{fixtures_dir}/qwen35moe-tiny/model-bf16.gguf"
+    (tmp_path / "text.txt").write_text("some text\n")
+    argv = command.format(gguf=gguf, tmp=tmp_path).split()
+    env = {k: v for k, v in os.environ.items() if k not in (WAIT_POLICY, SPIN_COUNT, OURS)}
+    out = subprocess.run(
+        [sys.executable, "-c", AT_TORCH_IMPORT, *argv], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.stdout.strip().splitlines()[-1:] == [expected], out.stderr[-2000:]
