@@ -18,6 +18,7 @@ UNAUTHENTICATED, UNAVAILABLE, DEADLINE_EXCEEDED, ...) and the node's message.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, CancelledError, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeoutError
@@ -32,7 +33,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from swarm.node.auth import AUTH_METADATA, TLS_NAME, Signer, SwarmKey, is_loopback_host
 from swarm.node.errors import NodeCallError, wrap_rpc_error
 from swarm.node.identity import ModelIdentity
-from swarm.node.streams import StreamPool, tls_context
+from swarm.node.streams import StreamCall, StreamPool, tls_context
 from swarm.proto import expert_pb2 as pb
 from swarm.proto.channel import CHANNEL_OPTIONS, PROTOCOL_VERSION, SERVICE_NAME
 from swarm.proto.codec import SlabKey, compute_request, decode_tensor, held_from_proto
@@ -100,23 +101,49 @@ class ComputeCall:
     """One Compute call in flight. `result()` blocks and returns the output rows [N, D] on the CPU.
 
     `seconds` is the call's round trip once it has ended (None before), for pacing: how long this node
-    takes, and so when waiting on it has become suspicious.
+    takes, and so when waiting on it has become suspicious. Over the compute stream, `result` and `wait` read
+    the answer on the caller's thread where they can (see swarm.node.streams); `done`, `succeeded`,
+    `wait_calls` and dropping the call leave it to the stream's thread.
     """
 
-    def __init__(self, address: str, future: Future[pb.ComputeReply]) -> None:
+    def __init__(
+        self, address: str, future: Future[pb.ComputeReply], stream: StreamCall | None = None
+    ) -> None:
         self.address = address
         self._future = future
+        self._stream = stream
         self.seconds: float | None = None
         started = time.perf_counter()
+        me = weakref.ref(self)  # the future must not keep the call alive (see __del__)
 
         def ended(_: Future[pb.ComputeReply]) -> None:
-            self.seconds = time.perf_counter() - started
+            call = me()
+            if call is not None:
+                call.seconds = time.perf_counter() - started
 
         future.add_done_callback(ended)
 
+    def __del__(self) -> None:
+        if getattr(self, "_stream", None) is not None:
+            self._let_go()  # a call nobody waited for still frees its connection
+
+    def _read_here(self, timeout: float | None) -> float | None:
+        """Read the answer here where it is ours to read; what is left of `timeout` to wait for the future
+        (the stream's thread may have taken the call over: a connection to make again, an answer late)."""
+        if self._stream is None:
+            return timeout
+        end = None if timeout is None else time.monotonic() + timeout
+        self._stream.read_here(timeout)
+        return None if end is None else max(0.0, end - time.monotonic())
+
+    def _let_go(self) -> None:
+        if self._stream is not None:
+            self._stream.let_go()
+
     def result(self, timeout: float | None = None) -> torch.Tensor:
+        left = self._read_here(timeout)
         try:
-            reply = self._future.result(timeout=timeout)
+            reply = self._future.result(timeout=left)
         except grpc.RpcError as e:
             raise wrap_rpc_error(self.address, "Compute", e) from None
         except CancelledError:
@@ -130,20 +157,25 @@ class ComputeCall:
         return decode_tensor(reply.rows, "reply rows")
 
     def done(self) -> bool:
+        self._let_go()
         return self._future.done()
 
     def succeeded(self) -> bool:
         """Ended with an answer (not an error)."""
+        self._let_go()
         return self._future.done() and not self._future.cancelled() and self._future.exception() is None
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the call ends or `timeout` s pass; whether it ended."""
-        futures_wait([self._future], timeout)
+        futures_wait([self._future], self._read_here(timeout))
         return self._future.done()
 
 
 def wait_calls(calls: Iterable[ComputeCall], timeout: float | None = None) -> None:
     """Block until the first of `calls` ends (or `timeout` s pass)."""
+    calls = list(calls)
+    for c in calls:
+        c._let_go()
     futures_wait([c._future for c in calls], timeout, return_when=FIRST_COMPLETED)
 
 
@@ -258,7 +290,8 @@ class NodeClient:
             numerics=numerics,
         )
         if self._stream is not None:
-            return ComputeCall(self.address, self._stream.submit(request.SerializeToString(), timeout))
+            sent = self._stream.submit(request.SerializeToString(), timeout)
+            return ComputeCall(self.address, sent.future, sent)
         future = self._calls.submit(self._call, "Compute", request, pb.ComputeReply, timeout)
         return ComputeCall(self.address, future)
 

@@ -12,7 +12,10 @@ transport), the same checks and status codes, TLS with the swarm key's identity 
 Node side: `StreamServer`, a thread per connection (one call at a time on each; a client opens as many
 connections as it wants calls in flight). Client side: `StreamPool`, up to `size` connections to one node,
 each with its own thread that sends a call, reads its answer and resolves the call's future; a call whose node
-does not answer by its deadline ends DEADLINE_EXCEEDED and its connection is dropped. When the stream cannot be
+does not answer by its deadline ends DEADLINE_EXCEEDED and its connection is dropped. A small call on an open
+connection is sent by the caller's thread, and its answer is read there too when the caller comes to wait for
+it (`StreamCall.read_here`): a decode step then wakes no thread of ours per call, only the node. A caller that
+does not wait for it alone hands the reading to the connection's thread (`StreamCall.let_go`). When the stream cannot be
 reached at all (a firewall that lets only the gRPC port through), the pool says so once and its calls go over
 gRPC (`fallback`) for a while before it tries the stream again.
 """
@@ -22,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import select
 import socket
 import ssl
 import tempfile
@@ -55,8 +59,9 @@ CONNECT_SECONDS = 5.0
 # After the stream could not be reached, calls go over gRPC for this long before the stream is tried again.
 RETRY_STREAM_SECONDS = 30.0
 # A call this small on a connection already open is sent by the caller's own thread (it fits the socket's
-# buffer: the send does not wait on the network); the connection's thread then only reads the answer. A decode
-# step's calls are a few to a few tens of kilobytes: that saves a thread hand-off before the node can start.
+# buffer: the send does not wait on the network), and its answer is read by the caller when it waits for it
+# (or by the connection's thread when the caller lets it go). A decode step's calls are a few to a few tens of
+# kilobytes: that saves two thread hand-offs per call (the reader's wake-up, and its wake-up of the caller).
 INLINE_SEND_BYTES = 64 << 10
 
 Answer = Callable[[bytes], tuple[grpc.StatusCode, bytes]]
@@ -220,7 +225,7 @@ class StreamPool:
         self._closed = False
         self._unreachable_until = 0.0
 
-    def submit(self, body: bytes, timeout: float | None) -> Future[pb.ComputeReply]:
+    def submit(self, body: bytes, timeout: float | None) -> StreamCall:
         """Start one call; its future ends with the ComputeReply or a NodeCallError."""
         future: Future[pb.ComputeReply] = Future()
         future.set_running_or_notify_cancel()
@@ -235,9 +240,8 @@ class StreamPool:
                 self._conns.append(conn)
             else:
                 self._queue.append(job)  # the next connection to finish takes it
-                return future
-        conn.give(job)
-        return future
+                return StreamCall(job, None)
+        return StreamCall(job, conn if conn.give(job) else None)
 
     def _next(self, conn: _Conn) -> _Job | None:
         """A connection finished its call: its next job, or None (it goes idle; or it is closed)."""
@@ -294,6 +298,30 @@ def _error(address: str, code: grpc.StatusCode, details: str) -> NodeCallError:
     return NodeCallError(address, "Compute", code, details)
 
 
+class StreamCall:
+    """One call submitted to a StreamPool: its `future`, and where the caller may read the answer itself."""
+
+    __slots__ = ("future", "_job", "_conn")
+
+    def __init__(self, job: _Job, conn: _Conn | None) -> None:
+        self.future, self._job, self._conn = job.future, job, conn
+
+    def read_here(self, timeout: float | None = None) -> None:
+        """Read the answer on this thread if it is the caller's to read (it was sent from the caller's thread
+        and not let go), waiting up to `timeout` s for it (None: until the call's deadline). An answer that
+        has not come by then is left to the connection's thread, as `let_go` does."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.read_here(self._job, timeout)
+
+    def let_go(self) -> None:
+        """Leave the answer to the connection's thread (a caller that waits on several calls at once, or on
+        none)."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.let_go(self._job)
+
+
 class _Conn:
     """One kept connection and the thread that runs its calls, one at a time."""
 
@@ -303,18 +331,86 @@ class _Conn:
         self._job: _Job | None = None
         self._go = threading.Semaphore(0)
         self._stopped = False
+        self._lock = threading.Lock()
+        self._callers: _Job | None = None  # sent from the caller's thread; its answer is the caller's to read
         threading.Thread(target=self._run, name=f"swarm-stream-{pool.address}", daemon=True).start()
 
-    def give(self, job: _Job) -> None:
-        """Run `job` on this (idle) connection: a small one is sent from the caller's thread at once."""
+    def give(self, job: _Job) -> bool:
+        """Run `job` on this (idle) connection: a small one is sent from the caller's thread at once, and
+        then (True) its answer is the caller's to read (`read_here`) until it lets go of it (`let_go`)."""
         if self.sock is not None and len(job.body) <= INLINE_SEND_BYTES:
             try:
                 self._send(job)
                 job.sent = True
             except OSError:
                 self._drop()  # the connection's thread sends it on a new connection
+        if job.sent:
+            with self._lock:
+                if not self._stopped:
+                    self._callers = job
+                    return True
         self._job = job
         self._go.release()
+        return False
+
+    def _claim(self, job: _Job) -> bool:
+        with self._lock:
+            if self._callers is not job:
+                return False
+            self._callers = None
+            return True
+
+    def let_go(self, job: _Job) -> None:
+        if self._claim(job):
+            self._job = job
+            self._go.release()
+
+    def read_here(self, job: _Job, timeout: float | None) -> None:
+        """`job`'s answer, read on the calling thread (see StreamCall.read_here)."""
+        if not self._claim(job):
+            return
+        sock = self.sock
+        left = job.remaining()
+        wait = left if timeout is None else timeout if left is None else min(timeout, left)
+        try:
+            ready = sock is not None and (
+                (isinstance(sock, ssl.SSLSocket) and sock.pending() > 0)
+                or bool(select.select([sock], [], [], wait)[0])
+            )
+        except (OSError, ValueError):  # closed under us (the pool is closing): the thread's path ends it
+            ready = False
+        if not ready or sock is None:
+            self._job = job  # not in yet: the connection's thread waits for it, until the deadline
+            self._go.release()
+            return
+        try:
+            sock.settimeout(None if left is None else max(left, 1e-3))
+            code, payload = read_reply(sock)
+        except TimeoutError:
+            self._drop()
+            job.future.set_exception(
+                _error(self.pool.address, grpc.StatusCode.DEADLINE_EXCEEDED, "no answer before the deadline")
+            )
+        except (EOFError, OSError) as e:  # FrameError and ssl errors are OSErrors
+            self._drop()
+            if isinstance(e, EOFError | BrokenPipeError | ConnectionResetError):
+                # A kept connection the node closed while it was idle: the connection's thread makes the call
+                # once more on a new one, as it does for its own calls.
+                job.sent = False
+                self._job = job
+                self._go.release()
+                return
+            job.future.set_exception(
+                _error(
+                    self.pool.address, grpc.StatusCode.UNAVAILABLE, f"compute stream connection lost ({e})"
+                )
+            )
+        else:
+            self._resolve(job, code, payload)
+        follow = self.pool._next(self)
+        if follow is not None:
+            self._job = follow
+            self._go.release()
 
     def _send(self, job: _Job) -> None:
         assert self.sock is not None
@@ -323,8 +419,14 @@ class _Conn:
         send_call(self.sock, self.pool.sign(job.body), job.body)
 
     def stop(self) -> None:
-        self._stopped = True
+        with self._lock:
+            self._stopped = True
+            job, self._callers = self._callers, None
         self._drop()
+        if job is not None:
+            job.future.set_exception(
+                _error(self.pool.address, grpc.StatusCode.CANCELLED, "the client was closed")
+            )
         self._go.release()
 
     def _drop(self) -> None:
@@ -385,13 +487,16 @@ class _Conn:
                     _error(pool.address, grpc.StatusCode.UNAVAILABLE, f"compute stream connection lost ({e})")
                 )
                 return
-            if code == grpc.StatusCode.OK:
-                try:
-                    job.future.set_result(pb.ComputeReply.FromString(payload))
-                except Exception as e:  # a reply that does not parse: the node is broken
-                    job.future.set_exception(
-                        _error(pool.address, grpc.StatusCode.INTERNAL, f"bad reply ({e})")
-                    )
-            else:
-                job.future.set_exception(_error(pool.address, code, payload.decode("utf-8", "replace")))
+            self._resolve(job, code, payload)
             return
+
+    def _resolve(self, job: _Job, code: grpc.StatusCode, payload: bytearray) -> None:
+        if code == grpc.StatusCode.OK:
+            try:
+                job.future.set_result(pb.ComputeReply.FromString(payload))
+            except Exception as e:  # a reply that does not parse: the node is broken
+                job.future.set_exception(
+                    _error(self.pool.address, grpc.StatusCode.INTERNAL, f"bad reply ({e})")
+                )
+        else:
+            job.future.set_exception(_error(self.pool.address, code, payload.decode("utf-8", "replace")))

@@ -6,6 +6,7 @@ port where a test needs to see or cut the wire, raw sockets for what a listener 
 
 from __future__ import annotations
 
+import gc
 import logging
 import socket
 import threading
@@ -22,8 +23,8 @@ from swarm.node.client import NodeCallError, NodeClient
 from swarm.node.launch import start_nodes, stop_nodes
 from swarm.proto import expert_pb2 as pb
 from swarm.proto.channel import PROTOCOL_VERSION
-from swarm.proto.codec import compute_request
-from swarm.proto.frames import COMPUTE_METHOD, call_frame, read_reply
+from swarm.proto.codec import compute_request, decode_tensor, encode_tensor
+from swarm.proto.frames import COMPUTE_METHOD, call_frame, read_call, read_reply, send_reply
 
 GGUF = FIXTURES / "qwen3moe-tiny" / "model-f32.gguf"  # D = 64, 32 experts
 KEY_TEXT = generate_key_text()
@@ -244,3 +245,95 @@ def test_a_node_killed_mid_call_fails_the_call_unavailable(tmp_path):
         assert e.value.code is grpc.StatusCode.UNAVAILABLE
     finally:
         stop_nodes([node])
+
+
+class _SlowNode:
+    """A compute stream on 127.0.0.1 that answers each call with rows of zeros after `delay` s (None: never)."""
+
+    def __init__(self, delay: float | None) -> None:
+        self.delay = delay
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.conns: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        try:
+            while True:
+                conn = self.listener.accept()[0]
+                self.conns.append(conn)
+                threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+        except OSError:
+            pass
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            while True:
+                _, body = read_call(conn)
+                if self.delay is None:
+                    continue
+                time.sleep(self.delay)
+                rows = decode_tensor(pb.ComputeRequest.FromString(bytes(body)).rows)
+                reply = pb.ComputeReply(rows=encode_tensor(torch.zeros_like(rows)))
+                send_reply(conn, grpc.StatusCode.OK, reply.SerializeToString())
+        except (OSError, EOFError):
+            pass
+
+    def close(self) -> None:
+        self.listener.close()
+        for c in self.conns:
+            c.close()
+
+
+def _resolved_on(call: object) -> list[int]:
+    """The id of the thread that will resolve the call's answer (filled in then)."""
+    seen: list[int] = []
+    call._future.add_done_callback(lambda _: seen.append(threading.get_ident()))  # type: ignore[attr-defined]
+    return seen
+
+
+def test_a_small_calls_answer_is_read_on_the_callers_thread_a_prompts_on_the_streams(nodes):
+    node = nodes["open"]
+    with NodeClient(node.address, fingerprint=node.fingerprint, stream_port=_stream_port(node.address)) as c:
+        c.compute(0, [1], [1], _rows(1))  # the connection is open: later small calls go from this thread
+        small = c.compute_async(0, [1, 2], [1, 1], _rows(2))
+        on = _resolved_on(small)
+        small.result()
+        assert on == [threading.get_ident()]  # no hand-off to the stream's thread and back
+        big = c.compute_async(0, [1, 2], [200, 200], _rows(400))  # 100 KiB: sent and read by the thread
+        on = _resolved_on(big)
+        assert big.result().shape == (400, 64)
+        assert on and on != [threading.get_ident()]
+
+
+def test_an_answer_late_for_wait_is_read_by_the_stream_and_one_never_waited_for_frees_its_connection():
+    node = _SlowNode(delay=0.3)
+    try:
+        with NodeClient("127.0.0.1:1", stream_port=node.port, max_in_flight=1) as c:
+            c.compute(0, [0], [1], _rows(1), timeout=10)  # opens the one connection
+            late = c.compute_async(0, [0], [1], _rows(1), timeout=10)
+            on = _resolved_on(late)
+            assert not late.wait(0.05)  # not in yet: the stream's thread takes the reading over
+            assert torch.equal(late.result(), torch.zeros(1, 64))
+            assert on and on != [threading.get_ident()]
+            dropped = c.compute_async(0, [0], [1], _rows(1), timeout=10)
+            del dropped  # nobody waits for it: its connection must still come free for the next call
+            gc.collect()
+            after = c.compute_async(0, [0], [1], _rows(1), timeout=10)
+            assert after.wait(5) and torch.equal(after.result(), torch.zeros(1, 64))
+    finally:
+        node.close()
+
+
+def test_closing_the_client_ends_a_call_whose_answer_was_the_callers_to_read():
+    node = _SlowNode(delay=None)
+    try:
+        c = NodeClient("127.0.0.1:1", stream_port=node.port)
+        c.compute_async(0, [0], [1], _rows(1)).wait(0.2)  # the connection opens (its thread sends)
+        pending = c.compute_async(0, [0], [1], _rows(1))  # sent from here: its answer is ours to read
+        c.close()
+        with pytest.raises(NodeCallError) as e:
+            pending.result(timeout=5)
+        assert e.value.code is grpc.StatusCode.CANCELLED
+    finally:
+        node.close()
