@@ -2,15 +2,18 @@
 
 An honest node's answer equals, bit for bit, what the coordinator computes itself on the same slab bytes
 (the two numerics guarantee it), so a check is an equality, not a tolerance. The coordinator's own slabs
-come from the model it was started on: a GGUF it trusts, or a shard directory whose slab files it checks
-against the manifest's SHA-256 before first using each one.
+come from the model it was started on: a GGUF it trusts, or a shard directory. From a shard directory, an
+answer that differs is a ban only once the coordinator's own slab files are checked against the manifest's
+SHA-256 (one that is not is never used to check again): an answer that agrees needs no hashing, since it
+agrees with bytes that only a damaged file of ours and an identically wrong node could both give.
 
 - Probe: before a node gets its first pair, rows of known values go through a few of the slabs it claims.
 - Audit: each answered call is recomputed here with probability `rate` (chosen after the answer arrived, so
   a node cannot tell which answers are checked). A node whose answer differs is banned for the run: it never
   gets another pair (`on_ban` tells the placement at once). Audits run on a thread of their own, one core,
-  beside the model's next layers (a check of a cold expert verifies its slab file and copies it: milliseconds
-  the model need not wait for); a settle takes in the verdicts that are in, a forced one waits for all.
+  beside the model's next layers (a check of a cold expert copies its slab into ggml's repacked layout:
+  milliseconds the model need not wait for); a settle takes in the verdicts that are in, a forced one waits
+  for all.
   Without that thread (`background=False`) an audit runs in the call, and a caught answer is replaced by the
   coordinator's.
 - Settling: an answer counts as checked once a later audit of the same node passed. `settle()` says whether
@@ -103,16 +106,21 @@ class Auditor:
     # --- the coordinator's own answer ---------------------------------------------------------------
 
     def holds(self, layer: int, expert_ids: list[int]) -> bool:
-        """Whether every slab is here and (from a shard directory) verified against the manifest."""
+        """Whether every slab is here (and none failed its check against the manifest)."""
+        return all(
+            (layer, e) in self.store.slabs and self._verified.get((layer, e), True) for e in expert_ids
+        )
+
+    def _ours_verify(self, layer: int, expert_ids: list[int]) -> bool:
+        """Whether these slabs of ours match the manifest (checked once each; a GGUF's always do): before an
+        answer that differs from ours bans its node."""
+        ok = True
         for e in expert_ids:
             key = (layer, e)
-            if key not in self.store.slabs:
-                return False
             if key not in self._verified:
                 self._verified[key] = self._verify(key)
-            if not self._verified[key]:
-                return False
-        return True
+            ok = ok and self._verified[key]
+        return ok
 
     def _verify(self, key: SlabKey) -> bool:
         if self.shard_dir is None:
@@ -148,7 +156,8 @@ class Auditor:
             rows = torch.randn(PROBE_ROWS, width, generator=g).to(self.wire_dtype)
             answer = compute(layer, [expert], [PROBE_ROWS], rows)
             self.report.probes += 1
-            if not torch.equal(answer, self.expected(layer, [expert], [PROBE_ROWS], rows)):
+            same = torch.equal(answer, self.expected(layer, [expert], [PROBE_ROWS], rows))
+            if not same and self._ours_verify(layer, [expert]):
                 self._ban(
                     address, f"its answer for layer {layer} expert {expert} differs from the model's slab"
                 )
@@ -198,8 +207,11 @@ class Auditor:
             self._worker.shutdown(wait=True, cancel_futures=True)
 
     def _audit(self, address: str, call: _Call) -> torch.Tensor | None:
-        """None when the node's answer holds (its open calls are then checked), else the right rows."""
+        """None when the node's answer holds (its open calls are then checked), else the right rows. A call
+        this coordinator cannot check (a slab it lacks, or one of its own that is damaged) settles as if it
+        held: it is trusted, as with no audits, rather than left open for ever."""
         if not self.holds(call.layer, call.expert_ids):
+            self._checked(address, call, counted=False)
             return None
         picked = self._rows_to_check(call)
         if picked is None:
@@ -210,18 +222,23 @@ class Auditor:
             ids = [e for e, n in zip(call.expert_ids, call.counts, strict=True) if n]
             own_rows = self.expected(call.layer, ids, [1] * len(ids), call.rows.index_select(0, idx))
             same = torch.equal(own_rows, call.answer.index_select(0, idx))
+        if same or not self._ours_verify(call.layer, call.expert_ids):
+            self._checked(address, call, counted=same)  # (not same: our own slab is damaged, said once)
+            return None
         with self._lock:
-            book = self._books.setdefault(address, _NodeBook())
             self.report.audits += 1
-            if same:
-                if book.last_call is call:
-                    book.open_calls = 0
-                return None
         self._ban(
             address,
             f"its answer for layer {call.layer} experts {call.expert_ids} differs from the model's slabs",
         )
         return self.expected(call.layer, call.expert_ids, call.counts, call.rows)
+
+    def _checked(self, address: str, call: _Call, counted: bool) -> None:
+        with self._lock:
+            book = self._books.setdefault(address, _NodeBook())
+            self.report.audits += counted
+            if book.last_call is call:
+                book.open_calls = 0
 
     def _rows_to_check(self, call: _Call) -> list[int] | None:
         """One row of each expert's block, at random (None: check them all). Native numerics compute every row

@@ -211,3 +211,43 @@ def test_audits_run_beside_the_model_and_settle_waits_for_their_verdict():
 def test_audit_rate_is_checked(capsys):
     assert main(["run", str(MODEL), "--audit", "1.5", "--prompt", "x", "--no-mdns"]) == 2
     assert "--audit 1.5" in capsys.readouterr().err
+
+
+def test_an_agreeing_answer_needs_no_hashing_and_a_damaged_slab_of_ours_bans_nobody(
+    tmp_path, monkeypatch, caplog
+):
+    """From a shard directory the coordinator hashes its own slab files only when an answer differs from
+    its own: agreeing answers cost no SHA-256; a difference that comes from a damaged file of ours is no
+    ban (and that slab checks nothing more); one from the node, against files that hold, is."""
+    from swarm.node.source import load_slabs
+    from swarm.node.store import ExpertStore
+    from swarm.sharding import slabs
+
+    shard_dir = tmp_path / "m.swarm"
+    shard_model(MODEL, shard_dir)
+    honest = Auditor(ExpertStore(load_slabs(MODEL).slabs), "native", torch.float32, rate=0.0)
+    damage(shard_dir, 0, [0])
+    auditor = Auditor(
+        ExpertStore(load_slabs(shard_dir, verify=False).slabs), "native", torch.float32, rate=1.0,
+        shard_dir=shard_dir, seed=1, background=False,
+    )  # fmt: skip
+    hashed: list[str] = []
+    check = slabs.check_slab_file
+    monkeypatch.setattr(slabs, "check_slab_file", lambda d, e: hashed.append(e.path) or check(d, e))
+    x = torch.randn(3, 256)
+
+    right = honest.expected(1, [0, 1], [2, 1], x)
+    assert torch.equal(auditor.answered("a", 1, [0, 1], [2, 1], x, right), right)
+    assert hashed == [] and auditor.report.audits == 1 and auditor.settle() is Verdict.SETTLED
+
+    right0 = honest.expected(0, [0, 1], [2, 1], x)  # the node is right; our slab 0:0 is not
+    with caplog.at_level("WARNING", logger="swarm.coordinator.audit"):
+        assert torch.equal(auditor.answered("a", 0, [0, 1], [2, 1], x, right0), right0)
+    assert not auditor.report.banned and auditor.settle(force=True) is Verdict.SETTLED
+    assert "cannot audit with slab 0:0" in caplog.text
+    assert not auditor.holds(0, [0]) and auditor.holds(0, [1])
+
+    wrong = right.clone()
+    wrong[2, 5] += 1e-3
+    auditor.answered("b", 1, [0, 1], [2, 1], x, wrong)
+    assert auditor.is_banned("b") and auditor.settle() is Verdict.CAUGHT
