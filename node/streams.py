@@ -309,10 +309,9 @@ class StreamCall:
     def read_here(self, timeout: float | None = None) -> None:
         """Read the answer on this thread if it is the caller's to read (it was sent from the caller's thread
         and not let go), waiting up to `timeout` s for it (None: until the call's deadline). An answer that
-        has not come by then is left to the connection's thread, as `let_go` does."""
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            conn.read_here(self._job, timeout)
+        has not come by then stays the caller's to read later (or to let go)."""
+        if self._conn is not None and self._conn.read_here(self._job, timeout):
+            self._conn = None
 
     def let_go(self) -> None:
         """Leave the answer to the connection's thread (a caller that waits on several calls at once, or on
@@ -365,10 +364,12 @@ class _Conn:
             self._job = job
             self._go.release()
 
-    def read_here(self, job: _Job, timeout: float | None) -> None:
-        """`job`'s answer, read on the calling thread (see StreamCall.read_here)."""
-        if not self._claim(job):
-            return
+    def read_here(self, job: _Job, timeout: float | None) -> bool:
+        """`job`'s answer, read on the calling thread (see StreamCall.read_here); whether the caller is done
+        with the job here (False: no answer within `timeout`, it is still the caller's to read)."""
+        with self._lock:
+            if self._callers is not job:
+                return True
         sock = self.sock
         left = job.remaining()
         wait = left if timeout is None else timeout if left is None else min(timeout, left)
@@ -378,12 +379,15 @@ class _Conn:
                 or bool(select.select([sock], [], [], wait)[0])
             )
         except (OSError, ValueError):  # closed under us (the pool is closing): the thread's path ends it
-            ready = False
-        if not ready or sock is None:
-            self._job = job  # not in yet: the connection's thread waits for it, until the deadline
-            self._go.release()
-            return
+            self.let_go(job)
+            return True
+        if not ready and (job.deadline is None or time.monotonic() < job.deadline):
+            return False  # the caller waits again, or lets go
+        if not self._claim(job):
+            return True
         try:
+            if not ready or sock is None:
+                raise TimeoutError
             sock.settimeout(None if left is None else max(left, 1e-3))
             code, payload = read_reply(sock)
         except TimeoutError:
@@ -399,7 +403,7 @@ class _Conn:
                 job.sent = False
                 self._job = job
                 self._go.release()
-                return
+                return True
             job.future.set_exception(
                 _error(
                     self.pool.address, grpc.StatusCode.UNAVAILABLE, f"compute stream connection lost ({e})"
@@ -411,6 +415,7 @@ class _Conn:
         if follow is not None:
             self._job = follow
             self._go.release()
+        return True
 
     def _send(self, job: _Job) -> None:
         assert self.sock is not None

@@ -248,10 +248,11 @@ def test_a_node_killed_mid_call_fails_the_call_unavailable(tmp_path):
 
 
 class _SlowNode:
-    """A compute stream on 127.0.0.1 that answers each call with rows of zeros after `delay` s (None: never)."""
+    """A compute stream on 127.0.0.1 that answers each call with rows of zeros after `delay` s (None: never),
+    the first `answers` calls only (None: every one)."""
 
-    def __init__(self, delay: float | None) -> None:
-        self.delay = delay
+    def __init__(self, delay: float | None, answers: int | None = None) -> None:
+        self.delay, self.answers = delay, answers
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self.conns: list[socket.socket] = []
@@ -270,8 +271,10 @@ class _SlowNode:
         try:
             while True:
                 _, body = read_call(conn)
-                if self.delay is None:
+                if self.delay is None or self.answers == 0:
                     continue
+                if self.answers is not None:
+                    self.answers -= 1
                 time.sleep(self.delay)
                 rows = decode_tensor(pb.ComputeRequest.FromString(bytes(body)).rows)
                 reply = pb.ComputeReply(rows=encode_tensor(torch.zeros_like(rows)))
@@ -306,15 +309,20 @@ def test_a_small_calls_answer_is_read_on_the_callers_thread_a_prompts_on_the_str
         assert on and on != [threading.get_ident()]
 
 
-def test_an_answer_late_for_wait_is_read_by_the_stream_and_one_never_waited_for_frees_its_connection():
+def test_a_late_answer_is_still_the_callers_a_polled_one_the_streams_and_a_dropped_call_frees_its_connection():
     node = _SlowNode(delay=0.3)
     try:
         with NodeClient("127.0.0.1:1", stream_port=node.port, max_in_flight=1) as c:
             c.compute(0, [0], [1], _rows(1), timeout=10)  # opens the one connection
             late = c.compute_async(0, [0], [1], _rows(1), timeout=10)
             on = _resolved_on(late)
-            assert not late.wait(0.05)  # not in yet: the stream's thread takes the reading over
+            assert not late.wait(0.05)  # not in yet: still ours to read
             assert torch.equal(late.result(), torch.zeros(1, 64))
+            assert on == [threading.get_ident()]
+            polled = c.compute_async(0, [0], [1], _rows(1), timeout=10)
+            on = _resolved_on(polled)
+            assert not polled.done()  # a caller that polls leaves the reading to the stream's thread
+            assert torch.equal(polled.result(), torch.zeros(1, 64))
             assert on and on != [threading.get_ident()]
             dropped = c.compute_async(0, [0], [1], _rows(1), timeout=10)
             del dropped  # nobody waits for it: its connection must still come free for the next call
@@ -326,14 +334,30 @@ def test_an_answer_late_for_wait_is_read_by_the_stream_and_one_never_waited_for_
 
 
 def test_closing_the_client_ends_a_call_whose_answer_was_the_callers_to_read():
-    node = _SlowNode(delay=None)
+    node = _SlowNode(delay=0.0, answers=1)
     try:
         c = NodeClient("127.0.0.1:1", stream_port=node.port)
-        c.compute_async(0, [0], [1], _rows(1)).wait(0.2)  # the connection opens (its thread sends)
+        c.compute(0, [0], [1], _rows(1), timeout=10)  # the connection opens; the next call goes from here
         pending = c.compute_async(0, [0], [1], _rows(1))  # sent from here: its answer is ours to read
         c.close()
         with pytest.raises(NodeCallError) as e:
             pending.result(timeout=5)
         assert e.value.code is grpc.StatusCode.CANCELLED
+    finally:
+        node.close()
+
+
+def test_a_call_whose_answer_is_the_callers_still_ends_at_its_deadline():
+    node = _SlowNode(delay=0.0, answers=1)
+    try:
+        with NodeClient("127.0.0.1:1", stream_port=node.port) as c:
+            c.compute(0, [0], [1], _rows(1), timeout=10)  # the connection opens; the next call goes from here
+            t0 = time.monotonic()
+            call = c.compute_async(0, [0], [1], _rows(1), timeout=0.3)  # sent from here, read here
+            on = _resolved_on(call)
+            with pytest.raises(NodeCallError) as e:
+                call.result()
+            assert e.value.code is grpc.StatusCode.DEADLINE_EXCEEDED and on == [threading.get_ident()]
+            assert 0.25 < time.monotonic() - t0 < 3
     finally:
         node.close()
