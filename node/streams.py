@@ -65,6 +65,10 @@ RETRY_STREAM_SECONDS = 30.0
 INLINE_SEND_BYTES = 64 << 10
 
 Answer = Callable[[bytes], tuple[grpc.StatusCode, bytes]]
+NO_ANSWER = "no answer before the deadline"
+# How a kept connection looks when the node closed it while it was idle: a call that finds it so is made once
+# more, on a new connection.
+KEPT_CONNECTION_CLOSED = (EOFError, BrokenPipeError, ConnectionResetError)
 
 
 def tls_context(key: SwarmKey, server: bool) -> ssl.SSLContext:
@@ -348,9 +352,16 @@ class _Conn:
                 if not self._stopped:
                     self._callers = job
                     return True
+        self._hand_over(job)
+        return False
+
+    def _hand_over(self, job: _Job) -> None:
+        """The connection's thread runs `job` (sends it if it is not sent, reads its answer)."""
         self._job = job
         self._go.release()
-        return False
+
+    def _fail(self, job: _Job, code: grpc.StatusCode, details: str) -> None:
+        job.future.set_exception(_error(self.pool.address, code, details))
 
     def _claim(self, job: _Job) -> bool:
         with self._lock:
@@ -361,8 +372,7 @@ class _Conn:
 
     def let_go(self, job: _Job) -> None:
         if self._claim(job):
-            self._job = job
-            self._go.release()
+            self._hand_over(job)
 
     def read_here(self, job: _Job, timeout: float | None) -> bool:
         """`job`'s answer, read on the calling thread (see StreamCall.read_here); whether the caller is done
@@ -386,35 +396,26 @@ class _Conn:
         if not self._claim(job):
             return True
         try:
-            if not ready or sock is None:
+            if not ready:
                 raise TimeoutError
+            assert sock is not None
             sock.settimeout(None if left is None else max(left, 1e-3))
             code, payload = read_reply(sock)
         except TimeoutError:
             self._drop()
-            job.future.set_exception(
-                _error(self.pool.address, grpc.StatusCode.DEADLINE_EXCEEDED, "no answer before the deadline")
-            )
+            self._fail(job, grpc.StatusCode.DEADLINE_EXCEEDED, NO_ANSWER)
         except (EOFError, OSError) as e:  # FrameError and ssl errors are OSErrors
             self._drop()
-            if isinstance(e, EOFError | BrokenPipeError | ConnectionResetError):
-                # A kept connection the node closed while it was idle: the connection's thread makes the call
-                # once more on a new one, as it does for its own calls.
-                job.sent = False
-                self._job = job
-                self._go.release()
+            if isinstance(e, KEPT_CONNECTION_CLOSED):
+                job.sent = False  # the connection's thread makes the call once more, on a new connection
+                self._hand_over(job)
                 return True
-            job.future.set_exception(
-                _error(
-                    self.pool.address, grpc.StatusCode.UNAVAILABLE, f"compute stream connection lost ({e})"
-                )
-            )
+            self._fail(job, grpc.StatusCode.UNAVAILABLE, f"compute stream connection lost ({e})")
         else:
             self._resolve(job, code, payload)
         follow = self.pool._next(self)
         if follow is not None:
-            self._job = follow
-            self._go.release()
+            self._hand_over(follow)
         return True
 
     def _send(self, job: _Job) -> None:
@@ -429,9 +430,7 @@ class _Conn:
             job, self._callers = self._callers, None
         self._drop()
         if job is not None:
-            job.future.set_exception(
-                _error(self.pool.address, grpc.StatusCode.CANCELLED, "the client was closed")
-            )
+            self._fail(job, grpc.StatusCode.CANCELLED, "the client was closed")
         self._go.release()
 
     def _drop(self) -> None:
@@ -447,7 +446,7 @@ class _Conn:
             job, self._job = self._job, None
             if job is None or self._stopped:
                 if job is not None:
-                    job.future.set_exception(_error(self.pool.address, grpc.StatusCode.CANCELLED, "closed"))
+                    self._fail(job, grpc.StatusCode.CANCELLED, "closed")
                 return
             while job is not None:
                 self._call(job)
@@ -471,26 +470,16 @@ class _Conn:
                 return
             except TimeoutError:
                 self._drop()  # its answer may still come: the connection is out of step
-                job.future.set_exception(
-                    _error(pool.address, grpc.StatusCode.DEADLINE_EXCEEDED, "no answer before the deadline")
-                )
+                self._fail(job, grpc.StatusCode.DEADLINE_EXCEEDED, NO_ANSWER)
                 return
             except (EOFError, OSError) as e:  # FrameError and ssl errors are OSErrors
                 self._drop()
                 if self._stopped:
-                    job.future.set_exception(
-                        _error(pool.address, grpc.StatusCode.CANCELLED, "the client was closed")
-                    )
+                    self._fail(job, grpc.StatusCode.CANCELLED, "the client was closed")
                     return
-                if (
-                    reused
-                    and attempt == 1
-                    and isinstance(e, EOFError | BrokenPipeError | ConnectionResetError)
-                ):
-                    continue  # a kept connection the node closed while it was idle: once more on a new one
-                job.future.set_exception(
-                    _error(pool.address, grpc.StatusCode.UNAVAILABLE, f"compute stream connection lost ({e})")
-                )
+                if reused and attempt == 1 and isinstance(e, KEPT_CONNECTION_CLOSED):
+                    continue  # once more, on a new connection
+                self._fail(job, grpc.StatusCode.UNAVAILABLE, f"compute stream connection lost ({e})")
                 return
             self._resolve(job, code, payload)
             return
@@ -500,8 +489,6 @@ class _Conn:
             try:
                 job.future.set_result(pb.ComputeReply.FromString(payload))
             except Exception as e:  # a reply that does not parse: the node is broken
-                job.future.set_exception(
-                    _error(self.pool.address, grpc.StatusCode.INTERNAL, f"bad reply ({e})")
-                )
+                self._fail(job, grpc.StatusCode.INTERNAL, f"bad reply ({e})")
         else:
-            job.future.set_exception(_error(self.pool.address, code, payload.decode("utf-8", "replace")))
+            self._fail(job, code, payload.decode("utf-8", "replace"))

@@ -208,28 +208,16 @@ def test_unreachable_stream_falls_back_to_grpc_and_says_so(nodes, caplog):
 
 
 def test_a_node_that_never_answers_ends_the_call_at_its_deadline():
-    listener = socket.create_server(("127.0.0.1", 0))
-    held: list[socket.socket] = []
-
-    def accept() -> None:
-        try:
-            while True:
-                held.append(listener.accept()[0])  # reads nothing, answers nothing
-        except OSError:
-            pass
-
-    threading.Thread(target=accept, daemon=True).start()
+    node = _SlowNode(delay=None)
     try:
-        with NodeClient("127.0.0.1:1", stream_port=listener.getsockname()[1]) as c:
+        with NodeClient("127.0.0.1:1", stream_port=node.port) as c:
             t0 = time.monotonic()
             with pytest.raises(NodeCallError) as e:
                 c.compute(0, [0], [1], _rows(1), timeout=0.5)
             assert e.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
             assert 0.4 < time.monotonic() - t0 < 5
     finally:
-        listener.close()
-        for s in held:
-            s.close()
+        node.close()
 
 
 def test_a_node_killed_mid_call_fails_the_call_unavailable(tmp_path):
