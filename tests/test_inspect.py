@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gguf import GGUFReader
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 
 from swarm.coordinator.cli import main
 from swarm.sharding.shard import shard_model
@@ -53,3 +54,22 @@ def test_inspect_bad_file(tmp_path, capsys):
     assert main(["inspect", str(p)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "truncated" in err
+
+
+def test_a_tensor_of_a_type_that_holds_no_weights_is_refused_in_one_line(tmp_path, capsys):
+    # A flipped type word can name an integer type whose byte count still matches the shape (I8: one byte an
+    # element); gguf-py cannot decode it, so it must be refused when the file is opened, not when computed.
+    p = tmp_path / "i8.gguf"
+    w = GGUFWriter(p, "qwen35moe")
+    w.add_tensor("blk.0.ffn_up_exps.weight", np.ones((4, 32, 64), dtype=np.int8))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert GGUFReader(p).tensors[0].tensor_type == GGMLQuantizationType.I8
+
+    for command in (["inspect", str(p)], ["shard", str(p), "-o", str(tmp_path / "o")], ["node", str(p)]):
+        assert main(command) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "'blk.0.ffn_up_exps.weight' is of type I8" in err, (command, err)
+    assert not (tmp_path / "o").exists()
