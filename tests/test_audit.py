@@ -251,3 +251,54 @@ def test_an_agreeing_answer_needs_no_hashing_and_a_damaged_slab_of_ours_bans_nob
     wrong[2, 5] += 1e-3
     auditor.answered("b", 1, [0, 1], [2, 1], x, wrong)
     assert auditor.is_banned("b") and auditor.settle() is Verdict.CAUGHT
+
+
+def test_a_call_of_many_experts_is_checked_on_a_random_few_and_forced_audits_share_two_threads(monkeypatch):
+    """A prompt's call holds a node's share of every expert of a layer: an audit checks one row of each of
+    at most AUDIT_EXPERTS of them, drawn at random, so a node wrong on one expert of the call is still caught
+    within a few audits. A forced settle audits the open nodes on this thread and the audit thread at once."""
+    import threading
+
+    from swarm.coordinator import audit
+    from swarm.node.source import load_slabs
+    from swarm.node.store import ExpertStore
+
+    monkeypatch.setattr(audit, "AUDIT_EXPERTS", 2)  # the fixture has 8 experts a layer
+    auditor = Auditor(ExpertStore(load_slabs(MODEL).slabs), "native", torch.float32, rate=1.0, seed=3,
+                      background=False)  # fmt: skip
+    checked: list[tuple[list[int], str]] = []
+    expected = auditor.expected
+
+    def recording(layer, ids, counts, rows):  # noqa: ANN001, ANN202
+        checked.append((list(ids), threading.current_thread().name))
+        return expected(layer, ids, counts, rows)
+
+    experts, counts = list(range(8)), [2] * 8
+    x = torch.randn(16, 256)
+    right = expected(0, experts, counts, x)
+    monkeypatch.setattr(auditor, "expected", recording)
+    assert auditor.answered("a", 0, experts, counts, x, right) is right
+    assert len(checked) == 1 and len(checked[0][0]) == 2 and len(set(checked[0][0])) == 2
+
+    wrong = right.clone()
+    wrong[10:12] += 1e-3  # expert 5's rows only
+    audits = 0
+    while not auditor.is_banned("b"):
+        audits += 1
+        assert audits <= 30, "a node wrong on one expert of eight was never caught"
+        auditor.answered("b", 0, experts, counts, x, wrong)
+    sampled = [ids for ids, _ in checked if len(ids) == 2]  # (then the whole call, recomputed for the ban)
+    assert len(sampled) == audits + 1 and 5 in sampled[-1] and all(5 not in ids for ids in sampled[1:-1])
+
+    aside = Auditor(ExpertStore(load_slabs(MODEL).slabs), "native", torch.float32, rate=0.0, seed=3)
+    try:
+        checked.clear()
+        monkeypatch.setattr(aside, "expected", recording)
+        for node in ("n1", "n2", "n3"):
+            aside.answered(node, 0, [0, 1], [1, 1], x[:2], expected(0, [0, 1], [1, 1], x[:2]))
+        assert aside.settle() is Verdict.OPEN and aside.settle(force=True) is Verdict.SETTLED
+        threads = [name for _, name in checked]
+        assert len(threads) == 3 and threading.current_thread().name in threads
+        assert any(name.startswith("swarm-audit") for name in threads), threads
+    finally:
+        aside.close()
