@@ -1143,6 +1143,28 @@ def _delta_rule_ops(
     return results, new_convs
 
 
+def _rule_results(
+    states: Sequence[torch.Tensor], lengths: Sequence[int], hv: int, s: int
+) -> list[torch.Tensor]:
+    """Where each sequence's gated_delta_net result goes: [T*Hv*S outputs, then the new Hv*S*S state]. A state
+    that lies at the end of such a buffer of this T (the one before came from a call of the same shape: a
+    decode step after a decode step) is updated where it lies: ggml's op copies each head's state into its
+    output and updates it there, reading nothing else of the input state, so the copy is onto itself. A
+    new buffer each step was 2 MiB a sequence per layer of the real shape, every page of it zeroed by the
+    kernel first. Whoever keeps an older state keeps a copy (DeltaNetState.checkpoint)."""
+    out = []
+    for st, t in zip(states, lengths, strict=True):
+        n_attn, n = t * hv * s, t * hv * s + hv * s * s
+        fits = (
+            st.dtype == torch.float32
+            and st.is_contiguous()
+            and st.storage_offset() == n_attn
+            and st.untyped_storage().nbytes() == 4 * n
+        )
+        out.append(st.as_strided((n,), (1,), 0) if fits else torch.empty(n))  # (the whole buffer st ends)
+    return out
+
+
 def _delta_rule_scratch(spans: Sequence[tuple[int, int]], c: int, kc: int, hv: int, s: int) -> int:
     return sum(4 * (t * hv * s + hv * s * s + 10 * (kc - 1 + t) * c) for _, t in spans) + 256 * 1024
 
@@ -1178,7 +1200,7 @@ def delta_net_step(
         + [_f32_rows(x) for x in convs]
         + [_f32_rows(x) for x in states]
     )
-    outs = [torch.empty(n_attn + hv * s * s) for _ in range(b)] + [torch.empty(c, kc - 1) for _ in range(b)]
+    outs = _rule_results(states, [t] * b, hv, s) + [torch.empty(c, kc - 1) for _ in range(b)]
     w = _f32_rows(rule.conv_weight)
 
     def build(keep: bool) -> Graph:
@@ -1230,7 +1252,7 @@ def delta_net_layer(
     spans = [(int(a), int(t)) for a, t in zip(starts, lengths, strict=True)]
     w = _f32_rows(rule.conv_weight)
     ins = [x] + [_f32_rows(t) for t in convs] + [_f32_rows(t) for t in states]
-    results = [torch.empty(t * hv * s + hv * s * s) for t in lengths]
+    results = _rule_results(states, lengths, hv, s)
     new_convs = [torch.empty(c, kc - 1) for _ in lengths]
     y = torch.empty(n, d)
 

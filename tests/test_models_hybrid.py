@@ -21,6 +21,7 @@ from reference import assert_logits_close
 from swarm.coordinator.experts import LocalExperts
 from swarm.coordinator.loader import load_model
 from swarm.coordinator.models.deltanet import (
+    DeltaNetState,
     GatedDeltaNet,
     check_text_rope_sections,
     gated_delta_chunked,
@@ -149,6 +150,25 @@ def test_batched_sequences_equal_each_alone(f32_model: tuple[DecoderModel, Any])
     mixed = model(torch.cat([torch.tensor([7]), b]), [s3, s4], [1, len(b)])
     torch.testing.assert_close(mixed[0], step_a[0], rtol=0, atol=ATOL_SELF)
     torch.testing.assert_close(mixed[1:], alone_b, rtol=0, atol=ATOL_SELF)
+
+
+def test_decode_steps_update_the_recurrent_state_where_it_lies_and_checkpoints_keep_theirs(
+    f32_model: tuple[DecoderModel, Any],
+) -> None:
+    """After the first decode step, each linear-attention layer's state is updated in its own buffer (no new
+    one per step); a checkpoint taken between steps is a copy, so going back to it gives the same logits."""
+    model, ref = f32_model
+    state = model.new_state()
+    model.run(tokens(ref, 0), state)
+    model.run([7], state)
+    ssm = [layer for layer in state.layers if isinstance(layer, DeltaNetState)]
+    where = [s.ssm.data_ptr() for s in ssm]  # type: ignore[union-attr]
+    cp = state.checkpoint()
+    first = torch.stack([model.run([t], state)[0] for t in (11, 13, 17)])
+    assert [s.ssm.data_ptr() for s in ssm] == where  # type: ignore[union-attr]
+    state.restore(cp)
+    again = torch.stack([model.run([t], state)[0] for t in (11, 13, 17)])
+    assert torch.equal(first, again)
 
 
 def test_one_graph_layers_give_the_op_by_op_bits(monkeypatch: pytest.MonkeyPatch) -> None:
