@@ -30,6 +30,10 @@ CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
     # The server side must accept those pings, or it closes the connection with "too_many_pings".
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
     ("grpc.http2.max_pings_without_data", 0),
+    # Nor close it for pings that come too close together: a coordinator whose process stalled (swapping, a
+    # debugger, a long GC) sends its missed keepalives back to back, and a GOAWAY "too_many_pings" would drop
+    # every call in flight. (Server side; a client ignores it.)
+    ("grpc.http2.max_ping_strikes", 0),
     # A node started on an explicit port must fail if the port is taken, not share it silently.
     ("grpc.so_reuseport", 0),
 )

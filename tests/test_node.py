@@ -391,6 +391,29 @@ def test_swarm_key_is_required_except_for_health(nodes, clients):
     assert clients["f32"].info().hidden_size == 64
 
 
+def test_a_client_whose_pings_bunch_up_keeps_its_connection(nodes):
+    """A coordinator that stalled sends its missed keepalive pings back to back: the node must not close the
+    connection for them (a GOAWAY "too_many_pings" drops every call on it). A client pinging every 200 ms
+    stands in for the bunch; before the node accepted any number of them, it was cut off within seconds."""
+    import time
+
+    channel = grpc.insecure_channel(
+        nodes["q4km"].address,
+        options=[("grpc.keepalive_time_ms", 200), ("grpc.keepalive_timeout_ms", 2000),
+                 ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)],
+    )  # fmt: skip
+    states: list[grpc.ChannelConnectivity] = []
+    channel.subscribe(states.append, try_to_connect=True)
+    try:
+        grpc.channel_ready_future(channel).result(timeout=10)
+        time.sleep(6)
+        assert states[-1] == grpc.ChannelConnectivity.READY, states
+        assert pb_grpc.ExpertNodeStub(channel).Info(pb.InfoRequest(), timeout=5).hidden_size == 256
+        assert states.count(grpc.ChannelConnectivity.READY) == 1, states  # never dropped and made again
+    finally:
+        channel.close()
+
+
 def test_cli_user_errors_are_one_line(tmp_path, capsys):
     assert main(["node", str(tmp_path / "missing.gguf")]) == 2
     assert main(["node", str(Q4KM_GGUF), "--slab", "3"]) == 2
