@@ -10,8 +10,8 @@ agrees with bytes that only a damaged file of ours and an identically wrong node
 - Probe: before a node gets its first pair, rows of known values go through a few of the slabs it claims.
 - Audit: each answered call is checked here with probability `rate` (chosen after the answer arrived, so
   a node cannot tell which answers are checked): with native numerics, one row of each of up to
-  AUDIT_EXPERTS of its experts, drawn at random, is recomputed. A node whose answer differs is banned for the run: it never
-  gets another pair (`on_ban` tells the placement at once). Audits run on a thread of their own, one core,
+  AUDIT_EXPERTS of its experts, drawn at random, is recomputed. A node whose answer differs is banned for
+  the run: it never gets another pair (`on_ban` tells the placement at once). Audits run on a thread of their own, one core,
   beside the model's next layers (a check of a cold expert copies its slab into ggml's repacked layout:
   milliseconds the model need not wait for); a settle takes in the verdicts that are in, a forced one waits
   for all.
@@ -49,8 +49,8 @@ DEFAULT_RATE = 0.05
 PROBE_SLABS = 4  # slabs of a new node sent known rows before it is used
 PROBE_ROWS = 2
 # Experts of one call an audit checks (one row each), drawn at random: a prompt's call holds a node's share of
-# every expert of a layer, and checking each of them (a cold one is first copied into ggml's repacked layout,
-# ~1.5 ms) made reading a 64-token prompt through 4 nodes 2.6x slower than trusting the answers.
+# every expert of a layer, and checking each of them (a cold one's three matrices are first copied into
+# ggml's repacked layout) made reading a 64-token prompt through 4 nodes 2.6x slower than trusting answers.
 AUDIT_EXPERTS = 8
 
 
@@ -222,14 +222,15 @@ class Auditor:
             return None
         picked = self._rows_to_check(call)
         if picked is None:
-            own = self.expected(call.layer, call.expert_ids, call.counts, call.rows)
+            checked = call.expert_ids
+            own = self.expected(call.layer, checked, call.counts, call.rows)
             same = torch.equal(own, call.answer)
         else:
             idx = torch.tensor(picked)
-            ids = [_expert_of_row(call, row) for row in picked]
-            own_rows = self.expected(call.layer, ids, [1] * len(ids), call.rows.index_select(0, idx))
+            checked = [_expert_of_row(call, row) for row in picked]
+            own_rows = self.expected(call.layer, checked, [1] * len(checked), call.rows.index_select(0, idx))
             same = torch.equal(own_rows, call.answer.index_select(0, idx))
-        if same or not self._ours_verify(call.layer, call.expert_ids):
+        if same or not self._ours_verify(call.layer, checked):
             self._checked(address, call, counted=same)  # (not same: our own slab is damaged, said once)
             return None
         with self._lock:

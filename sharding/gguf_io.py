@@ -16,7 +16,6 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, Keys
 from gguf.gguf_reader import ReaderTensor
-from gguf.quants import _type_traits as gguf_decoders
 from gguf.quants import dequantize as gguf_dequantize
 
 from swarm.sharding.errors import UserError
@@ -96,21 +95,35 @@ def _open_gguf(path: Path, inode: int, size: int, mtime_ns: int) -> GGUFReader:
 
 MAX_DIMS = 4  # GGML_MAX_DIMS
 
-# The tensor types swarm can compute with: the float types and every quant type gguf-py can decode (the
-# exact path, and the fallback where ggml has no kernel). Integer tensors (I8..I64), F64 and the activation
-# types (Q8_1, Q8_K) hold no weights of these families; a header that names one is damaged.
-WEIGHT_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, *gguf_decoders})
+
+@functools.cache
+def weight_types() -> frozenset[GGMLQuantizationType]:
+    """The tensor types swarm can compute with: F32, F16 and every type gguf-py dequantizes (the exact path,
+    and the fallback where ggml has no kernel), found by asking it for one zero block of each, once.
+    Integer tensors (I8..I64), F64 and the activation types (Q8_1, Q8_K) hold no weights of these families:
+    a header that names one is damaged."""
+    found = {GGMLQuantizationType.F32, GGMLQuantizationType.F16}
+    for qtype in GGMLQuantizationType:
+        if qtype in found or qtype not in GGML_QUANT_SIZES:
+            continue
+        try:
+            gguf_dequantize(np.zeros((1, GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8), qtype)
+        except (NotImplementedError, ValueError):
+            continue
+        found.add(qtype)
+    return frozenset(found)
 
 
 def check_tensors(reader: GGUFReader, path: Path, file_size: int) -> None:
-    """Every tensor's header is consistent: a weight type swarm computes with, 1-4 dimensions of at least 1, whole quant blocks per row, a byte
-    count that matches its shape and type, data inside the file. gguf's reader takes these on trust."""
+    """Every tensor's header is consistent: a type swarm computes with, 1-4 dimensions of at least 1, whole
+    quant blocks per row, a byte count that matches its shape and type, data inside the file. gguf's reader
+    takes these on trust."""
     for t in reader.tensors:
         where = f"{path}: tensor {t.name[:80]!r}"
         dims = [int(d) for d in t.shape.tolist()]
         if not 1 <= len(dims) <= MAX_DIMS or any(d < 1 for d in dims):
             raise GGUFError(f"{where} has shape {dims[:8]}; a damaged header: download or convert it again")
-        if t.tensor_type not in WEIGHT_TYPES:
+        if t.tensor_type not in weight_types():
             raise GGUFError(
                 f"{where} is of type {t.tensor_type.name}, which holds no weights swarm can compute with; "
                 "a damaged header or a different kind of file: download or convert it again"
