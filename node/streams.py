@@ -56,6 +56,11 @@ log = logging.getLogger(__name__)
 MAX_CONNECTIONS = 256
 # How long a new connection may take to connect and finish its TLS handshake.
 CONNECT_SECONDS = 5.0
+# A connection that brings no frame, or none of the rest of one, for this long is closed (as is one that
+# takes no reply for this long): a peer that opens connections and sends nothing must not hold the node's
+# MAX_CONNECTIONS. A coordinator's kept connection that was idle comes back on its next call, made once
+# more on a new connection (KEPT_CONNECTION_CLOSED).
+IDLE_SECONDS = 300.0
 # After the stream could not be reached, calls go over gRPC for this long before the stream is tried again.
 RETRY_STREAM_SECONDS = 30.0
 # A call this small on a connection already open is sent by the caller's own thread (it fits the socket's
@@ -107,9 +112,10 @@ class StreamServer:
         verifier: Verifier | None = None,
         tls: ssl.SSLContext | None = None,
         max_connections: int = MAX_CONNECTIONS,
+        idle_seconds: float = IDLE_SECONDS,
     ) -> None:
         self.answer, self.verifier, self.tls = answer, verifier, tls
-        self.max_connections = max_connections
+        self.max_connections, self.idle_seconds = max_connections, idle_seconds
         bind_host = host.strip("[]") or "0.0.0.0"
         family, kind, proto, _, where = socket.getaddrinfo(
             bind_host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
@@ -167,7 +173,7 @@ class StreamServer:
             if self.tls is not None:
                 conn.settimeout(CONNECT_SECONDS)
                 sock = self.tls.wrap_socket(conn, server_side=True)
-                sock.settimeout(None)
+            sock.settimeout(self.idle_seconds)
             while True:
                 token, body = read_call(sock)
                 refused = self.verifier.check(COMPUTE_METHOD, token or None, body) if self.verifier else ""

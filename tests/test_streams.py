@@ -349,3 +349,31 @@ def test_a_call_whose_answer_is_the_callers_still_ends_at_its_deadline():
             assert 0.25 < time.monotonic() - t0 < 3
     finally:
         node.close()
+
+
+def test_an_idle_connection_is_closed_and_a_busy_one_kept():
+    """A connection that sends nothing for the idle time is closed (so connections held open by a peer that
+    sends nothing cannot use up the node's connection slots); one whose calls come sooner stays open."""
+    from swarm.node.streams import StreamServer
+
+    server = StreamServer(
+        "127.0.0.1", 0, lambda body: (grpc.StatusCode.OK, bytes(body)), idle_seconds=0.5
+    ).start()
+    try:
+        with (
+            socket.create_connection(("127.0.0.1", server.port), timeout=10) as idle,
+            socket.create_connection(("127.0.0.1", server.port), timeout=10) as busy,
+        ):
+            t0 = time.monotonic()
+            for i in range(6):  # 1.8 s of calls, 0.3 s apart
+                busy.sendall(call_frame("", b"call %d" % i))
+                assert read_reply(busy) == (grpc.StatusCode.OK, bytearray(b"call %d" % i))
+                time.sleep(0.3)
+            assert idle.recv(1) == b""  # closed by the node long since
+            assert time.monotonic() - t0 < 5
+            deadline = time.monotonic() + 5
+            while len(server._conns) != 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert len(server._conns) == 1  # the busy one
+    finally:
+        server.stop()
