@@ -354,7 +354,7 @@ def test_a_call_whose_answer_is_the_callers_still_ends_at_its_deadline():
 def test_an_idle_connection_is_closed_and_a_busy_one_kept():
     """A connection that sends nothing for the idle time is closed (so connections held open by a peer that
     sends nothing cannot use up the node's connection slots); one whose calls come sooner stays open."""
-    from swarm.node.streams import StreamServer
+    from swarm.node.streams import StreamPool, StreamServer
 
     server = StreamServer(
         "127.0.0.1", 0, lambda body: (grpc.StatusCode.OK, bytes(body)), idle_seconds=0.5
@@ -377,3 +377,22 @@ def test_an_idle_connection_is_closed_and_a_busy_one_kept():
             assert len(server._conns) == 1  # the busy one
     finally:
         server.stop()
+
+    # A client's kept connection that the node closed while it was idle: the next call is made once more on a
+    # new connection, still on the stream (the gRPC fallback would fail the test).
+    reply = pb.ComputeReply(rows=pb.Tensor(shape=[1, 3])).SerializeToString()
+    server = StreamServer("127.0.0.1", 0, lambda body: (grpc.StatusCode.OK, reply), idle_seconds=0.3).start()
+    pool = StreamPool("idle-node", "127.0.0.1", server.port, lambda body: "", _no_fallback)
+    try:
+        for _ in range(3):
+            call = pool.submit(b"x", timeout=10)
+            call.read_here(10)
+            assert list(call.future.result(timeout=10).rows.shape) == [1, 3]
+            time.sleep(0.6)
+    finally:
+        pool.close()
+        server.stop()
+
+
+def _no_fallback(body: bytes, token: str, timeout: float | None) -> pb.ComputeReply:
+    raise AssertionError("the call left the stream for gRPC")
