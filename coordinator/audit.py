@@ -11,10 +11,10 @@ agrees with bytes that only a damaged file of ours and an identically wrong node
 - Audit: each answered call is checked here with probability `rate` (chosen after the answer arrived, so
   a node cannot tell which answers are checked): with native numerics, one row of each of up to
   AUDIT_EXPERTS of its experts, drawn at random, is recomputed. A node whose answer differs is banned for
-  the run: it never gets another pair (`on_ban` tells the placement at once). Audits run on a thread of their own, one core,
-  beside the model's next layers (a check of a cold expert copies its slab into ggml's repacked layout:
-  milliseconds the model need not wait for); a settle takes in the verdicts that are in, a forced one waits
-  for all.
+  the run: it never gets another pair (`on_ban` tells the placement at once). Audits run on a thread of
+  their own, one core, beside the model's next layers (a check of a cold expert copies its slab into
+  ggml's repacked layout: milliseconds the model need not wait for); a settle takes in the verdicts that
+  are in, a forced one waits for all.
   Without that thread (`background=False`) an audit runs in the call, and a caught answer is replaced by the
   coordinator's.
 - Settling: an answer counts as checked once a later audit of the same node passed. `settle()` says whether
@@ -36,7 +36,6 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from swarm.node.kernels import Numerics, one_thread
@@ -226,8 +225,8 @@ class Auditor:
             own = self.expected(call.layer, checked, call.counts, call.rows)
             same = torch.equal(own, call.answer)
         else:
-            idx = torch.tensor(picked)
-            checked = [_expert_of_row(call, row) for row in picked]
+            idx = torch.tensor([row for row, _ in picked])
+            checked = [expert for _, expert in picked]
             own_rows = self.expected(call.layer, checked, [1] * len(checked), call.rows.index_select(0, idx))
             same = torch.equal(own_rows, call.answer.index_select(0, idx))
         if same or not self._ours_verify(call.layer, checked):
@@ -265,18 +264,21 @@ class Auditor:
             if book.last_call is call:
                 book.open_calls = 0
 
-    def _rows_to_check(self, call: _Call) -> list[int] | None:
-        """One row of each of up to AUDIT_EXPERTS of the call's experts, all at random (None: check every row).
-        Native numerics compute every row on its own (ggml multiplies row by row), so a row checked alone has
-        the bits it had in the call; a damaged slab spoils every row of its expert, and a node cannot tell
-        which of its experts a check will take. Exact numerics (torch's float32 matmuls) check whole calls."""
-        blocks = [n for n in call.counts if n]
-        if self.numerics != "native" or (sum(blocks) == len(blocks) <= AUDIT_EXPERTS):
+    def _rows_to_check(self, call: _Call) -> list[tuple[int, int]] | None:
+        """(row, its expert) for one row of each of up to AUDIT_EXPERTS of the call's experts, all at random
+        (None: check every row). Native numerics compute every row on its own (ggml multiplies row by row),
+        so a row checked alone has the bits it had in the call; a damaged slab spoils every row of its
+        expert, and a node cannot tell which of its experts a check will take. Exact numerics (torch's
+        float32 matmuls) check whole calls."""
+        blocks, start = [], 0  # (first row, rows, expert) of each expert with rows
+        for expert, n in zip(call.expert_ids, call.counts, strict=True):
+            if n:
+                blocks.append((start, n, expert))
+            start += n
+        if self.numerics != "native" or (start == len(blocks) <= AUDIT_EXPERTS):
             return None
-        starts = np.cumsum([0, *call.counts[:-1]]).tolist()
-        held = [(start, n) for start, n in zip(starts, call.counts, strict=True) if n]
-        chosen = sorted(self._rng.sample(range(len(held)), min(AUDIT_EXPERTS, len(held))))
-        return [int(held[i][0]) + self._rng.randrange(held[i][1]) for i in chosen]
+        chosen = sorted(self._rng.sample(range(len(blocks)), min(AUDIT_EXPERTS, len(blocks))))
+        return [(blocks[i][0] + self._rng.randrange(blocks[i][1]), blocks[i][2]) for i in chosen]
 
     def _ban(self, address: str, why: str) -> None:
         with self._lock:
@@ -311,13 +313,3 @@ class Auditor:
                 return Verdict.CAUGHT
             open_ = any(b.open_calls for a, b in self._books.items() if a not in self.report.banned)
             return Verdict.OPEN if open_ or not all_in else Verdict.SETTLED
-
-
-def _expert_of_row(call: _Call, row: int) -> int:
-    """The expert whose block of the call's expert-major rows holds `row`."""
-    start = 0
-    for expert, n in zip(call.expert_ids, call.counts, strict=True):
-        if row < start + n:
-            return expert
-        start += n
-    raise IndexError(f"row {row} is past the call's {start} rows")

@@ -357,7 +357,7 @@ def test_an_idle_connection_is_closed_and_a_busy_one_kept():
     from swarm.node.streams import StreamPool, StreamServer
 
     server = StreamServer(
-        "127.0.0.1", 0, lambda body: (grpc.StatusCode.OK, bytes(body)), idle_seconds=0.5
+        "127.0.0.1", 0, lambda body: (grpc.StatusCode.OK, bytes(body)), idle_seconds=1.0
     ).start()
     try:
         with (
@@ -365,7 +365,7 @@ def test_an_idle_connection_is_closed_and_a_busy_one_kept():
             socket.create_connection(("127.0.0.1", server.port), timeout=10) as busy,
         ):
             t0 = time.monotonic()
-            for i in range(6):  # 1.8 s of calls, 0.3 s apart
+            for i in range(8):  # 2.4 s of calls, 0.3 s apart
                 busy.sendall(call_frame("", b"call %d" % i))
                 assert read_reply(busy) == (grpc.StatusCode.OK, bytearray(b"call %d" % i))
                 time.sleep(0.3)
