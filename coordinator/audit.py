@@ -21,7 +21,11 @@ agrees with bytes that only a damaged file of ours and an identically wrong node
   everything since the last settle is checked (SETTLED), still open (OPEN), or whether a node was caught
   (CAUGHT: the work since the last settled point must be done again, without that node). With `force`, it
   audits the latest call of every node that is still open (on this thread and the audit thread at once),
-  so that open work never piles up.
+  so that open work never piles up. The model waits for those forced audits, so each checks one row of
+  each of the call's experts that are ready here (their repacked copy made already: up to AUDIT_EXPERTS of
+  them), or of one expert when none is, rather than copy several cold slabs while the model waits: a node
+  wrong on every answer is still caught before anything it shaped is settled, and the random audits,
+  which no node can foresee, check up to AUDIT_EXPERTS experts of a call whatever they cost.
 """
 
 from __future__ import annotations
@@ -192,9 +196,9 @@ class Auditor:
                 return own
         return answer
 
-    def _audit_aside(self, address: str, call: _Call) -> None:
+    def _audit_aside(self, address: str, call: _Call, forced: bool = False) -> None:
         with one_thread():
-            self._audit(address, call)
+            self._audit(address, call, forced)
 
     def _collect(self, wait: bool) -> bool:
         """Take in the verdicts of the audits started so far: every one (`wait`) or those that have one (an
@@ -212,14 +216,15 @@ class Auditor:
         if self._worker is not None:
             self._worker.shutdown(wait=True, cancel_futures=True)
 
-    def _audit(self, address: str, call: _Call) -> torch.Tensor | None:
+    def _audit(self, address: str, call: _Call, forced: bool = False) -> torch.Tensor | None:
         """None when the node's answer holds (its open calls are then checked), else the right rows. A call
         this coordinator cannot check (a slab it lacks, or one of its own that is damaged) settles as if it
-        held: it is trusted, as with no audits, rather than left open for ever."""
+        held: it is trusted, as with no audits, rather than left open for ever. `forced`: a settle waits for
+        it (see the module docstring)."""
         if not self.holds(call.layer, call.expert_ids):
             self._checked(address, call, counted=False)
             return None
-        picked = self._rows_to_check(call)
+        picked = self._rows_to_check(call, forced)
         if picked is None:
             checked = call.expert_ids
             own = self.expected(call.layer, checked, call.counts, call.rows)
@@ -246,13 +251,13 @@ class Auditor:
         time) takes one core."""
         if self._worker is None or len(todo) < 2:
             for address, call in todo:
-                self._audit(address, call)
+                self._audit(address, call, forced=True)
             return
-        aside = [self._worker.submit(self._audit_aside, a, c) for a, c in todo[1::2]]
+        aside = [self._worker.submit(self._audit_aside, a, c, True) for a, c in todo[1::2]]
         try:
             with one_thread():
                 for address, call in todo[0::2]:
-                    self._audit(address, call)
+                    self._audit(address, call, forced=True)
         finally:
             for audit in aside:
                 audit.result()
@@ -264,18 +269,24 @@ class Auditor:
             if book.last_call is call:
                 book.open_calls = 0
 
-    def _rows_to_check(self, call: _Call) -> list[tuple[int, int]] | None:
+    def _rows_to_check(self, call: _Call, forced: bool = False) -> list[tuple[int, int]] | None:
         """(row, its expert) for one row of each of up to AUDIT_EXPERTS of the call's experts, all at random
-        (None: check every row). Native numerics compute every row on its own (ggml multiplies row by row),
-        so a row checked alone has the bits it had in the call; a damaged slab spoils every row of its
-        expert, and a node cannot tell which of its experts a check will take. Exact numerics (torch's
-        float32 matmuls) check whole calls."""
+        (None: check every row); `forced`: of its ready experts (up to AUDIT_EXPERTS), or of one when none
+        is. Native
+        numerics compute every row on its own (ggml multiplies row by row), so a row checked alone has the
+        bits it had in the call; a damaged slab spoils every row of its expert, and a node cannot tell which
+        of its experts a random check will take. Exact numerics (torch's float32 matmuls) check whole calls."""
         blocks, start = [], 0  # (first row, rows, expert) of each expert with rows
         for expert, n in zip(call.expert_ids, call.counts, strict=True):
             if n:
                 blocks.append((start, n, expert))
             start += n
-        if self.numerics != "native" or (start == len(blocks) <= AUDIT_EXPERTS):
+        if self.numerics != "native":
+            return None
+        if forced and blocks:
+            ready = [b for b in blocks if self.store.ready(call.layer, b[2])]
+            blocks = ready or [self._rng.choice(blocks)]
+        elif start == len(blocks) <= AUDIT_EXPERTS:
             return None
         chosen = sorted(self._rng.sample(range(len(blocks)), min(AUDIT_EXPERTS, len(blocks))))
         return [(blocks[i][0] + self._rng.randrange(blocks[i][1]), blocks[i][2]) for i in chosen]

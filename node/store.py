@@ -454,6 +454,11 @@ class ExpertStore:
                     self._packed.move_to_end(key)
         return f  # type: ignore[return-value]
 
+    def ready(self, layer: int, expert: int) -> bool:
+        """Whether native calls of this expert find it as they multiply it (its repacked copy made and not
+        evicted, or its bytes in place), with nothing to copy first."""
+        return (layer, expert) in self._native
+
     def stack(self, layer: int) -> kernels.ExpertStack | None:
         """This layer's experts as one stack per matrix, when they lie back to back as a whole GGUF's stacked
         tensors do (a shard directory's slab files do not): then one mul_mat_id multiplies them all."""

@@ -302,3 +302,48 @@ def test_a_call_of_many_experts_is_checked_on_a_random_few_and_forced_audits_sha
         assert any(name.startswith("swarm-audit") for name in threads), threads
     finally:
         aside.close()
+
+
+def test_a_forced_settle_checks_the_ready_experts_of_each_open_node_or_one(monkeypatch):
+    """The model waits for a forced settle, so its audit of each open node's last call checks one row of
+    each expert whose repacked copy is here already, or of one expert when none is, rather than copy several
+    cold slabs while the model waits. A node wrong on every answer is still caught by it, before anything
+    it shaped is settled."""
+    from swarm.node.source import load_slabs
+    from swarm.node.store import ExpertStore
+
+    auditor = Auditor(ExpertStore(load_slabs(MODEL).slabs, stacked=False), "native", torch.float32, rate=0.0,
+                      seed=5, background=False)  # fmt: skip
+    checked: list[tuple[int, list[int], list[int]]] = []
+    expected = auditor.expected
+
+    def recording(layer, ids, counts, rows):  # noqa: ANN001, ANN202
+        checked.append((layer, list(ids), list(counts)))
+        return expected(layer, ids, counts, rows)
+
+    x = torch.randn(6, 256)
+    ids, counts = [1, 3, 6], [2, 2, 2]
+    right = expected(0, ids, counts, x)
+    assert [e for e in range(8) if auditor.store.ready(0, e)] == ids  # what the answer above used
+    monkeypatch.setattr(auditor, "expected", recording)
+    auditor.answered("a", 0, ids, counts, x, right)
+    assert auditor.settle() is Verdict.OPEN and auditor.settle(force=True) is Verdict.SETTLED
+    assert checked == [(0, ids, [1, 1, 1])]  # all three ready: one row of each
+
+    checked.clear()
+    monkeypatch.setattr(auditor.store, "ready", lambda layer, e: (layer, e) == (0, 3))
+    for _ in range(4):
+        auditor.answered("a", 0, ids, counts, x, right)
+        assert auditor.settle(force=True) is Verdict.SETTLED
+    assert checked == [(0, [3], [1])] * 4
+
+    checked.clear()
+    monkeypatch.setattr(auditor.store, "ready", lambda layer, e: False)
+    for _ in range(12):
+        auditor.answered("a", 0, ids, counts, x, right)
+        assert auditor.settle(force=True) is Verdict.SETTLED
+    assert all(len(e) == 1 and e[0] in ids and c == [1] for _, e, c in checked) and len(checked) == 12
+    assert len({e[0] for _, e, _ in checked}) > 1  # none ready: one of the call's experts, at random
+
+    auditor.answered("b", 0, ids, counts, x, right + 1e-3)  # wrong on every row
+    assert auditor.settle(force=True) is Verdict.CAUGHT and auditor.is_banned("b")
