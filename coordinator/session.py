@@ -144,6 +144,9 @@ def open_from_args(args: argparse.Namespace) -> Any:
                 "which anyone who reaches them can use; see `swarm keygen`",
                 file=sys.stderr,
             )
+    from swarm.node.heap import freeze_startup
+
+    freeze_startup()  # the model is built: the collector need not walk it again while it serves
     return engine
 
 

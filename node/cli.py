@@ -479,6 +479,9 @@ def _serve(
                 },
             )
 
+    from swarm.node.heap import freeze_startup
+
+    freeze_startup()
     write_ready()
     advertiser = None
     if not args.no_mdns:
