@@ -217,7 +217,10 @@ class MoE(nn.Module):
         if whole is not None:
             return whole
         pending = self.experts.start(self.layer, x, ids)
-        shared = self._shared(x, gate_value)  # overlaps with the experts in flight
+        # The shared expert overlaps with the experts in flight, on one thread: the wait hides it, and the
+        # other cores are the nodes' (on this machine) or the network stack's meanwhile.
+        with kernels.one_thread():
+            shared = self._shared(x, gate_value)
         out = pending.wait()  # [T, K, D]
         dropped = getattr(pending, "dropped", None)  # [T, K] bool: degraded mode left these pairs out
         if dropped is not None:
