@@ -272,17 +272,17 @@ class Auditor:
     def _rows_to_check(self, call: _Call, forced: bool = False) -> list[tuple[int, int]] | None:
         """(row, its expert) for one row of each of up to AUDIT_EXPERTS of the call's experts, all at random
         (None: check every row); `forced`: of its ready experts (up to AUDIT_EXPERTS), or of one when none
-        is. Native
-        numerics compute every row on its own (ggml multiplies row by row), so a row checked alone has the
-        bits it had in the call; a damaged slab spoils every row of its expert, and a node cannot tell which
-        of its experts a random check will take. Exact numerics (torch's float32 matmuls) check whole calls."""
+        is. Native numerics compute every row on its own (ggml multiplies row by row), so a row checked
+        alone has the bits it had in the call; a damaged slab spoils every row of its expert, and a node
+        cannot tell which of its experts a random check will take. Exact numerics (torch's float32 matmuls)
+        check whole calls."""
+        if self.numerics != "native":
+            return None
         blocks, start = [], 0  # (first row, rows, expert) of each expert with rows
         for expert, n in zip(call.expert_ids, call.counts, strict=True):
             if n:
                 blocks.append((start, n, expert))
             start += n
-        if self.numerics != "native":
-            return None
         if forced and blocks:
             ready = [b for b in blocks if self.store.ready(call.layer, b[2])]
             blocks = ready or [self._rng.choice(blocks)]

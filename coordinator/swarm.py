@@ -595,6 +595,8 @@ class _NoHolder(Exception):
 class _TimedPending:
     """Counts the time the model spends blocked on the swarm (what overlapping did not hide)."""
 
+    in_flight = True  # the nodes compute until wait(): what the model does meanwhile overlaps them
+
     def __init__(self, backend: SwarmExperts, inner: _SwarmPending) -> None:
         self.backend, self.inner = backend, inner
 

@@ -15,6 +15,7 @@ sequence, every MoE layer sees all N tokens: one expert fan-out per layer for th
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
@@ -217,9 +218,11 @@ class MoE(nn.Module):
         if whole is not None:
             return whole
         pending = self.experts.start(self.layer, x, ids)
-        # The shared expert overlaps with the experts in flight, on one thread: the wait hides it, and the
-        # other cores are the nodes' (on this machine) or the network stack's meanwhile.
-        with kernels.one_thread():
+        # Experts still in flight (computed elsewhere until wait()): the shared expert overlaps them on one
+        # thread, the wait hides it, and the other cores are the nodes' (on this machine) or the network
+        # stack's meanwhile. Experts already computed (in process): it takes every thread.
+        in_flight = getattr(pending, "in_flight", False)
+        with kernels.one_thread() if in_flight else contextlib.nullcontext():
             shared = self._shared(x, gate_value)
         out = pending.wait()  # [T, K, D]
         dropped = getattr(pending, "dropped", None)  # [T, K] bool: degraded mode left these pairs out
