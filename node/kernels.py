@@ -1275,8 +1275,10 @@ def delta_net_layer(
             gm.ggml_view_2d(ctx, r, hv * s, t, hv * s * 4, 0) for r, (_, t) in zip(res, spans, strict=True)
         ]
         o = parts[0]
-        for part in parts[1:]:
-            o = gm.ggml_concat(ctx, o, part, 1)  # [Hv*S, N]
+        if b > 1:  # each sequence's rows copied into place (a chain of concats copied O(B^2) rows)
+            o = gm.ggml_new_tensor_2d(ctx, _F32, hv * s, n)
+            for part, (start, _) in zip(parts, spans, strict=True):
+                o = gm.ggml_set_2d_inplace(ctx, o, part, hv * s * 4, start * hv * s * 4)  # [Hv*S, N]
         (yt,) = _dense_ops(gr, o, [out], [None], out_norm, tz, xt)[1]
         gr.output(yt)
         for r in res + ncs:

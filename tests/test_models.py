@@ -20,7 +20,7 @@ from reference import assert_logits_close
 from swarm.coordinator.experts import LocalExperts
 from swarm.coordinator.loader import load_model
 from swarm.coordinator.models import ARCHS
-from swarm.coordinator.models.layers import DecoderModel, attention, rope
+from swarm.coordinator.models.layers import DecoderModel, attention, rope, route
 from swarm.node.store import ExpertStore
 from swarm.sharding.errors import UserError
 from swarm.sharding.gguf_io import GGUFError, open_gguf
@@ -165,6 +165,24 @@ def test_rope_partial_neox_pairs_i_with_i_plus_half() -> None:
         c, s = ang.cos(), ang.sin()
         torch.testing.assert_close(out[..., i], x[..., i] * c - x[..., i + 2] * s)
         torch.testing.assert_close(out[..., i + 2], x[..., i + 2] * c + x[..., i] * s)
+
+
+def test_router_ties_go_to_the_lower_expert_index_in_the_order_of_a_stable_sort() -> None:
+    g = torch.Generator().manual_seed(3)
+    probs = torch.softmax(torch.randn(64, 32, generator=g), dim=-1)
+    # Ties at the K-th place, inside the top K, and a row of one value everywhere.
+    probs[1, [3, 9, 20]] = probs[1].max() + 1.0
+    probs[2, [30, 4]] = 0.9
+    probs[2, 7] = 0.95
+    probs[3] = 1.0 / 32
+    probs[4, [5, 6]] = float("nan")
+    for k in (1, 4, 8, 32):
+        weights, ids = route(probs, k, renormalize=False)
+        want = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :k]
+        assert torch.equal(ids, want), k
+        torch.testing.assert_close(weights, probs.gather(-1, want), rtol=0, atol=0, equal_nan=True)
+    _, ids = route(probs, 2, renormalize=True)
+    assert ids[1].tolist() == [3, 9] and ids[2].tolist() == [7, 4] and ids[3].tolist() == [0, 1]
 
 
 def test_attention_is_causal_gqa_with_cache_offset() -> None:
