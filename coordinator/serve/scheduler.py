@@ -160,6 +160,7 @@ class Scheduler:
                 if not entries and not self._steps.passes:
                     self._cond.wait(0.5)
                     continue
+            began = time.monotonic()
             try:
                 if entries:
                     self._steps.step(entries)
@@ -168,6 +169,10 @@ class Scheduler:
             except Exception as e:  # a step that cannot finish fails the requests in it, not the server
                 self._fail_all(e)
                 continue
+            if entries and log.isEnabledFor(logging.DEBUG):
+                log.debug("pass of %d decoding and %d prompt tokens of %d prompts: %.0f ms",
+                          len(entries) - len(reads), sum(len(e.tokens or ()) for e in entries), len(reads),
+                          1000 * (time.monotonic() - began))  # fmt: skip
             with self._cond:
                 self._after_pass(reads)
         self._end_all()
