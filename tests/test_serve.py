@@ -164,7 +164,9 @@ def test_a_resent_conversation_continues_from_its_held_state(server: Server) -> 
     )  # type: ignore[arg-type]
     body = json.loads(again.text)
     cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
-    assert cached >= first.usage.prompt_tokens - 16  # at least up to the checkpoint before the last turn
+    # every token before the first answer's generation prompt: the checkpoint at the end of the user's turn
+    # (the template's generation prompt, <|im_start|>assistant\n<think>\n\n</think>\n\n, is 7 tokens)
+    assert cached >= first.usage.prompt_tokens - 7
 
     # the same conversation read afresh (a server that holds nothing) gives the same text
     fresh = Server(
@@ -187,6 +189,16 @@ def test_a_resent_conversation_continues_from_its_held_state(server: Server) -> 
     assert body["choices"][0]["message"]["content"] == cold["choices"][0]["message"]["content"]
     assert body["timings"]["prompt_n"] < cold["timings"]["prompt_n"] / 3
     assert body["timings"]["prompt_ms"] < cold["timings"]["prompt_ms"]
+
+
+def test_a_completion_sent_again_with_a_new_ending_continues_from_its_tail_checkpoint(server: Server) -> None:
+    c = server.client()
+    first = [300 + 7 * i for i in range(40)]
+    c.completions.create(model=MODEL_ID, prompt=first, max_tokens=6, temperature=0)
+    again = first[:-2] + [11, 12]  # the same prompt, its last two tokens changed
+    raw = c.completions.with_raw_response.create(model=MODEL_ID, prompt=again, max_tokens=6, temperature=0)
+    # the slot kept a checkpoint 4 tokens before the first prompt's end: only those are read again
+    assert json.loads(raw.text)["usage"]["prompt_tokens_details"]["cached_tokens"] == len(first) - 4
 
 
 def test_errors_are_openai_error_objects(server: Server) -> None:

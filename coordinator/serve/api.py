@@ -30,6 +30,10 @@ from swarm.sharding.errors import UserError
 log = logging.getLogger(__name__)
 
 MAX_STOPS = 4  # stop strings per request, as OpenAI allows
+# A plain completion's prompt keeps a checkpoint this many tokens before its end (llama-server's choice): a
+# client that sends it again with its answer appended continues from the slot's whole state, and one that
+# changes only the last tokens from there; a short tail also keeps its own pass short.
+COMPLETION_TAIL = 4
 
 
 class ApiError(Exception):
@@ -61,6 +65,7 @@ class Job:
     prompt: list[int]
     params: SamplingParams
     stops: list[str]
+    mark: int | None = None  # where the scheduler keeps a checkpoint before the prompt's end
 
 
 class StopMatcher:
@@ -231,7 +236,21 @@ class OpenAIApi:
         prompt = self.tokenizer.encode(text, parse_special=True)
         self.check_context(prompt)
         params, stops = self.sampling(body, len(prompt))
-        return Job(prompt, params, stops)
+        return Job(prompt, params, stops, self._turn_end(plain, prompt))
+
+    def _turn_end(self, messages: list[dict[str, Any]], prompt: list[int]) -> int | None:
+        """Where the conversation ends before the generation prompt: a chat app sends it again with the
+        answer and a new turn after that point (a template re-renders a past answer in its own way, e.g.
+        without its reasoning), so a checkpoint there is the one it can continue from. None where the
+        template's tokens there are not a prefix of the prompt's."""
+        try:
+            head = self.tokenizer.encode(
+                self.template.render(messages, add_generation_prompt=False), parse_special=True
+            )
+        except UserError:
+            return None
+        n = len(head)
+        return n if 0 < n < len(prompt) and prompt[:n] == head else None
 
     def completion_job(self, body: dict[str, Any]) -> Job:
         tokenizer = self.tokenizer
@@ -248,7 +267,7 @@ class OpenAIApi:
             raise ApiError(400, "missing 'prompt': a string or a list of token ids", param="prompt")
         self.check_context(prompt)
         params, stops = self.sampling(body, len(prompt))
-        return Job(prompt, params, stops)
+        return Job(prompt, params, stops, max(len(prompt) - COMPLETION_TAIL, 0) or None)
 
     # ---- the job through the scheduler ----
 
@@ -261,7 +280,7 @@ class OpenAIApi:
             loop.call_soon_threadsafe(events.put_nowait, x)
 
         scheduler = self.scheduler
-        req = sched.Request(job.prompt, job.params, put, put)
+        req = sched.Request(job.prompt, job.params, put, put, mark=job.mark)
         try:
             scheduler.submit(req)
         except sched.QueueFull:

@@ -38,8 +38,9 @@ PASS_PROMPT_TOKENS_BESIDE_DECODE = 128
 PASS_PROMPT_TOKENS_ALONE = 512
 # One sequence's chunk stays within the DeltaNet's recurrent form (deltanet.RECURRENT_MAX).
 CHUNK = 256
-# A checkpoint this many tokens before a prompt's end: a conversation sent again usually differs from what
-# a slot holds only from the last turn's generation prompt on.
+# A checkpoint this many tokens before a prompt's end, where its request names no better place (Request.mark):
+# a conversation sent again usually differs from what a slot holds only from the last turn's generation
+# prompt on. Reading the tail apart costs a pass of its own, whose cost grows with the experts its tokens pick.
 CHECKPOINT_BEFORE_END = 16
 
 
@@ -66,9 +67,16 @@ class Request:
     first_token: float | None = None
     cached: int = 0  # prompt tokens taken from a slot's held state
     prompt_seconds: float = 0.0  # from admission to the first token
+    # Where in the prompt to keep a checkpoint before its end (None: CHECKPOINT_BEFORE_END before it): the
+    # place a client that sends the prompt again with a different ending is likely to still agree with.
+    mark: int | None = None
     cancelled: bool = False
     admitted: float | None = None
     produced: int = 0
+
+    def checkpoint_at(self) -> int:
+        """The prompt position of the checkpoint kept before its end."""
+        return self.mark if self.mark is not None else len(self.prompt) - CHECKPOINT_BEFORE_END
 
 
 @dataclass(eq=False)
@@ -263,7 +271,7 @@ class Scheduler:
             r = s.request
             assert r is not None and s.seq is not None
             end = min(len(r.prompt), s.fed + CHUNK, s.fed + budget)
-            mark = len(r.prompt) - CHECKPOINT_BEFORE_END
+            mark = r.checkpoint_at()
             if s.fed < mark < end:
                 end = mark  # stop there to checkpoint
             entries.append(Entry(s.seq, tuple(r.prompt[s.fed : end]), output=end == len(r.prompt)))
@@ -289,11 +297,7 @@ class Scheduler:
                     s.checkpoints = {}
         for s in reads:
             r = s.request
-            if (
-                r is not None
-                and s.state is not None
-                and s.fed in (len(r.prompt), len(r.prompt) - CHECKPOINT_BEFORE_END)
-            ):
+            if r is not None and s.state is not None and s.fed in (len(r.prompt), r.checkpoint_at()):
                 s.checkpoints[s.fed] = s.state.checkpoint()
         out_now = 0
         for s in self.slots:
