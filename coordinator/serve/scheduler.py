@@ -36,6 +36,11 @@ log = logging.getLogger(__name__)
 # one decoding, more per pass means fewer passes. Several prompts may share a pass (one fan-out per layer).
 PASS_PROMPT_TOKENS_BESIDE_DECODE = 128
 PASS_PROMPT_TOKENS_ALONE = 512
+# An idle engine that a request wakes waits for others that come with it: as long as each comes within
+# ADMIT_GAP of the one before, for at most ADMIT_WINDOW in all (seconds). A lone request waits ADMIT_GAP.
+# (8 requests sent at once by 8 client threads reached the engine within 15-25 ms here, 1-8 ms apart.)
+ADMIT_GAP = 0.015
+ADMIT_WINDOW = 0.05
 # One sequence's chunk stays within the DeltaNet's recurrent form (deltanet.RECURRENT_MAX).
 CHUNK = 256
 # A checkpoint this many tokens before a prompt's end, where its request names no better place (Request.mark):
@@ -163,6 +168,7 @@ class Scheduler:
                 if self._stopping:
                     break
                 self._drop_cancelled()
+                self._gather()
                 self._admit()
                 entries, reads = self._entries()
                 if not entries and not self._steps.passes:
@@ -184,6 +190,24 @@ class Scheduler:
             with self._cond:
                 self._after_pass(reads)
         self._end_all()
+
+    def _gather(self) -> None:
+        """An idle engine that a request wakes waits a moment for the ones that came with it (a chat app
+        opening, an agent fanning out), so that their prompts are read in one pass: each pass reads every
+        weight it uses once, whatever its tokens."""
+        if not self.waiting or any(s.request is not None for s in self.slots):
+            return
+        free = sum(1 for s in self.slots if s.request is None and not self._busy(s))
+        first = self.waiting[0].submitted
+        while not self._stopping and len(self.waiting) < free:
+            deadline = min(first + ADMIT_WINDOW, self.waiting[-1].submitted + ADMIT_GAP)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._cond.wait(left)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("gathered %d requests that came within %.1f ms", len(self.waiting),
+                      1000 * (self.waiting[-1].submitted - first))  # fmt: skip
 
     def _drop_cancelled(self) -> None:
         self.waiting = deque(r for r in self.waiting if not self._gone(r))

@@ -1,0 +1,62 @@
+"""The serve scheduler without HTTP: how it groups requests into passes (the tiny fixture model, in process)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import FIXTURES
+
+from swarm.coordinator.engine import open_engine
+from swarm.coordinator.generate import Entry, SamplingParams
+from swarm.coordinator.serve import scheduler as sched
+
+MODEL = FIXTURES / "qwen35moe-quant" / "model-q4_k_m.gguf"
+
+
+def _request(prompt: list[int], done: threading.Event, out: list[int]) -> sched.Request:
+    return sched.Request(
+        prompt,
+        SamplingParams(max_tokens=3),
+        on_tokens=out.extend,
+        on_done=lambda _: done.set(),
+    )
+
+
+@pytest.mark.parametrize("gap", [0.5, 0.0])
+def test_requests_that_come_together_to_an_idle_engine_are_read_in_one_pass(
+    gap: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A wide gap here so that a loaded machine cannot split the group; with no gap each is read as it comes.
+    monkeypatch.setattr(sched, "ADMIT_GAP", gap)
+    monkeypatch.setattr(sched, "ADMIT_WINDOW", 2 * gap)
+    engine = open_engine(Path(MODEL), local=True, device="cpu")
+    s = sched.Scheduler(engine.model, torch.device("cpu"), None, parallel=4, ctx_size=256, max_queue=4)
+    passes: list[int] = []  # prompts read in each pass
+    step = s._steps.step
+
+    def counting(entries: list[Entry]) -> None:
+        passes.append(sum(1 for e in entries if e.tokens is not None))
+        step(entries)
+
+    monkeypatch.setattr(s._steps, "step", counting)
+    s.start()
+    try:
+        done = [threading.Event() for _ in range(3)]
+        outs: list[list[int]] = [[] for _ in range(3)]
+        for i in range(3):
+            s.submit(_request([10 + i, 20, 30 + i, 40, 50], done[i], outs[i]))
+            time.sleep(0.05)  # the engine is awake before the next one comes
+        assert all(d.wait(60) for d in done)
+    finally:
+        s.stop()
+        engine.close()
+    assert all(len(o) == 3 for o in outs)
+    prompt_passes = [n for n in passes if n]
+    if gap:
+        assert prompt_passes[0] == 3  # every prompt's head in the first pass (their tails after it)
+    else:
+        assert prompt_passes[0] == 1
