@@ -236,21 +236,22 @@ class OpenAIApi:
         prompt = self.tokenizer.encode(text, parse_special=True)
         self.check_context(prompt)
         params, stops = self.sampling(body, len(prompt))
-        return Job(prompt, params, stops, self._turn_end(plain, prompt))
+        return Job(prompt, params, stops, self._turn_end(plain, text, prompt))
 
-    def _turn_end(self, messages: list[dict[str, Any]], prompt: list[int]) -> int | None:
+    def _turn_end(self, messages: list[dict[str, Any]], text: str, prompt: list[int]) -> int | None:
         """Where the conversation ends before the generation prompt: a chat app sends it again with the
         answer and a new turn after that point (a template re-renders a past answer in its own way, e.g.
         without its reasoning), so a checkpoint there is the one it can continue from. None where the
-        template's tokens there are not a prefix of the prompt's."""
+        prompt's text or tokens do not end with the generation prompt's (only that tail is tokenized again)."""
         try:
-            head = self.tokenizer.encode(
-                self.template.render(messages, add_generation_prompt=False), parse_special=True
-            )
+            head = self.template.render(messages, add_generation_prompt=False)
         except UserError:
             return None
-        n = len(head)
-        return n if 0 < n < len(prompt) and prompt[:n] == head else None
+        if not text.startswith(head):
+            return None
+        tail = self.tokenizer.encode(text[len(head) :], parse_special=True)
+        n = len(prompt) - len(tail)
+        return n if 0 < n < len(prompt) and prompt[n:] == tail else None
 
     def completion_job(self, body: dict[str, Any]) -> Job:
         tokenizer = self.tokenizer
