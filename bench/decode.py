@@ -27,6 +27,7 @@ Figures go to docs/BENCHMARKS.md: the `bench:decode` section, inside it one `ben
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import logging
@@ -41,7 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -388,6 +389,14 @@ def run_llama_rpc(
     n_decode: int,
     workdir: Path,
 ) -> Run:
+    with rpc_servers(server_bin, n_servers, server_threads, workdir) as endpoints:
+        return llama_bench(bench_bin, gguf, threads, n_prompt, n_decode, endpoints)
+
+
+@contextlib.contextmanager
+def rpc_servers(server_bin: Path, n_servers: int, server_threads: int, workdir: Path) -> Iterator[list[str]]:
+    """n llama.cpp `ggml-rpc-server` processes on loopback (`-t server_threads` each): their endpoints, while
+    the block runs; stopped after it."""
     procs: list[tuple[subprocess.Popen, Any]] = []
     endpoints = []
     try:
@@ -399,7 +408,7 @@ def run_llama_rpc(
             endpoints.append(f"{LOOPBACK}:{port}")
         for ep in endpoints:
             wait_port(ep, 30.0)
-        return llama_bench(bench_bin, gguf, threads, n_prompt, n_decode, endpoints)
+        yield endpoints
     finally:
         for p, _ in procs:
             p.terminate()

@@ -9,6 +9,8 @@ and given one short warm-up request:
   - `swarm serve GGUF --local` (experts in process),
   - `swarm serve SHARD_DIR` over 4 loopback `swarm node` processes (one expert quarter each, found by --peer),
   - llama.cpp's own `llama-server -np 8` on the same GGUF, same threads,
+  - the same llama-server with its layers on 4 loopback `ggml-rpc-server`s of one thread each (`--rpc ... -ngl
+    99`, beside it in the same build directory): llama.cpp's own way across processes, as bench/decode's RPC row,
   - and, where it is built (`--llama-server-avx2`), the same llama-server built for the AVX2 baseline that
     swarm's ggml is built for (bench/decode.py's AVX2_CMAKE): what of the gap is the instruction set.
 For each concurrency N, N streamed requests (each its own prompt of --prompt-tokens random token ids, the same
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import contextlib
 import logging
 import multiprocessing
 import platform
@@ -40,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import openai  # noqa: E402
 from _doc import publish  # noqa: E402
-from decode import LOOPBACK, free_port, llama_version, prepare, split  # noqa: E402
+from decode import LOOPBACK, free_port, llama_version, prepare, rpc_servers, split  # noqa: E402
 
 from swarm.coordinator.serve.launch import spawn_server  # noqa: E402
 from swarm.node.launch import LocalNode, start_nodes, stop_nodes  # noqa: E402
@@ -100,25 +103,34 @@ class SwarmServe(Target):
 
 
 class LlamaServer(Target):
+    """llama.cpp's server on the GGUF; with `rpc` (the rpc-server binary), its layers on N_NODES loopback
+    rpc-servers of one thread each (`--rpc ... -ngl 99`: llama.cpp splits by layer), as bench/decode's RPC row."""
+
     def __init__(
-        self, binary: Path, gguf: Path, threads: int, parallel: int, ctx: int, work: Path, build: str = ""
+        self,
+        binary: Path,
+        gguf: Path,
+        threads: int,
+        parallel: int,
+        ctx: int,
+        work: Path,
+        build: str = "",
+        rpc: Path | None = None,
     ) -> None:
-        self.binary, self.gguf, self.threads, self.parallel, self.ctx, self.work = (
-            binary,
-            gguf,
-            threads,
-            parallel,
-            ctx,
-            work,
-        )
+        self.binary, self.gguf, self.threads = binary, gguf, threads
+        self.parallel, self.ctx, self.work, self.rpc = parallel, ctx, work, rpc
         self.name = f"llama-server -np {parallel}" + (f", {build}" if build else "")
         self.proc: subprocess.Popen | None = None
         self.model = gguf.stem
+        self.servers = contextlib.ExitStack()
 
     def start(self) -> str:
         port = free_port()
         cmd = [str(self.binary), "-m", str(self.gguf), "-t", str(self.threads), "-np", str(self.parallel),
                "-c", str(self.ctx * self.parallel), "--host", LOOPBACK, "--port", str(port), "-a", self.model]  # fmt: skip
+        if self.rpc is not None:
+            endpoints = self.servers.enter_context(rpc_servers(self.rpc, N_NODES, 1, self.work))
+            cmd += ["--rpc", ",".join(endpoints), "-ngl", "99"]
         self.log = open(self.work / f"{self.name.replace(' ', '_').replace(',', '')}.log", "wb")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + 300
@@ -143,6 +155,7 @@ class LlamaServer(Target):
                 self.proc.kill()
                 self.proc.wait()
             self.log.close()
+        self.servers.close()
 
 
 def one_request(
@@ -334,6 +347,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.llama_server.exists():
         targets.append(LlamaServer(args.llama_server, gguf, args.threads, 8, ctx, work))
         llama = f"llama-server {llama_version(args.llama_server)}"
+        rpc_server = args.llama_server.parent / "ggml-rpc-server"
+        if rpc_server.exists():
+            targets.append(
+                LlamaServer(args.llama_server, gguf, args.threads, 8, ctx, work,
+                            f"over {N_NODES} loopback rpc-servers", rpc_server)
+            )  # fmt: skip
         if args.llama_server_avx2.exists():
             targets.append(
                 LlamaServer(args.llama_server_avx2, gguf, args.threads, 8, ctx, work, "AVX2 baseline build")
