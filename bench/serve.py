@@ -142,6 +142,7 @@ class LlamaServer(Target):
             except OSError:
                 pass
             if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()  # the server and its rpc-servers: nothing left behind
                 raise RuntimeError(f"llama-server did not come up; see {self.log.name}")
             time.sleep(0.2)
         return f"http://{LOOPBACK}:{port}/v1"
@@ -154,6 +155,7 @@ class LlamaServer(Target):
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+            self.proc = None
             self.log.close()
         self.servers.close()
 
