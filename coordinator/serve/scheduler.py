@@ -197,7 +197,7 @@ class Scheduler:
         weight it uses once, whatever its tokens."""
         if not self.waiting or any(s.request is not None for s in self.slots):
             return
-        free = sum(1 for s in self.slots if s.request is None and not self._busy(s))
+        free = len(self._free_slots())
         first = self.waiting[0].submitted
         while not self._stopping and len(self.waiting) < free:
             deadline = min(first + ADMIT_WINDOW, self.waiting[-1].submitted + ADMIT_GAP)
@@ -222,7 +222,7 @@ class Scheduler:
 
     def _admit(self) -> None:
         while self.waiting:
-            free = [s for s in self.slots if s.request is None and not self._busy(s)]
+            free = self._free_slots()
             if not free:
                 return
             if self.admit_check is not None:
@@ -239,6 +239,10 @@ class Scheduler:
             slot.seq = Seq(slot.state, Sampler(req.params, self.device))
             self._steps.join(slot.seq)
             req.cached, req.admitted = pos, time.monotonic()
+
+    def _free_slots(self) -> list[Slot]:
+        """Slots a new request can take: none running, and no pass of theirs that may still be redone."""
+        return [s for s in self.slots if s.request is None and not self._busy(s)]
 
     def _busy(self, s: Slot) -> bool:
         """A slot whose last request's passes may still be redone (a checker holds them)."""
