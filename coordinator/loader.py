@@ -98,6 +98,9 @@ def load_model(
     with torch.device(device):
         model = arch.Model(cfg, experts)
     load_dense_tensors(model, reader, meta, gguf_path, progress, numerics)
+    for mod in model.modules():  # layers that compute some steps as llama.cpp does in native numerics
+        if hasattr(mod, "native_steps"):
+            mod.native_steps = numerics == NATIVE
     model.eval()
     log.info("loaded %s (%s) on %s", gguf_path, meta[Keys.General.ARCHITECTURE], device)
     return model, meta

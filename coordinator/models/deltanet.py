@@ -245,6 +245,10 @@ class GatedAttention(nn.Module):
         self.attn_q_norm = RMSNorm(dh, cfg.eps)
         self.attn_k_norm = RMSNorm(dh, cfg.eps)
         self.attn_output = Linear(h * dh, d)
+        # Native numerics (the loader sets it): the q/k norms, RoPE and the gate's sigmoid as llama.cpp
+        # computes them, in the projections' graph. Exact numerics keep them in torch (RoPE's angles in
+        # float64: the oracle against transformers).
+        self.native_steps = False
 
     def new_state(self) -> KVCache:
         return KVCache()
@@ -252,16 +256,32 @@ class GatedAttention(nn.Module):
     def forward(self, x: torch.Tensor, norm: RMSNorm, batch: Batch, caches: list[KVCache]) -> torch.Tensor:
         """x [N, D] -> x + attention(norm(x))."""
         c, n = self.cfg, x.shape[0]
-        qg, kx, vx = project(x, self.attn_q, self.attn_k, self.attn_v, norm=norm)
-        qg = qg.view(n, c.n_head, 2, c.head_dim)
-        q = self.attn_q_norm(qg[:, :, 0])  # [N, H, Dh]
-        gate = qg[:, :, 1].reshape(n, c.n_head * c.head_dim)  # [N, H*Dh]
-        k = self.attn_k_norm(kx.view(n, c.n_head_kv, c.head_dim))  # [N, Hkv, Dh]
+        on_ggml = (
+            ggml_form([self.attn_q, self.attn_k, self.attn_v], [None] * 3) if self.native_steps else None
+        )
+        if on_ggml is not None:
+            wq, wk, wv = on_ggml[0]
+            q, k, vx, gate = kernels.gated_heads(
+                x, norm.on_ggml(), wq, wk, wv, self._heads(), batch.positions
+            )
+        else:
+            qg, kx, vx = project(x, self.attn_q, self.attn_k, self.attn_v, norm=norm)
+            qg = qg.view(n, c.n_head, 2, c.head_dim)
+            q = self.attn_q_norm(qg[:, :, 0])  # [N, H, Dh]
+            gate = kernels.unary("sigmoid", qg[:, :, 1].reshape(n, c.n_head * c.head_dim))  # [N, H*Dh]
+            k = self.attn_k_norm(kx.view(n, c.n_head_kv, c.head_dim))  # [N, Hkv, Dh]
+            q = rope(q, batch.positions, c.n_rot, c.rope_base)
+            k = rope(k, batch.positions, c.n_rot, c.rope_base)
         v = vx.view(n, c.n_head_kv, c.head_dim)  # [N, Hkv, Dh]
-        q = rope(q, batch.positions, c.n_rot, c.rope_base)
-        k = rope(k, batch.positions, c.n_rot, c.rope_base)
         o = attend(q, k, v, batch, caches).reshape(n, c.n_head * c.head_dim)  # [N, H*Dh]
-        return project(o, self.attn_output, gate=kernels.unary("sigmoid", gate), residual=x)[0]
+        return project(o, self.attn_output, gate=gate, residual=x)[0]
+
+    def _heads(self) -> kernels.GatedHeads:
+        c = self.cfg
+        return kernels.GatedHeads(
+            c.n_head, c.n_head_kv, c.head_dim, c.n_rot, c.rope_base,
+            self.attn_q_norm.on_ggml(), self.attn_k_norm.on_ggml(),
+        )  # fmt: skip
 
 
 @dataclass
