@@ -13,8 +13,11 @@ agrees with bytes that only a damaged file of ours and an identically wrong node
   AUDIT_EXPERTS of its experts, drawn at random, is recomputed. A node whose answer differs is banned for
   the run: it never gets another pair (`on_ban` tells the placement at once). Audits run on a thread of
   their own, one core, beside the model's next layers (a check of a cold expert copies its slab into
-  ggml's repacked layout: milliseconds the model need not wait for); a settle takes in the verdicts that
-  are in, a forced one waits for all.
+  ggml's repacked layout: milliseconds the model need not wait for), at the idle scheduling priority
+  (Linux SCHED_IDLE): they take the cores the model and the nodes leave free, rather than time slices from
+  them. A settle takes in the verdicts that are in; a forced one waits for all, and does here every
+  audit the thread has not started (and one it has started but not finished within TAKE_OVER seconds,
+  again: a busy machine may give an idle-priority thread almost nothing).
   Without that thread (`background=False`) an audit runs in the call, and a caught answer is replaced by the
   coordinator's.
 - Settling: an answer counts as checked once a later audit of the same node passed. `settle()` says whether
@@ -31,10 +34,12 @@ agrees with bytes that only a damaged file of ours and an identically wrong node
 from __future__ import annotations
 
 import logging
+import os
 import random
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -55,6 +60,17 @@ PROBE_ROWS = 2
 # every expert of a layer, and checking each of them (a cold one's three matrices are first copied into
 # ggml's repacked layout) made reading a 64-token prompt through 4 nodes 2.6x slower than trusting answers.
 AUDIT_EXPERTS = 8
+# Seconds a forced settle waits for an audit the audit thread is running before it does the audit itself.
+TAKE_OVER = 0.05
+
+
+def _idle_priority() -> None:
+    """The calling thread at the idle scheduling priority (Linux SCHED_IDLE; nothing elsewhere)."""
+    if hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE"):
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        except OSError as e:  # a sandbox may forbid it: audits then take time slices as before
+            log.debug("audit thread keeps its scheduling priority: %s", e)
 
 
 class Verdict(Enum):
@@ -70,6 +86,17 @@ class _Call:
     counts: list[int]
     rows: torch.Tensor
     answer: torch.Tensor
+    audited: bool = False  # a verdict is booked (the audit thread and a settle may both check it)
+
+
+@dataclass
+class _Job:
+    """An audit handed to the audit thread."""
+
+    future: Future[None]
+    address: str
+    call: _Call
+    forced: bool
 
 
 @dataclass
@@ -110,8 +137,12 @@ class Auditor:
         self._lock = threading.Lock()
         self.report = AuditReport()
         self.on_ban: Callable[[str], None] | None = None  # told the address of every node banned
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="swarm-audit") if background else None
-        self._pending: list[Future[None]] = []
+        self._worker = (
+            ThreadPoolExecutor(1, thread_name_prefix="swarm-audit", initializer=_idle_priority)
+            if background
+            else None
+        )
+        self._pending: list[_Job] = []  # audits handed to the audit thread, not yet taken in
 
     # --- the coordinator's own answer ---------------------------------------------------------------
 
@@ -187,29 +218,47 @@ class Auditor:
             book.open_calls += 1
         if self.rate > 0 and self._rng.random() < self.rate:
             if self._worker is not None:
-                audit = self._worker.submit(self._audit_aside, address, call)
+                job = self._aside(address, call)
                 with self._lock:
-                    self._pending.append(audit)
+                    self._pending.append(job)
                 return answer
             own = self._audit(address, call)
             if own is not None:
                 return own
         return answer
 
-    def _audit_aside(self, address: str, call: _Call, forced: bool = False) -> None:
+    def _aside(self, address: str, call: _Call, forced: bool = False) -> _Job:
+        assert self._worker is not None
+        return _Job(self._worker.submit(self._audit_here, address, call, forced), address, call, forced)
+
+    def _audit_here(self, address: str, call: _Call, forced: bool = False) -> None:
         with one_thread():
             self._audit(address, call, forced)
 
+    def _finish(self, job: _Job) -> None:
+        """The verdict of an audit handed to the audit thread, now: done here when the thread has not
+        started it, or has not finished it within TAKE_OVER seconds (an audit that failed raises here)."""
+        if job.future.cancel():
+            self._audit_here(job.address, job.call, job.forced)
+            return
+        try:
+            job.future.result(timeout=TAKE_OVER)
+        except FutureTimeout:
+            self._audit_here(job.address, job.call, job.forced)  # the first verdict booked counts
+
     def _collect(self, wait: bool) -> bool:
-        """Take in the verdicts of the audits started so far: every one (`wait`) or those that have one (an
-        audit that failed raises here); whether none is still running."""
+        """Take in the verdicts of the audits handed to the audit thread: every one (`wait`, see _finish)
+        or those that have one (an audit that failed raises here); whether none is still open."""
         with self._lock:
             pending = list(self._pending)
-        ended = [a for a in pending if wait or a.done()]
-        for audit in ended:
-            audit.result()
+        ended = [j for j in pending if wait or j.future.done()]
+        for job in ended:
+            if wait:
+                self._finish(job)
+            else:
+                job.future.result()
         with self._lock:
-            self._pending = [a for a in self._pending if all(a is not e for e in ended)]
+            self._pending = [j for j in self._pending if all(j is not e for e in ended)]
             return not self._pending
 
     def close(self) -> None:
@@ -234,6 +283,10 @@ class Auditor:
             checked = [expert for _, expert in picked]
             own_rows = self.expected(call.layer, checked, [1] * len(checked), call.rows.index_select(0, idx))
             same = torch.equal(own_rows, call.answer.index_select(0, idx))
+        with self._lock:
+            if call.audited:  # the other thread booked this call's verdict already (the same one)
+                return None
+            call.audited = True
         if same or not self._ours_verify(call.layer, checked):
             self._checked(address, call, counted=same)  # (not same: our own slab is damaged, said once)
             return None
@@ -253,14 +306,14 @@ class Auditor:
             for address, call in todo:
                 self._audit(address, call, forced=True)
             return
-        aside = [self._worker.submit(self._audit_aside, a, c, True) for a, c in todo[1::2]]
+        aside = [self._aside(a, c, True) for a, c in todo[1::2]]
         try:
             with one_thread():
                 for address, call in todo[0::2]:
                     self._audit(address, call, forced=True)
         finally:
-            for audit in aside:
-                audit.result()
+            for job in aside:
+                self._finish(job)
 
     def _checked(self, address: str, call: _Call, counted: bool) -> None:
         with self._lock:
