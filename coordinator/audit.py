@@ -86,7 +86,7 @@ class _Call:
     counts: list[int]
     rows: torch.Tensor
     answer: torch.Tensor
-    audited: bool = False  # a verdict is booked (the audit thread and a settle may both check it)
+    audited: bool = False  # checked once already (the audit thread and a settle may both check it)
 
 
 @dataclass
@@ -244,7 +244,7 @@ class Auditor:
         try:
             job.future.result(timeout=TAKE_OVER)
         except FutureTimeout:
-            self._audit_here(job.address, job.call, job.forced)  # the first verdict booked counts
+            self._audit_here(job.address, job.call, job.forced)  # (the thread's own verdict comes too)
 
     def _collect(self, wait: bool) -> bool:
         """Take in the verdicts of the audits handed to the audit thread: every one (`wait`, see _finish)
@@ -284,9 +284,9 @@ class Auditor:
             own_rows = self.expected(call.layer, checked, [1] * len(checked), call.rows.index_select(0, idx))
             same = torch.equal(own_rows, call.answer.index_select(0, idx))
         with self._lock:
-            if call.audited:  # the other thread booked this call's verdict already (the same one)
-                return None
-            call.audited = True
+            again, call.audited = call.audited, True
+        if again and same:  # checked twice (a settle took over from the audit thread): a pass counts once,
+            return None  # a failure always (the two may have drawn different rows)
         if same or not self._ours_verify(call.layer, checked):
             self._checked(address, call, counted=same)  # (not same: our own slab is damaged, said once)
             return None

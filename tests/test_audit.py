@@ -308,8 +308,8 @@ def test_a_call_of_many_experts_is_checked_on_a_random_few_and_forced_audits_sha
 def test_the_audit_thread_takes_idle_time_and_a_forced_settle_never_waits_on_it(monkeypatch):
     """Audits aside run at the idle scheduling priority (Linux), so they take the cores the model and the
     nodes leave free. A busy machine may give such a thread nothing: a forced settle then does itself the
-    audits the thread has not started, and one it is stuck in (after TAKE_OVER seconds); a verdict is
-    booked once, whichever thread ends first."""
+    audits the thread has not started, and one it is stuck in (after TAKE_OVER seconds); a call checked
+    twice that way counts once when both pass."""
     import os
     import sys
     import threading
@@ -350,7 +350,7 @@ def test_the_audit_thread_takes_idle_time_and_a_forced_settle_never_waits_on_it(
     finally:
         release.set()
         auditor.close()
-    assert len(checked) == 3 and auditor.report.audits == 2  # a's first run ended late: booked once
+    assert len(checked) == 3 and auditor.report.audits == 2  # a's first run ended late: counted once
     assert policies == ([os.SCHED_IDLE] if sys.platform.startswith("linux") else [])
 
 
@@ -397,3 +397,43 @@ def test_a_forced_settle_checks_the_ready_experts_of_each_open_node_or_one(monke
 
     auditor.answered("b", 0, ids, counts, x, right + 1e-3)  # wrong on every row
     assert auditor.settle(force=True) is Verdict.CAUGHT and auditor.is_banned("b")
+
+
+def test_a_call_checked_twice_is_caught_by_either_check():
+    """A settle that takes an audit over from the audit thread may draw other rows than the thread does:
+    when the thread's late check finds a wrong row that the settle's did not, the node is still banned."""
+    import threading
+
+    from swarm.node.source import load_slabs
+    from swarm.node.store import ExpertStore
+
+    auditor = Auditor(ExpertStore(load_slabs(MODEL).slabs), "native", torch.float32, rate=1.0, seed=4)
+    running, release = threading.Event(), threading.Event()
+    expected = auditor.expected
+
+    def draw(call, forced=False):  # noqa: ANN001, ANN202 - the thread checks expert 1's row, a settle expert 0's
+        return [(1, 1)] if threading.current_thread().name.startswith("swarm-audit") else [(0, 0)]
+
+    def stuck_aside(layer, ids, counts, rows):  # noqa: ANN001, ANN202
+        if threading.current_thread().name.startswith("swarm-audit"):
+            running.set()
+            release.wait(30)
+        return expected(layer, ids, counts, rows)
+
+    x = torch.randn(2, 256)
+    wrong = expected(0, [0, 1], [1, 1], x)
+    wrong[1, 5] += 1e-3  # expert 1's row only
+    auditor._rows_to_check = draw
+    auditor.expected = stuck_aside
+    banned: list[str] = []
+    auditor.on_ban = banned.append
+    try:
+        auditor.answered("a", 0, [0, 1], [1, 1], x, wrong)
+        assert running.wait(30)
+        assert auditor.settle(force=True) is Verdict.SETTLED and not banned  # the settle's row was right
+    finally:
+        release.set()
+        auditor.close()
+    assert (
+        banned == ["a"] and auditor.settle() is Verdict.CAUGHT
+    )  # the thread's late check (close waits for it)
