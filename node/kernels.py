@@ -775,68 +775,77 @@ def _dense_ops(
 
 
 @dataclass(frozen=True)
-class GatedHeads:
-    """A gated full-attention layer's steps between its projections and the attention itself (qwen35moe,
-    qwen3next): attn_q's rows per head are [q_h, gate_h]; q and k get a per-head RMSNorm and NeoX RoPE on
-    their first n_rot dims (ggml_rope_ext, llama.cpp's: the angles in float32, position by position)."""
+class Heads:
+    """A full-attention layer's steps between its projections and the attention itself: q and k get an
+    optional per-head RMSNorm and NeoX RoPE on their first n_rot dims (ggml_rope_ext, llama.cpp's: the angles
+    in float32, position by position). `gated` (qwen35moe, qwen3next): attn_q's rows per head are
+    [q_h, gate_h], and the gate leaves through a sigmoid."""
 
     n_head: int  # H
     n_head_kv: int  # Hkv
     head_dim: int  # hd
     n_rot: int
     rope_base: float
-    q_norm: Norm
-    k_norm: Norm
+    q_norm: Norm | None
+    k_norm: Norm | None
+    gated: bool
 
 
-def gated_heads(
+def attention_heads(
     x: torch.Tensor,
     norm: Norm,
-    wq: Weight,
-    wk: Weight,
-    wv: Weight,
-    heads: GatedHeads,
+    weights: Sequence[Weight],
+    posts: Sequence[Post | None],
+    heads: Heads,
     positions: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [N, D] at positions [N] -> q [N, H, hd], k [N, Hkv, hd] (normed, rotated), v [N, Hkv*hd] and
-    sigmoid(gate) [N, H*hd]: the norm, the three products, the q/k norms, RoPE and the gate's sigmoid in one
-    graph (a decode step's torch ops around the products cost more than they do). Each row is computed
-    alone: its bits do not depend on the other rows."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """x [N, D] at positions [N] through the q, k, v `weights` (each product then its `posts`: a bias) ->
+    q [N, H, hd], k [N, Hkv, hd] (normed, rotated), v [N, Hkv*hd] and, gated, sigmoid(gate) [N, H*hd] (else
+    None): the norm, the products, the q/k norms, RoPE and the gate's sigmoid in one graph (a decode step's
+    torch ops around the products cost more than they do). Each row is computed alone: its bits do not
+    depend on the other rows."""
     x = _f32_rows(x)
     n, cols = int(x.shape[0]), int(x.shape[1])
     h, hkv, hd = heads.n_head, heads.n_head_kv, heads.head_dim
     pos = positions.to(device="cpu", dtype=torch.int32).contiguous()
-    outs = [torch.empty(n, h, hd), torch.empty(n, hkv, hd), torch.empty(n, hkv * hd), torch.empty(n, h * hd)]
+    outs = [torch.empty(n, h, hd), torch.empty(n, hkv, hd), torch.empty(n, hkv * hd)]
+    if heads.gated:
+        outs.append(torch.empty(n, h * hd))
 
     def build(keep: bool) -> Graph:
-        weights = (wq, wk, wv)
-        gr = Graph(_dense_scratch(n, cols, weights, [None] * 3) + 4 * 4 * n * (3 * h + 2 * hkv) * hd,
-                   _dense_tensors(weights, [None] * 3) + 24, keep)  # fmt: skip
+        gr = Graph(_dense_scratch(n, cols, weights, posts) + 4 * 4 * n * (3 * h + 2 * hkv) * hd,
+                   _dense_tensors(weights, posts) + 24, keep)  # fmt: skip
         g, ctx = gr.g, gr.ctx
         xt = gr.input(cols, n)
         pt = gr.input(n, qtype=g.GGML_TYPE_I32)
-        _, (qg, kx, vx) = _dense_ops(gr, xt, weights, [None] * 3, norm)
+        _, (qx, kx, vx) = _dense_ops(gr, xt, weights, posts, norm)
         f32 = 4
-        half = g.ggml_view_3d(ctx, qg, hd, h, n, 2 * hd * f32, 2 * h * hd * f32, 0)  # [hd, H, N]: q
-        gate = g.ggml_view_3d(ctx, qg, hd, h, n, 2 * hd * f32, 2 * h * hd * f32, hd * f32)
+        if heads.gated:  # per head [q_h, gate_h]: q and the gate are strided views [hd, H, N]
+            q = g.ggml_view_3d(ctx, qx, hd, h, n, 2 * hd * f32, 2 * h * hd * f32, 0)
+            gate = g.ggml_view_3d(ctx, qx, hd, h, n, 2 * hd * f32, 2 * h * hd * f32, hd * f32)
+        else:
+            q, gate = g.ggml_reshape_3d(ctx, qx, hd, h, n), None
 
-        def normed_rotated(t: object, nm: Norm) -> object:
-            t = g.ggml_mul(ctx, g.ggml_rms_norm(ctx, t, nm.eps), gr.constant(nm.weight))
+        def normed_rotated(t: object, nm: Norm | None) -> object:
+            if nm is not None:
+                t = g.ggml_mul(ctx, g.ggml_rms_norm(ctx, t, nm.eps), gr.constant(nm.weight))
             return g.ggml_rope_ext(ctx, t, pt, None, heads.n_rot, g.GGML_ROPE_TYPE_NEOX, 0,
                                    heads.rope_base, 1.0, 0.0, 1.0, 32.0, 1.0)  # fmt: skip
 
-        gr.output(normed_rotated(half, heads.q_norm))
+        gr.output(normed_rotated(q, heads.q_norm))
         gr.output(normed_rotated(g.ggml_reshape_3d(ctx, kx, hd, hkv, n), heads.k_norm))
         gr.output(vx)
-        gr.output(g.ggml_sigmoid(ctx, g.ggml_cont(ctx, gate)))
+        if gate is not None:
+            gr.output(g.ggml_sigmoid(ctx, g.ggml_cont(ctx, gate)))
         return gr
 
     key = None
     if n <= KEEP_ROWS:
-        key = ("gated_heads", n, norm.weight.data_ptr(), wq.ptr, wk.ptr, wv.ptr, heads.q_norm.weight.data_ptr(),
-               heads.k_norm.weight.data_ptr())  # fmt: skip
+        key = ("attention_heads", n, norm.weight.data_ptr(),
+               *((w.ptr, _post_key(p)) for w, p in zip(weights, posts, strict=True)),
+               *(nm.weight.data_ptr() if nm is not None else None for nm in (heads.q_norm, heads.k_norm)))  # fmt: skip
     _run(key, build, [x, pos], outs)
-    return outs[0], outs[1], outs[2], outs[3]
+    return outs[0], outs[1], outs[2], outs[3] if heads.gated else None
 
 
 @dataclass(frozen=True)

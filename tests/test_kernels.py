@@ -150,34 +150,48 @@ def test_an_ffn_graph_equals_its_parts() -> None:
         assert torch.equal(kernels.ffn(f_, x[rows]), out[rows])
 
 
-def test_gated_heads_equal_their_definition_and_each_row_alone() -> None:
-    """The gated attention's front graph against the norms, NeoX RoPE and sigmoid written out in float64
+@pytest.mark.parametrize("gated, normed, bias", [(True, True, False), (False, True, False), (False, False, True)],
+                         ids=["gated-qwen35", "qk-norm-qwen3", "bias-qwen2"])  # fmt: skip
+def test_attention_heads_equal_their_definition_and_each_row_alone(
+    gated: bool, normed: bool, bias: bool
+) -> None:
+    """The attention front graph against the norms, biases, NeoX RoPE and sigmoid written out in float64
     (a partial rotation: n_rot < hd); a row's bits do not depend on the rows beside it."""
     from swarm.coordinator.models.layers import rms_norm, rope
 
     d, h, hkv, hd, n_rot, base, eps = COLS, 4, 2, 64, 16, 1e7, 1e-6
+    shapes = [("q", ((2 if gated else 1) * h * hd, d)), ("k", (hkv * hd, d)), ("v", (hkv * hd, d))]
     mats = {name: np.random.default_rng(s).standard_normal(shape).astype(np.float32) * 0.05
-            for s, (name, shape) in enumerate([("q", (2 * h * hd, d)), ("k", (hkv * hd, d)), ("v", (hkv * hd, d))])}  # fmt: skip
-    w = {name: kernels.stored_weight(m, Q.F32, m.shape, "native") for name, m in mats.items()}
+            for s, (name, shape) in enumerate(shapes)}  # fmt: skip
+    ws = [kernels.stored_weight(mats[m], Q.F32, mats[m].shape, "native") for m in "qkv"]
+    biases = {m: torch.randn(mats[m].shape[0]) * 0.1 for m in "qkv"}
+    posts = [(("add", biases[m]),) if bias else None for m in "qkv"]
     nw, qw, kw = torch.rand(d) + 0.5, torch.rand(hd) + 0.5, torch.rand(hd) + 0.5
-    heads = kernels.GatedHeads(h, hkv, hd, n_rot, base, kernels.Norm(qw, eps), kernels.Norm(kw, eps))
+    heads = kernels.Heads(h, hkv, hd, n_rot, base, kernels.Norm(qw, eps) if normed else None,
+                          kernels.Norm(kw, eps) if normed else None, gated)  # fmt: skip
     x = torch.randn(7, d)
     pos = torch.tensor([0, 1, 2, 3, 63, 64, 200])
-    q, k, v, gate = kernels.gated_heads(x, kernels.Norm(nw, eps), w["q"], w["k"], w["v"], heads, pos)
+    got = kernels.attention_heads(x, kernels.Norm(nw, eps), ws, posts, heads, pos)
 
     xn = rms_norm(x.double(), nw.double(), eps)
-    qg, kx, vx = (xn @ torch.from_numpy(mats[m]).double().T for m in "qkv")
-    qg = qg.view(7, h, 2, hd)
-    want_q = rope(rms_norm(qg[:, :, 0], qw.double(), eps), pos, n_rot, base)
-    want_k = rope(rms_norm(kx.view(7, hkv, hd), kw.double(), eps), pos, n_rot, base)
-    for got, want in ((q, want_q), (k, want_k), (v, vx), (gate, torch.sigmoid(qg[:, :, 1].reshape(7, -1)))):
-        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+    qx, kx, vx = (
+        xn @ torch.from_numpy(mats[m]).double().T + (biases[m].double() if bias else 0) for m in "qkv"
+    )
+    qg = qx.view(7, h, 2, hd) if gated else qx.view(7, h, 1, hd)
+    q, k = qg[:, :, 0], kx.view(7, hkv, hd)
+    if normed:
+        q, k = rms_norm(q, qw.double(), eps), rms_norm(k, kw.double(), eps)
+    want = [rope(q, pos, n_rot, base), rope(k, pos, n_rot, base), vx]
+    want.append(torch.sigmoid(qg[:, :, 1].reshape(7, -1)) if gated else None)
+    for g, w in zip(got, want, strict=True):
+        if w is None:
+            assert g is None
+        else:
+            torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-5)
     for i in range(7):
-        alone = kernels.gated_heads(
-            x[i : i + 1], kernels.Norm(nw, eps), w["q"], w["k"], w["v"], heads, pos[i : i + 1]
-        )
-        for a, full in zip(alone, (q, k, v, gate), strict=True):
-            assert torch.equal(a[0], full[i])
+        alone = kernels.attention_heads(x[i : i + 1], kernels.Norm(nw, eps), ws, posts, heads, pos[i : i + 1])
+        for a, full in zip(alone, got, strict=True):
+            assert (a is None and full is None) or torch.equal(a[0], full[i])
 
 
 @pytest.mark.parametrize("op", ["sigmoid", "silu", "softplus", "exp"])

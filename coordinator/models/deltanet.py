@@ -260,9 +260,8 @@ class GatedAttention(nn.Module):
             ggml_form([self.attn_q, self.attn_k, self.attn_v], [None] * 3) if self.native_steps else None
         )
         if on_ggml is not None:
-            wq, wk, wv = on_ggml[0]
-            q, k, vx, gate = kernels.gated_heads(
-                x, norm.on_ggml(), wq, wk, wv, self._heads(), batch.positions
+            q, k, vx, gate = kernels.attention_heads(
+                x, norm.on_ggml(), *on_ggml, self._heads(), batch.positions
             )
         else:
             qg, kx, vx = project(x, self.attn_q, self.attn_k, self.attn_v, norm=norm)
@@ -276,11 +275,11 @@ class GatedAttention(nn.Module):
         o = attend(q, k, v, batch, caches).reshape(n, c.n_head * c.head_dim)  # [N, H*Dh]
         return project(o, self.attn_output, gate=gate, residual=x)[0]
 
-    def _heads(self) -> kernels.GatedHeads:
+    def _heads(self) -> kernels.Heads:
         c = self.cfg
-        return kernels.GatedHeads(
+        return kernels.Heads(
             c.n_head, c.n_head_kv, c.head_dim, c.n_rot, c.rope_base,
-            self.attn_q_norm.on_ggml(), self.attn_k_norm.on_ggml(),
+            self.attn_q_norm.on_ggml(), self.attn_k_norm.on_ggml(), gated=True,
         )  # fmt: skip
 
 

@@ -27,6 +27,7 @@ from swarm.coordinator.models.layers import (
     MoEConfig,
     RMSNorm,
     attend,
+    ggml_form,
     meta_float,
     meta_int,
     n_main_layers,
@@ -34,6 +35,7 @@ from swarm.coordinator.models.layers import (
     project,
     rope,
 )
+from swarm.node import kernels
 
 
 @dataclass(frozen=True)
@@ -147,17 +149,33 @@ class Attention(nn.Module):
         self.attn_output = Linear(cfg.n_head * hd, cfg.n_embd)
         self.attn_q_norm = RMSNorm(hd, cfg.eps) if cfg.qk_norm else None
         self.attn_k_norm = RMSNorm(hd, cfg.eps) if cfg.qk_norm else None
+        # Native numerics (the loader sets it): the q/k norms and RoPE as llama.cpp computes them, in the
+        # projections' graph. Exact numerics keep them in torch (RoPE's angles in float64: the oracle).
+        self.native_steps = False
 
     def forward(self, x: torch.Tensor, norm: RMSNorm, batch: Batch, caches: list[KVCache]) -> torch.Tensor:
         """x [N, D] -> x + attention(norm(x))."""
         c, n = self.cfg, x.shape[0]
-        qx, kx, vx = project(x, self.attn_q, self.attn_k, self.attn_v, norm=norm)
-        q = qx.view(n, c.n_head, c.head_dim)  # [N, H, hd]
-        k = kx.view(n, c.n_head_kv, c.head_dim)  # [N, Hkv, hd]
-        if self.attn_q_norm is not None and self.attn_k_norm is not None:
-            q, k = self.attn_q_norm(q), self.attn_k_norm(k)
+        linears = [self.attn_q, self.attn_k, self.attn_v]
+        on_ggml = ggml_form(linears, [None] * 3) if self.native_steps else None
+        if on_ggml is not None:
+            q, k, vx, _ = kernels.attention_heads(x, norm.on_ggml(), *on_ggml, self._heads(), batch.positions)
+        else:
+            qx, kx, vx = project(x, *linears, norm=norm)
+            q = qx.view(n, c.n_head, c.head_dim)  # [N, H, hd]
+            k = kx.view(n, c.n_head_kv, c.head_dim)  # [N, Hkv, hd]
+            if self.attn_q_norm is not None and self.attn_k_norm is not None:
+                q, k = self.attn_q_norm(q), self.attn_k_norm(k)
+            q = rope(q, batch.positions, c.n_rot, c.rope_base)
+            k = rope(k, batch.positions, c.n_rot, c.rope_base)
         v = vx.view(n, c.n_head_kv, c.head_dim)  # [N, Hkv, hd]
-        q = rope(q, batch.positions, c.n_rot, c.rope_base)
-        k = rope(k, batch.positions, c.n_rot, c.rope_base)
         o = attend(q, k, v, batch, caches)  # [N, H, hd]
         return project(o.reshape(n, c.n_head * c.head_dim), self.attn_output, residual=x)[0]  # [N, D]
+
+    def _heads(self) -> kernels.Heads:
+        c = self.cfg
+        qn, kn = self.attn_q_norm, self.attn_k_norm
+        return kernels.Heads(
+            c.n_head, c.n_head_kv, c.head_dim, c.n_rot, c.rope_base,
+            qn.on_ggml() if qn is not None else None, kn.on_ggml() if kn is not None else None, gated=False,
+        )  # fmt: skip
