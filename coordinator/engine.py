@@ -145,6 +145,7 @@ def open_engine(
             experts.auditor = make_auditor(path, numerics, wire_dtype, audit, audit_seed)
             if experts.auditor is not None:
                 experts.auditor.on_ban = experts.placement.ban
+                experts.admit_known()  # beside the model's loading below
     try:
         model, meta = load_model(path, experts, dev, progress=progress, numerics=numerics)
         tokenizer = GGUFTokenizer(meta)

@@ -382,8 +382,36 @@ class SwarmExperts:
         self.browser, self.key = browser, key
         self._browser_version = -1
         self._advertised: dict[str, set[SlabKey]] = {}  # address -> slabs its mDNS record announced
+        self._admission: threading.Thread | None = None  # probing the nodes found at start (admit_known)
+
+    def admit_known(self) -> None:
+        """Probe the nodes found so far on a thread of their own, while the model loads (a probe checks a few
+        of a node's slabs: cold slabs of the coordinator's own are first copied into ggml's repacked layout,
+        milliseconds each), so that the first prompt does not wait for it. A node the thread has not admitted
+        by the first call (a failed probe, a thread that died) is probed then, as a node found later is."""
+        if self.auditor is None or self._admission is not None:
+            return
+
+        def run() -> None:
+            for address in list(self.clients):
+                try:
+                    self._admit(address)
+                except Exception as e:  # noqa: BLE001 - said, and probed again at its first call
+                    log.warning(
+                        "probing node %s at start failed (%s); it is probed at its first call", address, e
+                    )
+
+        self._admission = threading.Thread(target=run, name="swarm-admit", daemon=True)
+        self._admission.start()
+
+    def _admitted_known(self) -> None:
+        """Wait for admit_known's thread: no call goes out while it probes."""
+        if self._admission is not None:
+            self._admission.join()
+            self._admission = None
 
     def start(self, layer: int, x: torch.Tensor, ids: torch.Tensor) -> PendingExperts:
+        self._admitted_known()
         self.follow_mdns()
         self.placement.next_turn(layer)
         t, k = ids.shape
@@ -579,6 +607,7 @@ class SwarmExperts:
             self.follow_mdns()
 
     def close(self) -> None:
+        self._admitted_known()
         if self.auditor is not None:
             self.auditor.close()
         if self.browser is not None:

@@ -107,6 +107,25 @@ def test_a_damaged_node_is_banned_and_the_logits_are_still_exact(tmp_path):
         stop_nodes(nodes)
 
 
+def test_nodes_found_at_start_are_probed_while_the_model_loads(rig):
+    """Admission probes of the nodes found at start run beside the model's loading: by the first call every
+    node is admitted, and the first prompt sends no probe."""
+    from swarm.coordinator.audit import PROBE_SLABS
+
+    honest_dir, _, nodes = rig
+    swarm = _swarm(honest_dir, rate=0.0001)
+    try:
+        swarm.experts._admitted_known()
+        probes = swarm.checker.report.probes
+        assert probes == PROBE_SLABS * len(nodes), probes
+        assert swarm.experts._admitted == set(swarm.experts.clients) == {n.address for n in nodes}
+        assert not swarm.experts.calls_per_node  # probes only: no pair was sent yet
+        forward_one(swarm.model, list(range(3, 12)), swarm.model.new_state(), "cpu")
+        assert swarm.checker.report.probes == probes and sum(swarm.experts.calls_per_node.values()) > 0
+    finally:
+        swarm.close()
+
+
 @pytest.mark.slow
 def test_sampled_audits_catch_a_node_that_turns_and_redo_what_it_touched(rig, capsys):
     """The liar passes its admission probe, then its slabs are damaged; audits at 1/4 of the answers catch it
