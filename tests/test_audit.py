@@ -115,7 +115,7 @@ def test_nodes_found_at_start_are_probed_while_the_model_loads(rig):
     honest_dir, _, nodes = rig
     swarm = _swarm(honest_dir, rate=0.0001)
     try:
-        swarm.experts._admitted_known()
+        swarm.experts._await_admission()
         probes = swarm.checker.report.probes
         assert probes == PROBE_SLABS * len(nodes), probes
         assert swarm.experts._admitted == set(swarm.experts.clients) == {n.address for n in nodes}

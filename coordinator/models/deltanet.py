@@ -39,6 +39,7 @@ from swarm.coordinator.models.layers import (
     RMSNorm,
     attend,
     ggml_form,
+    heads_on_ggml,
     meta_float,
     meta_int,
     n_vocab_of,
@@ -256,13 +257,10 @@ class GatedAttention(nn.Module):
     def forward(self, x: torch.Tensor, norm: RMSNorm, batch: Batch, caches: list[KVCache]) -> torch.Tensor:
         """x [N, D] -> x + attention(norm(x))."""
         c, n = self.cfg, x.shape[0]
-        on_ggml = (
-            ggml_form([self.attn_q, self.attn_k, self.attn_v], [None] * 3) if self.native_steps else None
-        )
-        if on_ggml is not None:
-            q, k, vx, gate = kernels.attention_heads(
-                x, norm.on_ggml(), *on_ggml, self._heads(), batch.positions
-            )
+        front = heads_on_ggml(self.native_steps, x, norm, [self.attn_q, self.attn_k, self.attn_v],
+                              self.attn_q_norm, self.attn_k_norm, c, batch.positions, gated=True)  # fmt: skip
+        if front is not None:
+            q, k, vx, gate = front
         else:
             qg, kx, vx = project(x, self.attn_q, self.attn_k, self.attn_v, norm=norm)
             qg = qg.view(n, c.n_head, 2, c.head_dim)
@@ -274,13 +272,6 @@ class GatedAttention(nn.Module):
         v = vx.view(n, c.n_head_kv, c.head_dim)  # [N, Hkv, Dh]
         o = attend(q, k, v, batch, caches).reshape(n, c.n_head * c.head_dim)  # [N, H*Dh]
         return project(o, self.attn_output, gate=gate, residual=x)[0]
-
-    def _heads(self) -> kernels.Heads:
-        c = self.cfg
-        return kernels.Heads(
-            c.n_head, c.n_head_kv, c.head_dim, c.n_rot, c.rope_base,
-            self.attn_q_norm.on_ggml(), self.attn_k_norm.on_ggml(), gated=True,
-        )  # fmt: skip
 
 
 @dataclass

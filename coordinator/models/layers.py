@@ -159,6 +159,31 @@ def ggml_form(
     return [m.weight for m in mats], steps  # type: ignore[union-attr]
 
 
+def heads_on_ggml(
+    native: bool,
+    x: torch.Tensor,
+    norm: RMSNorm,
+    linears: Sequence[Linear],
+    q_norm: RMSNorm | None,
+    k_norm: RMSNorm | None,
+    cfg: Any,
+    positions: torch.Tensor,
+    gated: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """An attention layer's front in one ggml graph (kernels.attention_heads: norm, the q/k/v `linears`, the q/k
+    norms, RoPE, a gate's sigmoid) for the native numerics; None where the layer computes it in torch (exact
+    numerics, or a matrix not on ggml). `cfg` has n_head, n_head_kv, head_dim, n_rot and rope_base."""
+    on_ggml = ggml_form(linears, [None] * len(linears)) if native else None
+    if on_ggml is None:
+        return None
+    heads = kernels.Heads(
+        cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_rot, cfg.rope_base,
+        q_norm.on_ggml() if q_norm is not None else None, k_norm.on_ggml() if k_norm is not None else None,
+        gated,
+    )  # fmt: skip
+    return kernels.attention_heads(x, norm.on_ggml(), *on_ggml, heads, positions)
+
+
 @dataclass(frozen=True)
 class MoEConfig:
     n_embd: int  # D

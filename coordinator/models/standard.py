@@ -27,7 +27,7 @@ from swarm.coordinator.models.layers import (
     MoEConfig,
     RMSNorm,
     attend,
-    ggml_form,
+    heads_on_ggml,
     meta_float,
     meta_int,
     n_main_layers,
@@ -35,7 +35,6 @@ from swarm.coordinator.models.layers import (
     project,
     rope,
 )
-from swarm.node import kernels
 
 
 @dataclass(frozen=True)
@@ -157,9 +156,10 @@ class Attention(nn.Module):
         """x [N, D] -> x + attention(norm(x))."""
         c, n = self.cfg, x.shape[0]
         linears = [self.attn_q, self.attn_k, self.attn_v]
-        on_ggml = ggml_form(linears, [None] * 3) if self.native_steps else None
-        if on_ggml is not None:
-            q, k, vx, _ = kernels.attention_heads(x, norm.on_ggml(), *on_ggml, self._heads(), batch.positions)
+        front = heads_on_ggml(self.native_steps, x, norm, linears, self.attn_q_norm, self.attn_k_norm, c,
+                              batch.positions, gated=False)  # fmt: skip
+        if front is not None:
+            q, k, vx, _ = front
         else:
             qx, kx, vx = project(x, *linears, norm=norm)
             q = qx.view(n, c.n_head, c.head_dim)  # [N, H, hd]
@@ -171,11 +171,3 @@ class Attention(nn.Module):
         v = vx.view(n, c.n_head_kv, c.head_dim)  # [N, Hkv, hd]
         o = attend(q, k, v, batch, caches)  # [N, H, hd]
         return project(o.reshape(n, c.n_head * c.head_dim), self.attn_output, residual=x)[0]  # [N, D]
-
-    def _heads(self) -> kernels.Heads:
-        c = self.cfg
-        qn, kn = self.attn_q_norm, self.attn_k_norm
-        return kernels.Heads(
-            c.n_head, c.n_head_kv, c.head_dim, c.n_rot, c.rope_base,
-            qn.on_ggml() if qn is not None else None, kn.on_ggml() if kn is not None else None, gated=False,
-        )  # fmt: skip
