@@ -579,7 +579,7 @@ def render(
             "tar xzf llama_cpp_python-0.3.36.tar.gz",
             "cmake -S llama_cpp_python-0.3.36/vendor/llama.cpp -B /work/llamacpp-build/build \\",
             "      -DCMAKE_BUILD_TYPE=Release -DGGML_RPC=ON -DLLAMA_BUILD_SERVER=ON -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF",
-            "cmake --build /work/llamacpp-build/build -j2 --target llama-bench ggml-rpc-server llama-server",
+            "cmake --build /work/llamacpp-build/build -j2 --target llama-bench ggml-rpc-server llama-server llama-batched-bench",
             "```",
         ]
         if "llama.cpp-avx2" in results:

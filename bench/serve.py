@@ -18,6 +18,12 @@ ids for every server) are sent at once through the official `openai` client; agg
 tokens of all N / wall time from the first send to the last token, and time to first token per request.
 Medians over the repetitions. Figures go to the `bench:serve` section of docs/BENCHMARKS.md (`--section` names
 another, for another workload).
+
+Beside the servers, each repetition times the models alone, without HTTP: swarm's in-process model (as
+`swarm serve --local` runs it) reading 1 and 8 prompts in one pass and stepping 1 and 8 sequences, and, where
+it is built beside llama-server, llama.cpp's `llama-batched-bench` doing the same (`-npp P -ntg T -npl 1,8`,
+same file, same threads; native and AVX2-baseline builds): what of a gap between the servers is the model's
+kernels, and what is the serving around them.
 """
 
 from __future__ import annotations
@@ -233,6 +239,33 @@ def model_level(gguf: Path, threads: int, prompts: list[list[int]]) -> dict[str,
     return out
 
 
+BATCHED_COLUMNS = ("PP", "TG", "B", "N_KV", "T_PP s", "S_PP t/s", "T_TG s", "S_TG t/s", "T s", "S t/s")
+
+
+def batched_bench(
+    binary: Path, gguf: Path, threads: int, prompt_tokens: int, max_tokens: int
+) -> dict[str, float]:
+    """llama.cpp's model alone (`llama-batched-bench`): tok/s reading 1 and 8 prompts of prompt_tokens in one
+    batch (prefill1, prefill8), and of generating max_tokens for 1 and 8 sequences (decode1, decode8: every
+    step of them, averaged, as it reports)."""
+    ctx = 8 * (prompt_tokens + max_tokens) + 64
+    cmd = [str(binary), "-m", str(gguf), "-c", str(ctx), "-b", "2048", "-ub", "512", "-npp", str(prompt_tokens),
+           "-ntg", str(max_tokens), "-npl", "1,8", "-t", str(threads)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    out: dict[str, float] = {}
+    for line in proc.stdout.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != len(BATCHED_COLUMNS) or not cells[2].isdigit():
+            continue
+        row = dict(zip(BATCHED_COLUMNS, cells, strict=True))
+        b = int(row["B"])
+        out[f"prefill{b}"] = float(row["S_PP t/s"])
+        out[f"decode{b}"] = float(row["S_TG t/s"])
+    if set(out) != {"prefill1", "prefill8", "decode1", "decode8"}:
+        raise RuntimeError(f"{binary}: no figures in its output (rc {proc.returncode}): {proc.stderr[-500:]}")
+    return out
+
+
 def vocab_size(gguf: Path) -> int:
     reader = open_gguf(gguf)
     field = reader.fields["tokenizer.ggml.tokens"]
@@ -257,6 +290,7 @@ def render(
     llama: str,
     levels: list[dict[str, float]],
     experts: tuple[int, int],
+    batched: dict[str, list[dict[str, float]]],
 ) -> str:
     def med(name: str, n: int, key: str) -> float:
         return statistics.median(r[n][key] for r in runs[name])
@@ -309,6 +343,31 @@ def render(
             f"gain little, and a lone request pays the same per-request costs); llama-server's own 8-vs-1 in the "
             f"table is under it too.",
         ]
+    if levels and batched:
+        keys = ("prefill1", "prefill8", "decode1", "decode8")
+        lines += [
+            "",
+            f"The models alone, side by side in each repetition (tok/s, medians; {args.prompt_tokens}-token prompts, "
+            f"{args.max_tokens} tokens generated): swarm's in-process model as above, llama.cpp's "
+            f"`llama-batched-bench -npp {args.prompt_tokens} -ntg {args.max_tokens} -npl 1,8 -t {args.threads}` "
+            "(its decode figure averages every step, the first ones too; ours is the median step).",
+            "",
+            "| model | 1 prompt read | 8 prompts read | decode, 1 sequence | decode, 8 sequences |",
+            "| --- | ---: | ---: | ---: | ---: |",
+        ]
+        rows = [("swarm, in process", levels)] + list(batched.items())
+        for name, figures in rows:
+            cells = [f"{statistics.median(f[k] for f in figures):.1f}" for k in keys]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        for name, figures in batched.items():
+            ratios = [
+                f"{k} {statistics.median(a[k] / b[k] for a, b in zip(levels, figures, strict=True)):.2f}x"
+                for k in keys
+            ]
+            lines += [
+                "",
+                f"swarm against {name}, run by run (median of the ratios): " + ", ".join(ratios) + ".",
+            ]
     lines += ["", f"<!-- /bench:{args.section} -->"]
     return "\n".join(lines)
 
@@ -389,10 +448,24 @@ def main(argv: list[str] | None = None) -> int:
         targets = [t for t in targets if t.name in keep]
     runs: dict[str, list[dict[int, dict[str, float]]]] = {t.name: [] for t in targets}
     levels: list[dict[str, float]] = []
+    benches = {
+        name: path.parent / "llama-batched-bench"
+        for name, path in (
+            ("llama.cpp (llama-batched-bench)", args.llama_server),
+            ("llama.cpp built for the AVX2 baseline (llama-batched-bench)", args.llama_server_avx2),
+        )
+        if (path.parent / "llama-batched-bench").exists()
+    }
+    batched: dict[str, list[dict[str, float]]] = {name: [] for name in benches}
     for rep in range(args.reps):
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
             levels.append(pool.submit(model_level, gguf, args.threads, prompts).result())
         log.info("rep %d: model level %s", rep + 1, {k: round(v, 1) for k, v in levels[-1].items()})
+        for name, binary in benches.items():
+            batched[name].append(
+                batched_bench(binary, gguf, args.threads, args.prompt_tokens, args.max_tokens)
+            )
+            log.info("rep %d: %s %s", rep + 1, name, {k: round(v, 1) for k, v in batched[name][-1].items()})
         order = targets[rep % len(targets) :] + targets[: rep % len(targets)]
         for t in order:
             (work / t.name.replace(" ", "_")).mkdir(exist_ok=True)
@@ -402,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
                 runs[t.name].append(measure(url, t.model, prompts, args.max_tokens))
             finally:
                 t.stop()
-    text = render(args, [t.name for t in targets], runs, llama, levels, expert_counts(gguf))
+    text = render(args, [t.name for t in targets], runs, llama, levels, expert_counts(gguf), batched)
     publish(args.section, text, not args.no_write)
     return 0
 
