@@ -324,3 +324,61 @@ def test_a_call_of_many_experts_fits_its_graph() -> None:
     kernels.ffn_rows([(fn, 2 * i, 2) for i, fn in enumerate(ffns)], x, out)
     for i in (0, 31):
         assert torch.equal(out[2 * i : 2 * i + 2], kernels.ffn(ffns[i], x[2 * i : 2 * i + 2]))
+
+
+def test_a_prompt_graphs_intermediates_share_memory() -> None:
+    """A one-off graph (a prompt's, more rows than are kept) of 12 ops in a chain over [512, 2048]: ggml's graph
+    allocator gives an intermediate whose reader has run to the next, so the thread's buffer holds a few of
+    them, not all twelve (48 MiB, which each prompt pass used to touch afresh), and the result is the chain's."""
+    rows, cols, steps = 512, 2048, 12
+    gr = kernels.Graph(0, steps + 4)
+    g = gr.g
+    t = gr.input(cols, rows)
+    for i in range(steps):
+        t = g.ggml_silu(gr.ctx, t) if i % 2 == 0 else g.ggml_scale(gr.ctx, t, 1.5)
+    gr.output(t)
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(0))
+    out = torch.empty_like(x)
+    try:
+        gr.build().run([x], [out])
+    finally:
+        gr.free()
+    want = x.double()
+    for i in range(steps):
+        want = torch.nn.functional.silu(want) if i % 2 == 0 else want * 1.5
+    torch.testing.assert_close(out, want.float(), rtol=1e-5, atol=1e-6)
+    one = rows * cols * 4
+    held = g.ggml_gallocr_get_buffer_size(kernels._buffers.get_galloc(), 0)
+    assert held <= 3 * one, f"the allocator holds {held / one:.1f} intermediates"
+    assert kernels._buffers.ctx_mem.nbytes < one  # the context holds the tensors' headers only
+
+
+def test_one_off_graphs_of_the_same_size_but_other_wiring_each_get_their_own_layout() -> None:
+    """Two one-off graphs in a row with as many nodes of the same sizes, wired differently: in the first an
+    intermediate's memory can pass to the next op (its only reader), in the second that intermediate is read
+    again later. Each gets its own result (laid out with the first one's plan, the second would read an
+    overwritten value)."""
+    rows, cols = 512, 256
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(1))
+
+    def run(wire: str) -> torch.Tensor:
+        gr = kernels.Graph(0, 8)
+        g, ctx = gr.g, gr.ctx
+        t = gr.input(cols, rows)
+        if wire == "chain":  # silu -> scale -> silu -> add(c, c)
+            c = g.ggml_silu(ctx, g.ggml_scale(ctx, g.ggml_silu(ctx, t), 2.0))
+            y = g.ggml_add(ctx, c, c)
+        else:  # silu(x) and scale(x), both read by the add
+            a, b = g.ggml_silu(ctx, t), g.ggml_scale(ctx, t, 2.0)
+            y = g.ggml_silu(ctx, g.ggml_add(ctx, a, b))
+        gr.output(y)
+        out = torch.empty_like(x)
+        try:
+            gr.build().run([x], [out])
+        finally:
+            gr.free()
+        return out
+
+    silu = torch.nn.functional.silu
+    torch.testing.assert_close(run("chain"), 2 * silu(2 * silu(x)))
+    torch.testing.assert_close(run("fan"), silu(silu(x) + 2 * x))
