@@ -16,8 +16,9 @@ does not answer by its deadline ends DEADLINE_EXCEEDED and its connection is dro
 connection is sent by the caller's thread, and its answer is read there too when the caller comes to wait for
 it (`StreamCall.read_here`): a decode step then wakes no thread of ours per call, only the node. A caller that
 does not wait for it alone hands the reading to the connection's thread (`StreamCall.let_go`). When the stream cannot be
-reached at all (a firewall that lets only the gRPC port through), the pool says so once and its calls go over
-gRPC (`fallback`) for a while before it tries the stream again.
+reached at all (a firewall that lets only the gRPC port through), its calls go over gRPC (`fallback`) for a while
+before it tries the stream again, and the pool says so once gRPC answers (when neither answers, the node is
+down, and its callers' failover says so).
 """
 
 from __future__ import annotations
@@ -234,6 +235,7 @@ class StreamPool:
         self._queue: deque[_Job] = deque()
         self._closed = False
         self._unreachable_until = 0.0
+        self._unreachable_why: str | None = None  # said once gRPC answers (else the node itself is down)
 
     def submit(self, body: bytes, timeout: float | None) -> StreamCall:
         """Start one call; its future ends with the ComputeReply or a NodeCallError."""
@@ -285,15 +287,7 @@ class StreamPool:
                 sock = self.tls.wrap_socket(sock, server_hostname=TLS_NAME)
         except OSError as e:
             self._unreachable_until = time.monotonic() + RETRY_STREAM_SECONDS
-            log.warning(
-                "node %s: its compute stream (port %d) cannot be reached (%s); its calls go over gRPC for the next "
-                "%.0f s (if only that port is blocked, open it beside the node's gRPC port, or start the node with "
-                "--no-stream)",
-                self.address,
-                self.port,
-                e,
-                RETRY_STREAM_SECONDS,
-            )
+            self._unreachable_why = str(e)
             raise _Unreachable(str(e)) from e
         return sock
 
@@ -301,7 +295,19 @@ class StreamPool:
         try:
             job.future.set_result(self.fallback(job.body, self.sign(job.body), job.remaining()))
         except NodeCallError as e:
-            job.future.set_exception(e)
+            job.future.set_exception(e)  # the node is down, not just its stream: the caller says so
+            return
+        why, self._unreachable_why = self._unreachable_why, None
+        if why is not None:  # the node answers over gRPC: only its stream's port is out of reach
+            log.warning(
+                "node %s: its compute stream (port %d) cannot be reached (%s); its calls go over gRPC for the next "
+                "%.0f s (if only that port is blocked, open it beside the node's gRPC port, or start the node with "
+                "--no-stream)",
+                self.address,
+                self.port,
+                why,
+                RETRY_STREAM_SECONDS,
+            )
 
 
 def _error(address: str, code: grpc.StatusCode, details: str) -> NodeCallError:

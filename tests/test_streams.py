@@ -207,6 +207,19 @@ def test_unreachable_stream_falls_back_to_grpc_and_says_so(nodes, caplog):
     assert len(said) == 1 and "over gRPC" in said[0] and str(closed_port) in said[0]
 
 
+def test_a_node_that_is_down_is_not_called_a_blocked_stream(caplog):
+    """Nothing answers at the node's gRPC port nor at its stream's (the node was killed): the call fails
+    UNAVAILABLE for the caller's failover, and nothing suggests opening the stream's port in a firewall."""
+    with socket.create_server(("127.0.0.1", 0)) as a, socket.create_server(("127.0.0.1", 0)) as b:
+        grpc_port, stream_port = a.getsockname()[1], b.getsockname()[1]  # closed once the block ends
+    with caplog.at_level(logging.WARNING, logger="swarm.node.streams"):
+        with NodeClient(f"127.0.0.1:{grpc_port}", stream_port=stream_port) as c:
+            with pytest.raises(NodeCallError) as e:
+                c.compute(0, [2], [1], _rows(1), timeout=10)
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE
+    assert not [r.getMessage() for r in caplog.records if "compute stream" in r.getMessage()]
+
+
 def test_a_node_that_never_answers_ends_the_call_at_its_deadline():
     node = _SlowNode(delay=None)
     try:
