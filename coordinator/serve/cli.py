@@ -145,7 +145,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from swarm.coordinator.serve.api import ServeConfig, build_app
     from swarm.coordinator.serve.metrics import ServeMetrics
-    from swarm.coordinator.serve.scheduler import CHECKPOINT_BEFORE_END, Scheduler, slot_bytes
+    from swarm.coordinator.serve.scheduler import CHECKPOINT_BEFORE_END, Scheduler, slot_bytes, warm_batches
     from swarm.coordinator.session import open_from_args, status_line
     from swarm.coordinator.swarm import SwarmExperts, describe_missing
 
@@ -184,6 +184,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             )
         status_line("swarm serve: warming up (every expert once, as llama.cpp does) ...")
         _off_main_thread(engine.model.warm_up)
+        status_line(
+            f"swarm serve: preparing the decode steps of 1 to {args.parallel} conversations at once ..."
+        )
+        _off_main_thread(lambda: warm_batches(engine.model, args.parallel, engine.device))
         if args.stats:
             from swarm.coordinator.experts import RoutingStats
 
