@@ -184,9 +184,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             )
         status_line("swarm serve: warming up (every expert once, as llama.cpp does) ...")
         _off_main_thread(engine.model.warm_up)
-        status_line(
-            f"swarm serve: preparing the decode steps of 1 to {args.parallel} conversations at once ..."
-        )
+        status_line("swarm serve: preparing decode steps of several conversations at once ...")
         _off_main_thread(lambda: warm_batches(engine.model, args.parallel, engine.device))
         if args.stats:
             from swarm.coordinator.experts import RoutingStats

@@ -52,9 +52,12 @@ CHECKPOINT_BEFORE_END = 16
 def warm_batches(model: Any, n: int, device: torch.device) -> None:
     """One decode step of b new sequences for each b from 1 to n, thrown away: every batch size's graphs are
     built now, at start, rather than in the first step that meets it (a step of 8 sequences took 3x its time
-    then, on the Qwen3.6-35B layer shape). A real step of b sequences finds them whatever its sequences hold."""
+    then, on the Qwen3.6-35B layer shape). A real step of b sequences finds them whatever its sequences hold.
+    Steps of more sequences than kernels.KEEP_ROWS build their graphs every time: not warmed."""
+    from swarm.node.kernels import KEEP_ROWS
+
     with torch.inference_mode():
-        for b in range(1, n + 1):
+        for b in range(1, min(n, KEEP_ROWS) + 1):
             ids = torch.zeros(b, dtype=torch.long, device=device)
             model(ids, [model.new_state() for _ in range(b)], [1] * b, last_only=True)
 
