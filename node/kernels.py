@@ -575,18 +575,16 @@ class Graph:
         weight slots) get their memory on each run: they point at a placeholder meanwhile, so that the
         allocator leaves them (and their views) alone."""
         g = self.g
-        for t in (c for _, c, _ in self.inputs + self.outputs):
-            if not t.data:
-                t.data = _PLACEHOLDER
-        for t, _, _ in self.weight_slots:
+        slots = [c for _, c, _ in self.inputs + self.outputs] + [c for c, _, _ in self.weight_slots]
+        for t in slots:
             if not t.data:
                 t.data = _PLACEHOLDER
         for v, src, offs in self.views:
             v.data = src.data + offs
         galloc = _buffers.get_galloc()
-        # laid out for this graph: ggml_gallocr_alloc_graph alone reuses the last graph's layout when it judges
-        # the new one to fit it (by node counts and sizes, in ggml's sources), and a graph of another wiring
-        # must not inherit which intermediate may overwrite which
+        # laid out for this graph: ggml_gallocr_alloc_graph alone reuses the last graph's layout when the new
+        # one fits it by node counts and sizes, and a graph of another wiring then has an intermediate
+        # overwritten before its last reader runs (test_kernels: ..._each_get_their_own_layout)
         if not g.ggml_gallocr_reserve(galloc, self.graph) or not g.ggml_gallocr_alloc_graph(
             galloc, self.graph
         ):
