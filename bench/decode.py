@@ -581,6 +581,11 @@ def render(
             "      -DCMAKE_BUILD_TYPE=Release -DGGML_RPC=ON -DLLAMA_BUILD_SERVER=ON -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF",
             "cmake --build /work/llamacpp-build/build -j2 --target llama-bench ggml-rpc-server llama-server llama-batched-bench",
             "```",
+            "",
+            "Where the CPU reports AMX but the machine does not enable it (a VM: llama.cpp's native build then dies "
+            "with SIGILL at `tilezero` in ggml's AMX kernels), add "
+            '`"-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"` and the same `-DCMAKE_CXX_FLAGS` to '
+            "the configure line.",
         ]
         if "llama.cpp-avx2" in results:
             lines += [

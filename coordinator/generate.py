@@ -19,7 +19,12 @@ class CausalLM(Protocol):
     def new_state(self) -> Any: ...
 
     def __call__(
-        self, tokens: torch.Tensor, states: Sequence[Any], lengths: Sequence[int]
+        self,
+        tokens: torch.Tensor,
+        states: Sequence[Any],
+        lengths: Sequence[int],
+        last_only: bool = False,
+        marks: Sequence[int] = (),
     ) -> torch.Tensor: ...
 
 
@@ -133,6 +138,7 @@ class Entry:
     seq: Seq
     tokens: tuple[int, ...] | None = None
     output: bool = True
+    mark: int = 0  # > 0: keep a checkpoint after this many of `tokens` (in seq.state.marked)
 
 
 class Steps:
@@ -188,9 +194,14 @@ class Steps:
         feeds = [list(e.tokens) if e.tokens is not None else [int(e.seq.last)] for e in entries]
         every_row = any(e.output and e.seq.sampler is None for e in entries)
         ids = torch.tensor([t for f in feeds for t in f], dtype=torch.long, device=self.device)
+        marks = [e.mark for e in entries] if any(e.mark for e in entries) else ()
         with torch.inference_mode():
             logits = self.model(
-                ids, [e.seq.state for e in entries], [len(f) for f in feeds], last_only=not every_row
+                ids,
+                [e.seq.state for e in entries],
+                [len(f) for f in feeds],
+                last_only=not every_row,
+                marks=marks,
             )
         start = 0
         for i, (e, f) in enumerate(zip(entries, feeds, strict=True)):

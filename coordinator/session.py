@@ -113,7 +113,9 @@ def open_from_args(args: argparse.Namespace) -> Any:
     from swarm.coordinator.audit import DEFAULT_RATE
     from swarm.coordinator.engine import open_engine
     from swarm.coordinator.swarm import SwarmExperts
+    from swarm.node.malloc import keep_freed_memory
 
+    keep_freed_memory()  # a pass finds the memory the pass before it freed (before the model allocates)
     where = "experts in this process" if args.local else "looking for nodes"
     status_line(f"swarm {args.command}: opening {args.model} ({where}) ...")
     apply_threads(args.threads)

@@ -36,7 +36,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -1227,11 +1227,19 @@ def _delta_rule_ops(
     tstate: Sequence[object],
     rule: DeltaRule,
     cw: object,
-) -> tuple[list[object], list[object]]:
+    marks: Sequence[int] = (),
+) -> tuple[list[object], list[object], list[tuple[object, object, object] | None]]:
     """The conv, SiLU, L2-normed q and k and the gated delta rule of each sequence (start, T) of the rows:
     tm [C, N] conv inputs, tg, tb [Hv, N] log decay and beta; tconv[i] [Kc-1, C] and tstate[i] [S, S, Hv]
     sequence i's past. -> (each sequence's gated_delta_net result: o [S, Hv, T] then the new state; its new
-    conv inputs [Kc-1, C])."""
+    conv inputs [Kc-1, C]; its mark's pieces).
+
+    A sequence with a mark m (0 < m < T, marks[i]) is also wanted as it stands after its first m new tokens
+    (a checkpoint a prompt's reader keeps): its rule runs as two ops, m tokens then T - m from the state
+    the first left, which is what reading the two parts in two calls does, so its bits are the same either
+    way. Its result is then the second op's (o of the last T - m tokens, the new state), and its pieces are
+    (the first op's result: o of the first m tokens, then the state after them; the conv inputs [Kc-1, C]
+    and the state [S, S, Hv] there, each a tensor of its own)."""
     gm, ctx = gr.g, gr.ctx
     c = int(tm.contents.ne[0])
     hv = int(tg.contents.ne[0])
@@ -1243,12 +1251,18 @@ def _delta_rule_ops(
         return gm.ggml_scale(ctx, gm.ggml_rms_norm(ctx, x, rule.eps / s), 1.0 / float(np.sqrt(s)))
 
     results, new_convs = [], []
+    pieces: list[tuple[object, object, object] | None] = []
     for i, (start, t) in enumerate(spans):
         new = gm.ggml_view_2d(ctx, tm, c, t, c * 4, start * c * 4)  # [C, T]
         window = gm.ggml_concat(
             ctx, tconv[i], gm.ggml_cont(ctx, gm.ggml_transpose(ctx, new)), 0
         )  # [Kc-1+T, C]
-        new_convs.append(gm.ggml_cont(ctx, gm.ggml_view_2d(ctx, window, kc - 1, c, (kc - 1 + t) * 4, t * 4)))
+
+        def last_inputs(at: int, window: object = window, t: int = t) -> object:
+            """The Kc-1 conv inputs before new token `at`: [Kc-1, C]."""
+            return gm.ggml_cont(ctx, gm.ggml_view_2d(ctx, window, kc - 1, c, (kc - 1 + t) * 4, at * 4))
+
+        new_convs.append(last_inputs(t))
         sx = gm.ggml_reshape_3d(ctx, window, kc - 1 + t, c, 1)
         act = gm.ggml_silu(ctx, gm.ggml_ssm_conv(ctx, sx, cw))  # [C, T, 1]
 
@@ -1268,12 +1282,39 @@ def _delta_rule_ops(
                                    s, hv, t, 1)
                 for x in (q, k)
             )  # fmt: skip
-        gi, bi = (
-            gm.ggml_view_4d(ctx, x, 1, hv, t, 1, 4, hv * 4, hv * t * 4, start * hv * 4) for x in (tg, tb)
-        )
         state = gm.ggml_reshape_4d(ctx, tstate[i], s, s, hv, 1)
-        results.append(gm.ggml_gated_delta_net(ctx, q, k, v, gi, bi, state, 1))
-    return results, new_convs
+        m = marks[i] if marks else 0
+        if not 0 < m < t:
+            results.append(_rule_op(gm, ctx, q, k, v, tg, tb, start, 0, t, state))
+            pieces.append(None)
+            continue
+        head = _rule_op(gm, ctx, q, k, v, tg, tb, start, 0, m, state)
+        there = gm.ggml_view_4d(ctx, head, s, s, hv, 1, s * 4, s * s * 4, s * s * hv * 4, m * hv * s * 4)
+        results.append(_rule_op(gm, ctx, q, k, v, tg, tb, start, m, t - m, there))
+        pieces.append((head, last_inputs(m), gm.ggml_cont(ctx, gm.ggml_reshape_3d(ctx, there, s, s, hv))))
+    return results, new_convs, pieces
+
+
+def _rule_op(
+    gm: Any, ctx: object, q: object, k: object, v: object, tg: object, tb: object, start: int, first: int,
+    n: int, state: object,
+) -> object:  # fmt: skip
+    """gated_delta_net over tokens first..first+n of a sequence whose q, k, v [S, H, T, 1] were made from its
+    rows start.. of tg, tb [Hv, N], from `state` [S, S, Hv, 1]: o [S, Hv, n] then the new state."""
+    hv = int(tg.contents.ne[0])
+
+    def tokens(x: object) -> object:
+        e = x.contents
+        if first == 0 and int(e.ne[2]) == n:
+            return x
+        return gm.ggml_view_4d(ctx, x, int(e.ne[0]), int(e.ne[1]), n, 1, int(e.nb[1]), int(e.nb[2]),
+                               int(e.nb[2]) * n, first * int(e.nb[2]))  # fmt: skip
+
+    gi, bi = (
+        gm.ggml_view_4d(ctx, x, 1, hv, n, 1, 4, hv * 4, hv * n * 4, (start + first) * hv * 4)
+        for x in (tg, tb)
+    )
+    return gm.ggml_gated_delta_net(ctx, tokens(q), tokens(k), tokens(v), gi, bi, state, 1)
 
 
 def _rule_results(
@@ -1341,7 +1382,7 @@ def delta_net_step(
         tm, tg, tb = gr.input(c, b * t), gr.input(hv, b * t), gr.input(hv, b * t)
         tconv = [gr.input(kc - 1, c) for _ in range(b)]
         tstate = [gr.input(s, s, hv) for _ in range(b)]
-        results, new_convs = _delta_rule_ops(gr, tm, tg, tb, spans, tconv, tstate, rule, gr.constant(w))
+        results, new_convs, _ = _delta_rule_ops(gr, tm, tg, tb, spans, tconv, tstate, rule, gr.constant(w))
         for r in results + new_convs:
             gr.output(r)
         return gr
@@ -1367,7 +1408,10 @@ def delta_net_layer(
     rule: DeltaRule,
     out_norm: Norm,
     out: Weight,
-) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    marks: Sequence[int] = (),
+) -> tuple[
+    torch.Tensor, list[torch.Tensor], list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor] | None]
+]:
     """A whole Gated DeltaNet layer over the new tokens of several sequences, in one graph:
     x + out(out_norm(delta_rule(conv(...))) * z) for x [N, D] (lengths[i] rows of sequence i, in order).
 
@@ -1375,7 +1419,10 @@ def delta_net_layer(
     decay g [N, Hv], as linear() would; then delta_net_step's ops per sequence, then out_norm per value head,
     times z, the out product and the residual as linear() would. Every op is the one those calls run on the
     same values, so this gives their bits: a sequence's result does not depend on which path ran it.
-    -> (y [N, D], the new convs, the new states [Hv, S, S]: views of this call's outputs)."""
+    `marks[i]` (0 < m < lengths[i]; 0: none): sequence i's conv inputs [C, Kc-1] and state [Hv, S, S] after
+    its first m new tokens too (_delta_rule_ops: the same bits as reading it in two calls).
+    -> (y [N, D], the new convs, the new states [Hv, S, S]: views of this call's outputs, the marks' (conv,
+    state) or None)."""
     x = _f32_rows(x)
     n, d = int(x.shape[0]), int(x.shape[1])
     c, hv = inputs[0].rows, inputs[2].rows
@@ -1385,8 +1432,11 @@ def delta_net_layer(
     spans = [(int(a), int(t)) for a, t in zip(starts, lengths, strict=True)]
     w = _f32_rows(rule.conv_weight)
     ins = [x] + [_f32_rows(t) for t in convs] + [_f32_rows(t) for t in states]
-    results = _rule_results(states, lengths, hv, s)
+    marks = tuple(int(m) if 0 < m < t else 0 for m, t in zip(marks, lengths, strict=True)) if marks else ()
+    tails = [t - m for t, m in zip(lengths, marks, strict=True)] if marks else list(lengths)  # the last op's
+    results = _rule_results(states, tails, hv, s)
     new_convs = [torch.empty(c, kc - 1) for _ in lengths]
+    marked = [(torch.empty(c, kc - 1), torch.empty(hv, s, s)) for m in marks if m]
     y = torch.empty(n, d)
 
     def build(keep: bool) -> Graph:
@@ -1396,31 +1446,50 @@ def delta_net_layer(
             + _delta_rule_scratch(spans, c, kc, hv, s)
             + _dense_scratch(n, hv * s, [out], [None])
             + 4 * 2 * n * hv * s
+            + sum(
+                4 * (t * hv * s + 2 * hv * s * s + (kc - 1) * c)
+                for m, t in zip(marks, lengths, strict=False)
+                if m
+            )
         )
-        gr = Graph(scratch, _dense_tensors(inputs, posts) + 40 * b + 24, keep)
+        gr = Graph(scratch, _dense_tensors(inputs, posts) + 40 * b + 24 + 24 * sum(map(bool, marks)), keep)
         gm, ctx = gr.g, gr.ctx
         xt = gr.input(d, n)
         tconv = [gr.input(kc - 1, c) for _ in range(b)]
         tstate = [gr.input(s, s, hv) for _ in range(b)]
         _, (tm, tz, tb, tg) = _dense_ops(gr, xt, inputs, posts, norm)
-        res, ncs = _delta_rule_ops(gr, tm, tg, tb, spans, tconv, tstate, rule, gr.constant(w))
-        parts = [
-            gm.ggml_view_2d(ctx, r, hv * s, t, hv * s * 4, 0) for r, (_, t) in zip(res, spans, strict=True)
-        ]
-        o = parts[0]
-        if b > 1:  # each sequence's rows copied into place (a chain of concats copied O(B^2) rows)
+        res, ncs, pieces = _delta_rule_ops(gr, tm, tg, tb, spans, tconv, tstate, rule, gr.constant(w), marks)
+        parts = []  # (o of rows start..start+T, start, T)
+        for i, (r, p, (start, t)) in enumerate(zip(res, pieces, spans, strict=True)):
+            m = marks[i] if p is not None else 0
+            if p is not None:
+                parts.append((p[0], start, m))
+            parts.append((r, start + m, t - m))
+        views = [gm.ggml_view_2d(ctx, r, hv * s, t, hv * s * 4, 0) for r, _, t in parts]
+        o = views[0]
+        if len(views) > 1:  # each part's rows copied into place (a chain of concats copied O(B^2) rows)
             o = gm.ggml_new_tensor_2d(ctx, _F32, hv * s, n)
-            for part, (start, _) in zip(parts, spans, strict=True):
-                o = gm.ggml_set_2d_inplace(ctx, o, part, hv * s * 4, start * hv * s * 4)  # [Hv*S, N]
+            for view, (_, start, _) in zip(views, parts, strict=True):
+                o = gm.ggml_set_2d_inplace(ctx, o, view, hv * s * 4, start * hv * s * 4)  # [Hv*S, N]
         (yt,) = _dense_ops(gr, o, [out], [None], out_norm, tz, xt)[1]
         gr.output(yt)
         for r in res + ncs:
             gr.output(r)
+        for p in pieces:
+            if p is not None:
+                gr.output(p[1])
+                gr.output(p[2])
         return gr
 
     key = None
     if n <= KEEP_ROWS:
-        key = ("dn-layer", tuple(lengths), *((v.ptr, _post_key(p)) for v, p in zip(inputs, posts, strict=True)),
+        key = ("dn-layer", tuple(lengths), marks, *((v.ptr, _post_key(p)) for v, p in zip(inputs, posts, strict=True)),
                norm.weight.data_ptr(), norm.eps, out_norm.weight.data_ptr(), out_norm.eps, out.ptr, w.data_ptr())  # fmt: skip
-    _run(key, build, ins, [y, *results, *new_convs])
-    return y, new_convs, [r[t * hv * s :].view(hv, s, s) for r, t in zip(results, lengths, strict=True)]
+    _run(key, build, ins, [y, *results, *new_convs, *(t for pair in marked for t in pair)])
+    got = iter(marked)
+    return (
+        y,
+        new_convs,
+        [r[t * hv * s :].view(hv, s, s) for r, t in zip(results, tails, strict=True)],
+        [next(got) if m else None for m in marks] if marks else [None] * len(lengths),
+    )

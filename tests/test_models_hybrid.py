@@ -332,3 +332,57 @@ def test_a_float32_token_table_stays_in_the_file_too() -> None:
     table = next(t for t in open_gguf(path).tensors if t.name == "token_embd.weight")
     ids = torch.tensor([3, 0, 700])
     assert torch.equal(model.token_embd(ids), torch.from_numpy(np.array(table.data))[ids])
+
+
+def _same_checkpoint(a: Any, b: Any) -> bool:
+    """Two SequenceState checkpoints hold the same position and the same bits in every layer."""
+    if a[0] != b[0]:
+        return False
+    for x, y in zip(a[1], b[1], strict=True):
+        pairs = zip(x, y, strict=True) if isinstance(x, tuple) else [(x, y)]
+        if not all(torch.equal(u, v) if isinstance(u, torch.Tensor) else u == v for u, v in pairs):
+            return False
+    return True
+
+
+@pytest.mark.parametrize(
+    ("fixture", "lengths", "marks"),
+    [
+        ("qwen35moe-quant/model-q4_k_m.gguf", (40, 11), (30, 0)),  # a layer in one graph
+        ("qwen35moe-quant/model-q4_k_m.gguf", (10, 3, 2), (4, 0, 1)),  # ... a kept one (few rows)
+        ("qwen3next-tiny/model-f32.gguf", (40, 11), (30, 5)),  # op by op (fused ssm_ba)
+        ("qwen35moe-tiny/model-f32.gguf", (300,), (270,)),  # over RECURRENT_MAX: the chunked form
+    ],
+)
+def test_a_mark_keeps_the_checkpoint_of_reading_the_tokens_in_two_calls(
+    fixture: str, lengths: tuple[int, ...], marks: tuple[int, ...]
+) -> None:
+    """A pass with a mark (what the serve scheduler asks for a few tokens before a prompt's end) leaves the
+    checkpoint that reading the tokens up to it, checkpointing, then reading the rest would, bit for bit, and
+    the same logits and final state; the checkpoint, restored, reads the rest to the same logits again."""
+    model = load(FIXTURES / fixture)
+    g = torch.Generator().manual_seed(sum(lengths))
+    seqs = [torch.randint(3, 700, (n,), generator=g) for n in lengths]
+    apart, cps, logits = [], [], []
+    for s, m in zip(seqs, marks, strict=True):
+        st = model.new_state()
+        rows = []
+        if m:
+            rows.append(model.run(s[:m], st))
+            cps.append(st.checkpoint())
+        else:
+            cps.append(None)
+        rows.append(model.run(s[m:], st))
+        apart.append(st)
+        logits.append(torch.cat(rows))
+    states = [model.new_state() for _ in seqs]
+    together = model(torch.cat(seqs), states, list(lengths), marks=list(marks))
+    assert torch.equal(together, torch.cat(logits))
+    for st, ref, cp, m, s, rows in zip(states, apart, cps, marks, seqs, logits, strict=True):
+        assert _same_checkpoint(st.checkpoint(), ref.checkpoint())
+        if not m:
+            assert st.marked is None
+            continue
+        assert st.marked is not None and _same_checkpoint(st.marked, cp)
+        st.restore(st.marked)
+        assert torch.equal(model.run(s[m:], st), rows[m:])

@@ -48,7 +48,10 @@ def test_requests_that_come_together_to_an_idle_engine_are_read_in_one_pass(
         done = [threading.Event() for _ in range(3)]
         outs: list[list[int]] = [[] for _ in range(3)]
         for i in range(3):
-            s.submit(_request([10 + i, 20, 30 + i, 40, 50], done[i], outs[i]))
+            # longer than CHECKPOINT_BEFORE_END: each keeps a checkpoint before its end
+            s.submit(
+                _request([10 + i, 30 + i, *range(20, 20 + sched.CHECKPOINT_BEFORE_END)], done[i], outs[i])
+            )
             time.sleep(0.2)  # the engine is awake before the next one comes
         assert all(d.wait(60) for d in done)
     finally:
@@ -57,9 +60,10 @@ def test_requests_that_come_together_to_an_idle_engine_are_read_in_one_pass(
     assert all(len(o) == 3 for o in outs)
     prompt_passes = [n for n in passes if n]
     if gap:
-        assert prompt_passes[0] == 3  # every prompt's head in the first pass (their tails after it)
+        # every prompt whole in one pass: the checkpoint before a prompt's end is kept within it (Entry.mark)
+        assert prompt_passes == [3]
     else:
-        assert prompt_passes[0] == 1
+        assert prompt_passes == [1, 1, 1]
 
 
 def test_every_batch_size_is_built_at_start_and_a_real_step_builds_nothing() -> None:
@@ -81,5 +85,32 @@ def test_every_batch_size_is_built_at_start_and_a_real_step_builds_nothing() -> 
                 m(torch.arange(40, 40 + b), states, [1] * b, last_only=True)  # a decode step
                 new = set(kernels._cache._graphs) - kept
                 assert (not new) if b <= 3 else new, (b, new)
+    finally:
+        engine.close()
+
+
+def test_the_warm_up_runs_on_the_engine_thread_and_its_error_reaches_start() -> None:
+    """`swarm serve` warms the model up on the thread that then runs every pass (ggml's per-thread buffers and
+    OpenMP's team are the passes' own); start() returns once it is done, and raises what it raised."""
+    engine = open_engine(Path(MODEL), local=True, device="cpu")
+    try:
+        ran: list[str] = []
+        s = sched.Scheduler(engine.model, torch.device("cpu"), None, parallel=2, ctx_size=256, max_queue=4)
+        s.start(lambda: ran.append(threading.current_thread().name))
+        try:
+            assert ran == [s._thread.name] and s._thread.is_alive()
+            done, out = threading.Event(), []
+            s.submit(_request([5, 6, 7, 8], done, out))
+            assert done.wait(60) and len(out) == 3  # and then it serves
+        finally:
+            s.stop()
+
+        def broken() -> None:
+            raise MemoryError("no room for the warm-up pass")
+
+        s = sched.Scheduler(engine.model, torch.device("cpu"), None, parallel=2, ctx_size=256, max_queue=4)
+        with pytest.raises(MemoryError, match="warm-up pass"):
+            s.start(broken)
+        assert not s._thread.is_alive()
     finally:
         engine.close()

@@ -17,6 +17,7 @@ Module names follow the GGUF tensors (blk.N.ssm_a, blk.N.ssm_dt.bias, ...), so a
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections.abc import Collection, Sequence
@@ -281,9 +282,18 @@ class DeltaNetState:
     conv: torch.Tensor | None = None  # [C, Kc-1] the last Kc-1 inputs of the conv
     # [Hv, Dv, Dk] the recurrent state S per value head, in ggml's layout: ssm[h, j, i] = S_h[i, j]
     ssm: torch.Tensor | None = None
+    # (conv, ssm) as they stood at the mark of the last call that had one (Batch.marks): a checkpoint
+    marked: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def checkpoint(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         return _clone(self.conv), _clone(self.ssm)
+
+    def take_marked(self, position: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The checkpoint at the last call's mark (`position`: where it is in the sequence; the layer kept
+        the state there)."""
+        assert self.marked is not None, "no mark in the last call"
+        cp, self.marked = self.marked, None
+        return cp
 
     def restore(self, cp: tuple[torch.Tensor | None, torch.Tensor | None]) -> None:
         self.conv, self.ssm = _clone(cp[0]), _clone(cp[1])
@@ -383,6 +393,7 @@ class GatedDeltaNet(nn.Module):
         whole = self._whole(x, norm, batch, states)
         if whole is not None:
             return whole
+        marks = batch.marks or (0,) * len(states)
         mixed, z, beta, g = self.project(x, norm)  # z activated; g: log of the per-step decay [N, Hv]
         parts = list(zip(batch.split(mixed), batch.split(g), batch.split(beta), states, strict=True))
         outs: list[torch.Tensor | None] = [None] * len(parts)
@@ -400,13 +411,21 @@ class GatedDeltaNet(nn.Module):
             for j, i in enumerate(ones):
                 outs[i] = o[j]
         for i, (m, gi, bi, st) in enumerate(parts):
-            if outs[i] is None:
-                long = m.shape[0] > RECURRENT_MAX
-                outs[i] = (
-                    self._chunked(m, gi, bi, st)
-                    if long
-                    else self._steps(m[None], gi[None], bi[None], [st])[0]
+            if outs[i] is not None:
+                continue
+            # a mark: its tokens read in two calls, the state kept between them (the same bits, as in one)
+            cuts = [0, marks[i], m.shape[0]] if 0 < marks[i] < m.shape[0] else [0, m.shape[0]]
+            pieces = []
+            for a, b in itertools.pairwise(cuts):
+                if a:
+                    assert st.conv is not None and st.ssm is not None
+                    st.marked = (st.conv.clone(), st.ssm.clone())
+                pieces.append(
+                    self._chunked(m[a:b], gi[a:b], bi[a:b], st)
+                    if b - a > RECURRENT_MAX
+                    else self._steps(m[None, a:b], gi[None, a:b], bi[None, a:b], [st])[0]
                 )
+            outs[i] = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         o = torch.cat(outs).view(n, hv * ds)  # type: ignore[arg-type]
         # ssm_out(ssm_norm(o) * z) per value head, and the residual, in one graph
         return project(o, self.ssm_out, norm=self.ssm_norm, gate=z, residual=x)[0]
@@ -429,7 +448,7 @@ class GatedDeltaNet(nn.Module):
         out = ggml_form([self.ssm_out], [None])
         if inputs is None or out is None:
             return None
-        y, convs, ssms = kernels.delta_net_layer(
+        y, convs, ssms, marked = kernels.delta_net_layer(
             x,
             batch.lengths,
             *inputs,
@@ -439,9 +458,12 @@ class GatedDeltaNet(nn.Module):
             self._rule(),
             self.ssm_norm.on_ggml(),
             out[0][0],
+            batch.marks,
         )
-        for st, conv, ssm in zip(states, convs, ssms, strict=True):
+        for st, conv, ssm, cp in zip(states, convs, ssms, marked, strict=True):
             st.conv, st.ssm = conv, ssm
+            if cp is not None:
+                st.marked = cp
         return y
 
     def _steps(

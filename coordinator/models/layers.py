@@ -426,6 +426,10 @@ class KVCache:
     def checkpoint(self) -> int:
         return self.length
 
+    def take_marked(self, position: int) -> int:
+        """The checkpoint at `position` of what this cache holds (the cache only appends)."""
+        return position
+
     def restore(self, length: int) -> None:
         """Forget what came after the checkpoint (the cache only appends, so the length is the state)."""
         self.length = length
@@ -454,6 +458,8 @@ class SequenceState:
 
     layers: list[Any]
     length: int = 0  # tokens consumed so far = position of the next token
+    # the checkpoint at the mark of the last call that had one for this sequence (DecoderModel's `marks`)
+    marked: tuple[int, list[Any]] | None = None
 
     def checkpoint(self) -> tuple[int, list[Any]]:
         """What `restore` needs to bring this sequence back to now (the work after it is done again)."""
@@ -472,14 +478,28 @@ class Batch:
     lengths: tuple[int, ...]  # new tokens of each sequence
     starts: tuple[int, ...]  # tokens each sequence already held = position of its first new token
     positions: torch.Tensor  # [N] absolute position of every token
+    # per sequence, 0 or how many of its new tokens come before the point a checkpoint is wanted at (a
+    # prompt's reader keeps one before the prompt's end): its recurrent layers keep their state there
+    marks: tuple[int, ...] = ()
 
     @classmethod
-    def of(cls, states: Sequence[SequenceState], lengths: Sequence[int], device: torch.device) -> Batch:
+    def of(
+        cls,
+        states: Sequence[SequenceState],
+        lengths: Sequence[int],
+        device: torch.device,
+        marks: Sequence[int] = (),
+    ) -> Batch:
         starts = tuple(s.length for s in states)
         # one tensor from a Python list: a decode step's few positions cost one op, not an arange per sequence
         at = [p for s, n in zip(starts, lengths, strict=True) for p in range(s, s + int(n))]
         positions = torch.tensor(at, dtype=torch.long, device=device)
-        return cls(lengths=tuple(int(n) for n in lengths), starts=starts, positions=positions)
+        return cls(
+            lengths=tuple(int(n) for n in lengths),
+            starts=starts,
+            positions=positions,
+            marks=tuple(int(m) for m in marks) if any(marks) else (),
+        )
 
     def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [N, ...] -> one tensor [lengths[i], ...] per sequence (views)."""
@@ -556,24 +576,34 @@ class DecoderModel(nn.Module):
         states: Sequence[SequenceState],
         lengths: Sequence[int],
         last_only: bool = False,
+        marks: Sequence[int] = (),
     ) -> torch.Tensor:
         """tokens [N] (lengths[i] new tokens of sequence i, in order) -> logits [N, V] float32.
 
         With last_only, only each sequence's last position: [len(states), V] (saves the vocab
-        projection of a long prefill). States are advanced in place.
+        projection of a long prefill). States are advanced in place. `marks[i]` (0 < m < lengths[i]; 0:
+        none): sequence i is also checkpointed after its first m new tokens, into states[i].marked (as
+        calling with those m tokens, checkpointing, and calling with the rest would, in one pass).
         """
         if not states or len(states) != len(lengths):
             raise ValueError(f"{len(states)} states but {len(lengths)} lengths; give at least one sequence")
         if sum(lengths) != tokens.shape[0] or any(n <= 0 for n in lengths):
             raise ValueError(f"lengths {list(lengths)} do not split {tokens.shape[0]} tokens")
+        if marks and (
+            len(marks) != len(lengths) or any(not 0 <= m < n for m, n in zip(marks, lengths, strict=True))
+        ):
+            raise ValueError(f"marks {list(marks)} do not fall within lengths {list(lengths)}")
         device = self.output_norm.weight.device
         # inference_mode throughout, so caches made in one call stay writable in the next.
         with torch.inference_mode():
-            batch = Batch.of(states, lengths, device)
+            batch = Batch.of(states, lengths, device, marks)
             x = self.token_embd(tokens.to(device))  # [N, D]
             for i, blk in enumerate(self.blk):
                 x = blk(x, batch, [s.layers[i] for s in states])
-            for s, n in zip(states, batch.lengths, strict=True):
+            for i, (s, n) in enumerate(zip(states, batch.lengths, strict=True)):
+                if batch.marks and batch.marks[i]:
+                    at = s.length + batch.marks[i]
+                    s.marked = (at, [layer.take_marked(at) for layer in s.layers])
                 s.length += n
             if last_only and x.shape[0] != len(states):  # (a decode step's rows are the last ones already)
                 ends = torch.tensor(batch.lengths, device=device).cumsum(0) - 1

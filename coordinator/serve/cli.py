@@ -145,7 +145,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from swarm.coordinator.serve.api import ServeConfig, build_app
     from swarm.coordinator.serve.metrics import ServeMetrics
-    from swarm.coordinator.serve.scheduler import CHECKPOINT_BEFORE_END, Scheduler, slot_bytes, warm_batches
+    from swarm.coordinator.serve.scheduler import (
+        CHECKPOINT_BEFORE_END,
+        Scheduler,
+        slot_bytes,
+        warm_batches,
+        warm_prompts,
+    )
     from swarm.coordinator.session import open_from_args, status_line
     from swarm.coordinator.swarm import SwarmExperts, describe_missing
 
@@ -182,15 +188,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 f"{engine.device} (the slots may take {STATE_SHARE:.0%}): use --parallel {max(fits, 1)} or a "
                 "smaller --ctx-size"
             )
-        status_line("swarm serve: warming up (every expert once, as llama.cpp does) ...")
-        _off_main_thread(engine.model.warm_up)
-        status_line("swarm serve: preparing decode steps of several conversations at once ...")
-        _off_main_thread(lambda: warm_batches(engine.model, args.parallel, engine.device))
-        if args.stats:
-            from swarm.coordinator.experts import RoutingStats
 
-            stats_of = RoutingStats(engine.experts)
-            engine.model.set_experts(stats_of)
+        def warm() -> None:  # on the engine thread
+            status_line("swarm serve: warming up (every expert once, as llama.cpp does) ...")
+            engine.model.warm_up()
+            status_line("swarm serve: preparing passes of several conversations at once ...")
+            warm_batches(engine.model, args.parallel, engine.device)
+            warm_prompts(engine.model, args.parallel, engine.device)
+
         admit_check = None
         if isinstance(engine.experts, SwarmExperts):
             experts = engine.experts
@@ -207,7 +212,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         scheduler = Scheduler(
             engine.model, engine.device, checker, args.parallel, args.ctx_size, args.max_queue, admit_check
         )
-        scheduler.start()
+        scheduler.start(warm)
+        if args.stats:  # after the warm-up, which would count as routing
+            from swarm.coordinator.experts import RoutingStats
+
+            stats_of = RoutingStats(engine.experts)
+            engine.model.set_experts(stats_of)
         config = ServeConfig(
             model_id=args.model_id or model_id_of(args.model), api_key=api_key, ctx_size=args.ctx_size
         )

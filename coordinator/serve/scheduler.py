@@ -45,8 +45,14 @@ ADMIT_WINDOW = 0.05
 CHUNK = 256
 # A checkpoint this many tokens before a prompt's end, where its request names no better place (Request.mark):
 # a conversation sent again usually differs from what a slot holds only from the last turn's generation
-# prompt on. Reading the tail apart costs a pass of its own, whose cost grows with the experts its tokens pick.
+# prompt on. The pass that reads past that place keeps the state there (Entry.mark: the DeltaNet layers run
+# their rule in two ops) rather than stopping at it: a pass of its own for the tail cost 7 % of a lone
+# 64-token prompt's read and 3 % of 8 at once on the Qwen3.6-35B layer shape.
 CHECKPOINT_BEFORE_END = 16
+# The prompts of warm_prompts' pass at most: where its prompt tokens fill several prompts' passes, the
+# memory of several at once is laid out (warmed with 2 x 256 tokens, a pass of 8 x 64 still faulted 9,000
+# times; warmed with 8 x 64, a pass of 2 x 256 faulted 12).
+WARM_PROMPTS = 8
 
 
 def warm_batches(model: Any, n: int, device: torch.device) -> None:
@@ -60,6 +66,20 @@ def warm_batches(model: Any, n: int, device: torch.device) -> None:
         for b in range(1, min(n, KEEP_ROWS) + 1):
             ids = torch.zeros(b, dtype=torch.long, device=device)
             model(ids, [model.new_state() for _ in range(b)], [1] * b, last_only=True)
+
+
+def warm_prompts(model: Any, n: int, device: torch.device) -> None:
+    """One pass reading the most prompt tokens a pass takes (PASS_PROMPT_TOKENS_ALONE, over up to n new
+    prompts of at most CHUNK tokens each), thrown away: the memory of the largest pass is then mapped, and
+    with swarm.node.malloc's policy kept, so the first burst of prompts finds it, where it faulted tens of
+    thousands of pages in (8 prompts of 64 tokens of the Qwen3.6-35B layer shape: 45,000 faults in a first
+    pass, a few in a second). Run it on the thread that will run the passes: ggml's graph allocator buffer
+    is that thread's."""
+    k = max(1, min(n, WARM_PROMPTS))
+    each = min(CHUNK, PASS_PROMPT_TOKENS_ALONE // k)
+    with torch.inference_mode():
+        ids = torch.zeros(k * each, dtype=torch.long, device=device)
+        model(ids, [model.new_state() for _ in range(k)], [each] * k, last_only=True)
 
 
 class QueueFull(Exception):
@@ -132,12 +152,22 @@ class Scheduler:
         self._stopping = False
         self._steps = Steps(model, device, checker)
         self._redone = 0
-        self._thread = threading.Thread(target=self._loop, name="swarm-serve-engine", daemon=True)
+        self._thread = threading.Thread(target=self._main, name="swarm-serve-engine", daemon=True)
+        self._warm: Callable[[], None] | None = None
+        self._warmed = threading.Event()
+        self._warm_error: BaseException | None = None
 
     # --- the API side (any thread) ---------------------------------------------------------------------
 
-    def start(self) -> None:
+    def start(self, warm: Callable[[], None] | None = None) -> None:
+        """Start the engine thread. `warm` runs there first (what the model keeps per thread, ggml's buffers
+        and OpenMP's team, is then the passes' own) and this returns once it has; its error is raised here."""
+        self._warm = warm
         self._thread.start()
+        self._warmed.wait()
+        if self._warm_error is not None:
+            self._thread.join()
+            raise self._warm_error
 
     def submit(self, req: Request) -> None:
         if len(req.prompt) >= self.ctx_size:
@@ -174,6 +204,17 @@ class Scheduler:
             self._thread.join(timeout)
 
     # --- the engine thread ------------------------------------------------------------------------------
+
+    def _main(self) -> None:
+        try:
+            if self._warm is not None:
+                self._warm()
+        except BaseException as e:  # handed to start()'s caller
+            self._warm_error = e
+            return
+        finally:
+            self._warmed.set()
+        self._loop()
 
     def _loop(self) -> None:
         while True:
@@ -312,10 +353,9 @@ class Scheduler:
             r = s.request
             assert r is not None and s.seq is not None
             end = min(len(r.prompt), s.fed + CHUNK, s.fed + budget)
-            mark = r.checkpoint_at()
-            if s.fed < mark < end:
-                end = mark  # stop there to checkpoint
-            entries.append(Entry(s.seq, tuple(r.prompt[s.fed : end]), output=end == len(r.prompt)))
+            at = r.checkpoint_at()
+            mark = at - s.fed if s.fed < at < end else 0  # checkpointed there within the pass
+            entries.append(Entry(s.seq, tuple(r.prompt[s.fed : end]), output=end == len(r.prompt), mark=mark))
             reads.append(s)
             budget -= end - s.fed
             s.fed = end
@@ -338,7 +378,11 @@ class Scheduler:
                     s.checkpoints = {}
         for s in reads:
             r = s.request
-            if r is not None and s.state is not None and s.fed in (len(r.prompt), r.checkpoint_at()):
+            if r is None or s.state is None:
+                continue
+            if s.state.marked is not None:  # the pass went past the checkpoint's place and kept it there
+                s.checkpoints[s.state.marked[0]], s.state.marked = s.state.marked, None
+            if s.fed in (len(r.prompt), r.checkpoint_at()):
                 s.checkpoints[s.fed] = s.state.checkpoint()
         out_now = 0
         for s in self.slots:
