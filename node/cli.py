@@ -331,6 +331,9 @@ def run_node(args: argparse.Namespace) -> int:
     from swarm.node.openmp import set_wait_policy
 
     set_wait_policy(experts_remote=True, node=True)  # before torch loads: a node shares its device
+    from swarm.node.malloc import keep_freed_memory
+
+    keep_freed_memory()  # a call finds the memory the call before it freed
     from swarm.node.store import default_memory_budget
 
     parent = os.getppid() if args.exit_with_parent else None  # read first: it may go while slabs load
