@@ -210,17 +210,23 @@ def measure(url: str, model: str, prompts: list[list[int]], max_tokens: int) -> 
 
 
 def model_level(gguf: Path, threads: int, prompts: list[list[int]]) -> dict[str, float]:
-    """Where a server's time goes, without HTTP: the in-process model (as `swarm serve --local` runs it) reading
-    1 and 8 prompts in one pass, and decode steps of 1 and 8 sequences. Run in a child process (its own threads)."""
+    """Where a server's time goes, without HTTP: the in-process model (as `swarm serve --local` runs it: its heap
+    policy, its warm-up passes) reading 1 and 8 prompts in one pass, and decode steps of 1 and 8 sequences. Run
+    in a child process (its own threads)."""
+    from swarm.node.malloc import keep_freed_memory
+
+    keep_freed_memory()
     import torch
 
     from swarm.coordinator.engine import open_engine
+    from swarm.coordinator.serve.scheduler import warm_prompts
     from swarm.node.kernels import set_threads
 
     set_threads(threads)
     engine = open_engine(gguf, local=True, device="cpu")
     m = engine.model
     m.warm_up()
+    warm_prompts(m, 8, torch.device("cpu"))
     out: dict[str, float] = {}
     with torch.inference_mode():
         for b in (1, 8):
