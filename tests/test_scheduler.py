@@ -96,7 +96,7 @@ def test_the_warm_up_runs_on_the_engine_thread_and_its_error_reaches_start() -> 
     try:
         ran: list[str] = []
         s = sched.Scheduler(engine.model, torch.device("cpu"), None, parallel=2, ctx_size=256, max_queue=4)
-        s.start(lambda: ran.append(threading.current_thread().name))
+        s.start(lambda: (time.sleep(0.3), ran.append(threading.current_thread().name)))  # start() waits
         try:
             assert ran == [s._thread.name] and s._thread.is_alive()
             done, out = threading.Event(), []
