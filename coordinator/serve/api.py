@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 MAX_STOPS = 4  # stop strings per request, as OpenAI allows
 # A plain completion's prompt keeps a checkpoint this many tokens before its end (llama-server's choice): a
 # client that sends it again with its answer appended continues from the slot's whole state, and one that
-# changes only the last tokens from there; a short tail also keeps its own pass short.
+# changes only the last tokens from there (the pass that reads the prompt's end keeps it: no pass of its own).
 COMPLETION_TAIL = 4
 
 
