@@ -17,7 +17,6 @@ A user's own GLIBC_TUNABLES malloc settings win.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import os
 import sys
@@ -35,11 +34,9 @@ def keep_freed_memory() -> bool:
     """Make this process's heap keep what a pass frees for the next one; whether it was set."""
     if not sys.platform.startswith("linux") or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):
         return False
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+    try:  # the process's own symbols, libc's among them (find_library would start ldconfig at every start)
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # a libc without mallopt
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
