@@ -76,10 +76,10 @@ def read_in_place(layer: int) -> bool:
     return not kernels.repackable(int(t.tensor_type), int(t.shape[1]))
 
 
-def _swarm(shard_dir, rate: float, seed: int = 7):
-    return open_engine(
-        shard_dir, mdns_interfaces=LOOPBACK, wait=10.0, device="cpu", key=KEY, audit=rate, audit_seed=seed
-    )
+def _swarm(shard_dir, rate: float, seed: int = 7, peers: tuple[str, ...] = ()):
+    """A coordinator finding the nodes by mDNS on loopback, or only at `peers` (no mDNS)."""
+    where = {"peers": peers, "mdns": False} if peers else {"mdns_interfaces": LOOPBACK}
+    return open_engine(shard_dir, wait=10.0, device="cpu", key=KEY, audit=rate, audit_seed=seed, **where)
 
 
 @pytest.mark.slow
@@ -109,11 +109,12 @@ def test_a_damaged_node_is_banned_and_the_logits_are_still_exact(tmp_path):
 
 def test_nodes_found_at_start_are_probed_while_the_model_loads(rig):
     """Admission probes of the nodes found at start run beside the model's loading: by the first call every
-    node is admitted, and the first prompt sends no probe."""
+    node is admitted, and the first prompt sends no probe. (Static peers: both nodes are known at start on
+    any machine; by mDNS a node whose answer comes after the settle time is found later, and probed then.)"""
     from swarm.coordinator.audit import PROBE_SLABS
 
     honest_dir, _, nodes = rig
-    swarm = _swarm(honest_dir, rate=0.0001)
+    swarm = _swarm(honest_dir, rate=0.0001, peers=tuple(n.address for n in nodes))
     try:
         swarm.experts._await_admission()
         probes = swarm.checker.report.probes
