@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import select
 import socket
@@ -91,6 +92,14 @@ def tls_context(key: SwarmKey, server: bool) -> ssl.SSLContext:
             f.write(cert_pem + key_pem)
         ctx.load_cert_chain(chain)
     return ctx
+
+
+def _readable(sock: socket.socket, timeout: float | None) -> bool:
+    """Whether sock has bytes to read within `timeout` s (None: until it has). poll, not select: select takes
+    no descriptor past 1,023, and a process that maps a thousand slab files has its sockets beyond that."""
+    p = select.poll()
+    p.register(sock, select.POLLIN)
+    return bool(p.poll(None if timeout is None else math.ceil(timeout * 1000)))
 
 
 def _nodelay(sock: socket.socket) -> None:
@@ -397,8 +406,7 @@ class _Conn:
         wait = left if timeout is None else timeout if left is None else min(timeout, left)
         try:
             ready = sock is not None and (
-                (isinstance(sock, ssl.SSLSocket) and sock.pending() > 0)
-                or bool(select.select([sock], [], [], wait)[0])
+                (isinstance(sock, ssl.SSLSocket) and sock.pending() > 0) or _readable(sock, wait)
             )
         except (OSError, ValueError):  # closed under us (the pool is closing): the thread's path ends it
             self.let_go(job)

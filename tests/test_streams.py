@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import socket
 import threading
 import time
@@ -308,6 +309,33 @@ def test_a_small_calls_answer_is_read_on_the_callers_thread_a_prompts_on_the_str
         on = _resolved_on(big)
         assert big.result().shape == (400, 64)
         assert on and on != [threading.get_ident()]
+
+
+def test_a_small_calls_answer_is_read_on_the_callers_thread_past_a_thousand_open_files(nodes):
+    """A coordinator auditing from a shard directory maps every slab file (a descriptor each), so its stream
+    sockets get descriptors past 1,023, where select() cannot wait: the answer must still be read here."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1200:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(2048, hard), hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        node = nodes["open"]
+        with NodeClient(
+            node.address, fingerprint=node.fingerprint, stream_port=_stream_port(node.address)
+        ) as c:
+            c.compute(0, [1], [1], _rows(1))  # opens the connection: its socket lies past the files
+            (conn,) = c._stream._conns  # type: ignore[union-attr]
+            assert conn.sock.fileno() > 1024
+            small = c.compute_async(0, [1, 2], [1, 1], _rows(2))
+            on = _resolved_on(small)
+            assert small.result().shape == (2, 64)
+            assert on == [threading.get_ident()]
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def test_a_late_answer_is_still_the_callers_a_polled_one_the_streams_and_a_dropped_call_frees_its_connection():
