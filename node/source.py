@@ -94,6 +94,7 @@ def load_from_shard(
 
     manifest = read_manifest(directory)
     slab_keys = set(slab_keys)
+    allow_open_files(len(manifest.moe_layers) * manifest.n_expert)  # at most every slab of the model
     slabs: dict[SlabKey, dict[str, SlabTensor]] = {}
     problems: list[str] = []
     if layers is not None or experts is not None or not slab_keys:
@@ -108,6 +109,34 @@ def load_from_shard(
         slabs.update(got)
         problems += bad
     return LoadedSlabs(slabs, manifest.fingerprint, problems, str(directory), manifest.source.header_sha256)
+
+
+# Descriptors beside the slab files: sockets, the dense file, libraries, pipes.
+OTHER_FILES = 1024
+
+
+def allow_open_files(n: int) -> None:
+    """Let this process open `n` more files than OTHER_FILES: its soft limit raised up to its hard limit
+    where it is lower. Each memory-mapped slab file keeps a descriptor (Python's mmap holds one per map), a
+    node with 64 experts of each of 40 layers holds 2,560 of them, and many systems start a process with a
+    soft limit of 1,024 (its hard limit much higher). A hard limit too low is said when a file cannot be
+    opened (sharding.gguf_io.too_many_open_files)."""
+    try:
+        import resource
+    except ImportError:  # not a POSIX system
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = n + OTHER_FILES
+    if soft == resource.RLIM_INFINITY or soft >= want:
+        return
+    new = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if new <= soft:
+        return
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+        log.debug("open files allowed: %d (was %d)", new, soft)
+    except (ValueError, OSError) as e:  # macOS caps it below an infinite hard limit (kern.maxfilesperproc)
+        log.debug("open files limit stays %d: %s", soft, e)
 
 
 def load_slabs(

@@ -7,6 +7,7 @@ Every other part of swarm reads GGUFs through these functions, so a bad file get
 
 from __future__ import annotations
 
+import errno
 import functools
 import re
 from dataclasses import dataclass
@@ -69,6 +70,8 @@ def _open_gguf(path: Path, inode: int, size: int, mtime_ns: int) -> GGUFReader:
         with path.open("rb") as f:
             magic = f.read(4)
     except OSError as e:
+        if e.errno in (errno.EMFILE, errno.ENFILE):
+            raise too_many_open_files(path) from e
         raise GGUFError(f"{path}: cannot be read ({e.strerror}); check its permissions") from e
     if magic != GGUF_MAGIC:
         raise GGUFError(f"{path}: not a GGUF file (starts with {magic!r}, expected {GGUF_MAGIC!r})")
@@ -85,12 +88,30 @@ def _open_gguf(path: Path, inode: int, size: int, mtime_ns: int) -> GGUFReader:
             f"{path}: damaged or truncated GGUF ({msg[:200]}); download or convert it again"
         ) from e
     except (KeyError, IndexError, OSError, EOFError, OverflowError, MemoryError, TypeError) as e:
+        if isinstance(e, OSError) and e.errno in (errno.EMFILE, errno.ENFILE):
+            raise too_many_open_files(path) from e
         # gguf's reader trusts the header: absurd counts, lengths and offsets surface as these
         raise GGUFError(
             f"{path}: truncated or damaged GGUF ({type(e).__name__}: {str(e)[:200]}); download or convert it again"
         ) from e
     check_tensors(reader, path, size)
     return reader
+
+
+def too_many_open_files(path: Path) -> UserError:
+    """The error for a file the process may not open because it has as many open as it may: each memory-mapped
+    GGUF (every slab file a node or coordinator holds) keeps a descriptor open."""
+    try:
+        import resource
+
+        limit = f"{resource.getrlimit(resource.RLIMIT_NOFILE)[0]:,}"
+    except ImportError:  # not a POSIX system
+        limit = "the system's"
+    return UserError(
+        f"{path}: cannot be opened: this process already has as many files open as it may ({limit}; "
+        "every slab file held stays open, memory-mapped); raise the limit (e.g. `ulimit -n 65536`, or "
+        "LimitNOFILE= in a systemd unit) and start again"
+    )
 
 
 MAX_DIMS = 4  # GGML_MAX_DIMS

@@ -14,7 +14,11 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import re
+import resource
+import subprocess
+import sys
 from functools import cache
 from pathlib import Path
 
@@ -572,8 +576,6 @@ def test_nodes_do_not_outlive_a_launcher_that_was_killed(tmp_path):
     import json
     import os
     import signal
-    import subprocess
-    import sys
     import time
 
     code = (
@@ -601,3 +603,36 @@ def test_nodes_do_not_outlive_a_launcher_that_was_killed(tmp_path):
             pytest.fail("the node outlived its killed launcher")
     finally:
         launcher.kill()
+
+
+def _under_file_limit(soft: int, hard: int, code: str) -> subprocess.CompletedProcess[str]:
+    """Python `code` in a child process started with this open-files limit."""
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, preexec_fn=limit
+    )
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="sets a child's open-files limit (POSIX)")
+def test_a_node_holding_more_slabs_than_the_soft_file_limit_raises_it_or_says_what_to_do(tmp_path):
+    """Each slab file a node holds stays open (memory-mapped): 128 slabs under a soft limit of 100 load all
+    the same (the soft limit is raised towards the hard one), and under a hard limit of 100 the node stops
+    with an error that names the limit, not a "damaged file"."""
+    shard = tmp_path / "m.swarm"
+    shard_model(FIXTURES / "qwen3moe-tiny" / "model-f32.gguf", shard)  # 4 layers x 32 experts
+    load = (
+        "from swarm.node.source import load_slabs\n"
+        f"got = load_slabs({str(shard)!r}, verify=False)\n"
+        "print(len(got.slabs), len(got.problems))\n"
+    )
+    done = _under_file_limit(100, resource.getrlimit(resource.RLIMIT_NOFILE)[1], load)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["128", "0"]
+    cli = f"from swarm.coordinator.cli import main; raise SystemExit(main(['node', {str(shard)!r}, '--no-mdns']))"
+    refused = _under_file_limit(100, 100, cli)
+    assert refused.returncode == 2, refused.stderr
+    assert "ulimit -n" in refused.stderr and "damaged" not in refused.stderr
+    assert "Traceback" not in refused.stderr
