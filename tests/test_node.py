@@ -574,7 +574,6 @@ def test_store_serves_other_experts_while_one_is_loading(monkeypatch):
 def test_nodes_do_not_outlive_a_launcher_that_was_killed(tmp_path):
     """start_nodes' nodes stop when the process that started them dies without cleaning up (SIGKILL, OOM)."""
     import json
-    import os
     import signal
     import time
 
@@ -616,7 +615,6 @@ def _under_file_limit(soft: int, hard: int, code: str) -> subprocess.CompletedPr
     )
 
 
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="sets a child's open-files limit (POSIX)")
 def test_a_node_holding_more_slabs_than_the_soft_file_limit_raises_it_or_says_what_to_do(tmp_path):
     """Each slab file a node holds stays open (memory-mapped): 128 slabs under a soft limit of 100 load all
     the same (the soft limit is raised towards the hard one), and under a hard limit of 100 the node stops
