@@ -127,6 +127,31 @@ def test_nodes_found_at_start_are_probed_while_the_model_loads(rig):
         swarm.close()
 
 
+def test_a_shard_directorys_slabs_are_mapped_for_audits_beside_the_models_loading(rig, monkeypatch):
+    """Mapping every slab file of a shard directory takes seconds on a real model (a file each): the
+    coordinator does it on the admission thread, while the model loads, not before it."""
+    import threading
+
+    from swarm.coordinator import engine
+
+    honest_dir, _, nodes = rig
+    made_on: list[str] = []
+    real = engine.load_slabs
+
+    def recorded(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        made_on.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "load_slabs", recorded)
+    swarm = _swarm(honest_dir, rate=0.0001, peers=tuple(n.address for n in nodes))
+    try:
+        swarm.experts._await_admission()
+        assert made_on == ["swarm-admit"]
+        assert len(swarm.checker.store.slabs) == len(read_manifest(honest_dir).slabs)
+    finally:
+        swarm.close()
+
+
 @pytest.mark.slow
 def test_sampled_audits_catch_a_node_that_turns_and_redo_what_it_touched(rig, capsys):
     """The liar passes its admission probe, then its slabs are damaged; audits at 1/4 of the answers catch it
