@@ -89,14 +89,13 @@ def make_auditor(
             return None
         return Auditor(lambda: _audit_store(path), numerics, wire_dtype, rate, shard_dir, seed)
     store = _audit_store(path)
-    if not store.slabs:
-        log.warning("%s holds no expert slabs here: node answers cannot be audited", path)
-        return None
-    return Auditor(store, numerics, wire_dtype, rate, None, seed)
+    return Auditor(store, numerics, wire_dtype, rate, None, seed) if store.slabs else None
 
 
 def _audit_store(path: str | Path) -> ExpertStore:
     loaded = load_slabs(path, verify=False)  # memory-mapped; a shard dir's are verified one by one when used
+    if not loaded.slabs:
+        log.warning("%s holds no expert slabs here: node answers cannot be audited", path)
     return ExpertStore(loaded.slabs, torch.device("cpu"), AUDIT_MEMORY, stacked=False)
 
 
