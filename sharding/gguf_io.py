@@ -70,7 +70,7 @@ def _open_gguf(path: Path, inode: int, size: int, mtime_ns: int) -> GGUFReader:
         with path.open("rb") as f:
             magic = f.read(4)
     except OSError as e:
-        if e.errno in (errno.EMFILE, errno.ENFILE):
+        if e.errno in TOO_MANY_FILES:
             raise too_many_open_files(path) from e
         raise GGUFError(f"{path}: cannot be read ({e.strerror}); check its permissions") from e
     if magic != GGUF_MAGIC:
@@ -88,7 +88,7 @@ def _open_gguf(path: Path, inode: int, size: int, mtime_ns: int) -> GGUFReader:
             f"{path}: damaged or truncated GGUF ({msg[:200]}); download or convert it again"
         ) from e
     except (KeyError, IndexError, OSError, EOFError, OverflowError, MemoryError, TypeError) as e:
-        if isinstance(e, OSError) and e.errno in (errno.EMFILE, errno.ENFILE):
+        if isinstance(e, OSError) and e.errno in TOO_MANY_FILES:
             raise too_many_open_files(path) from e
         # gguf's reader trusts the header: absurd counts, lengths and offsets surface as these
         raise GGUFError(
@@ -96,6 +96,9 @@ def _open_gguf(path: Path, inode: int, size: int, mtime_ns: int) -> GGUFReader:
         ) from e
     check_tensors(reader, path, size)
     return reader
+
+
+TOO_MANY_FILES = (errno.EMFILE, errno.ENFILE)  # the process's limit, the system's
 
 
 def too_many_open_files(path: Path) -> UserError:
