@@ -7,6 +7,7 @@ for token in generate(engine.model, engine.tokenizer.encode("Hi"), SamplingParam
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -161,6 +162,12 @@ def open_engine(
     try:
         model, meta = load_model(path, experts, dev, progress=progress, numerics=numerics)
         tokenizer = GGUFTokenizer(meta)
+        if isinstance(experts, SwarmExperts):
+            waited = time.perf_counter()
+            experts.await_admission()  # the engine returned is ready: its first prompt waits for nothing
+            log.debug(
+                "the nodes' admission ended %.2f s after the model loaded", time.perf_counter() - waited
+            )
     except BaseException:
         if isinstance(experts, SwarmExperts):
             experts.close()

@@ -404,14 +404,16 @@ class SwarmExperts:
         self._admission = threading.Thread(target=run, name="swarm-admit", daemon=True)
         self._admission.start()
 
-    def _await_admission(self) -> None:
-        """Wait for admit_known's thread: no call goes out while it probes."""
+    def await_admission(self) -> None:
+        """Wait for admit_known's thread: no call goes out while it probes. open_engine waits here once the
+        model is loaded, so that what the admission has left (the audit store's slab files mapped, the
+        probes) is start-up, not the first prompt's time."""
         if self._admission is not None:
             self._admission.join()
             self._admission = None
 
     def start(self, layer: int, x: torch.Tensor, ids: torch.Tensor) -> PendingExperts:
-        self._await_admission()
+        self.await_admission()
         self.follow_mdns()
         self.placement.next_turn(layer)
         t, k = ids.shape
@@ -607,7 +609,7 @@ class SwarmExperts:
             self.follow_mdns()
 
     def close(self) -> None:
-        self._await_admission()
+        self.await_admission()
         if self.auditor is not None:
             self.auditor.close()
         if self.browser is not None:

@@ -116,7 +116,7 @@ def test_nodes_found_at_start_are_probed_while_the_model_loads(rig):
     honest_dir, _, nodes = rig
     swarm = _swarm(honest_dir, rate=0.0001, peers=tuple(n.address for n in nodes))
     try:
-        swarm.experts._await_admission()
+        swarm.experts.await_admission()
         probes = swarm.checker.report.probes
         assert probes == PROBE_SLABS * len(nodes), probes
         assert swarm.experts._admitted == set(swarm.experts.clients) == {n.address for n in nodes}
@@ -145,9 +145,34 @@ def test_a_shard_directorys_slabs_are_mapped_for_audits_beside_the_models_loadin
     monkeypatch.setattr(engine, "load_slabs", recorded)
     swarm = _swarm(honest_dir, rate=0.0001, peers=tuple(n.address for n in nodes))
     try:
-        swarm.experts._await_admission()
+        swarm.experts.await_admission()
         assert made_on == ["swarm-admit"]
         assert len(swarm.checker.store.slabs) == len(read_manifest(honest_dir).slabs)
+    finally:
+        swarm.close()
+
+
+def test_the_engine_is_returned_once_the_admission_has_ended(rig, monkeypatch):
+    """What the admission has left when the model is loaded (the audit store's slab files mapped: seconds on a
+    real model, here made slow on purpose) is waited for by open_engine, as start-up: the first prompt's
+    time is the prompt's (bench/decode times prefill from it)."""
+    import time
+
+    from swarm.coordinator import engine
+    from swarm.coordinator.audit import PROBE_SLABS
+
+    honest_dir, _, nodes = rig
+    real = engine._audit_store
+
+    def slow(path):  # noqa: ANN001, ANN202
+        time.sleep(1.5)
+        return real(path)
+
+    monkeypatch.setattr(engine, "_audit_store", slow)
+    swarm = _swarm(honest_dir, rate=0.0001, peers=tuple(n.address for n in nodes))
+    try:
+        assert swarm.experts._admission is None, "open_engine returned while the admission still ran"
+        assert swarm.checker.report.probes == PROBE_SLABS * len(nodes)
     finally:
         swarm.close()
 
