@@ -117,7 +117,7 @@ class Auditor:
 
     def __init__(
         self,
-        store: ExpertStore | Callable[[], ExpertStore],
+        store: ExpertStore,
         numerics: Numerics,
         wire_dtype: torch.dtype,
         rate: float = DEFAULT_RATE,
@@ -128,11 +128,7 @@ class Auditor:
         if not 0.0 <= rate <= 1.0:
             raise ValueError(f"audit rate {rate} is not between 0 and 1")
         self.numerics, self.wire_dtype, self.rate = numerics, wire_dtype, rate
-        # the store, or what makes it on first use (mapping thousands of slab files takes seconds: the
-        # admission thread does it beside the model's loading)
-        self._store = store if isinstance(store, ExpertStore) else None
-        self._make_store = None if isinstance(store, ExpertStore) else store
-        self._store_lock = threading.Lock()
+        self.store = store  # the coordinator's own slabs (a shard directory's read as audits draw them)
         self.shard_dir = shard_dir
         self._rng = random.Random(seed) if seed is not None else random.SystemRandom()
         self._books: dict[str, _NodeBook] = {}
@@ -148,18 +144,6 @@ class Auditor:
             else None
         )
         self._pending: list[_Job] = []  # audits handed to the audit thread, not yet taken in
-
-    @property
-    def store(self) -> ExpertStore:
-        """The coordinator's own slabs; made here on first use when the auditor was given a maker."""
-        store = self._store
-        if store is None:
-            with self._store_lock:
-                if self._store is None:
-                    assert self._make_store is not None
-                    self._store = self._make_store()
-                store = self._store
-        return store
 
     # --- the coordinator's own answer ---------------------------------------------------------------
 
@@ -206,7 +190,7 @@ class Auditor:
     ) -> bool:
         """Known rows through `slabs` of the node's slabs at random (`compute(layer, ids, counts, rows)` calls
         it); False (and the node banned) when an answer differs."""
-        mine = [k for k in held if k in self.store.slabs]
+        mine = [k for k in held if self.store.lists(*k)]  # (a slab file is read once drawn, not to list)
         for layer, expert in self._rng.sample(mine, min(slabs, len(mine))):
             if not self.holds(layer, [expert]):
                 continue

@@ -24,11 +24,11 @@ from swarm.node.auth import SwarmKey
 from swarm.node.identity import ModelIdentity, identity_of
 from swarm.node.kernels import NATIVE, Numerics
 from swarm.node.source import load_slabs, slab_progress
-from swarm.node.store import ExpertStore, default_memory_budget
+from swarm.node.store import ExpertStore, default_memory_budget, slab_dims
 from swarm.sharding.errors import UserError
 from swarm.sharding.gguf_io import expert_tensors, open_gguf
 from swarm.sharding.manifest import EXPERTS_DIR
-from swarm.sharding.slabs import SlabKey, read_manifest
+from swarm.sharding.slabs import LazySlabs, SlabKey, read_manifest
 
 log = logging.getLogger(__name__)
 
@@ -79,22 +79,23 @@ def model_identity(path: str | Path) -> tuple[ModelIdentity, list[SlabKey]]:
 def make_auditor(
     path: str | Path, numerics: Numerics, wire_dtype: torch.dtype, rate: float, seed: int | None
 ) -> Auditor | None:
-    """The coordinator's own slabs, to check node answers with; None (and a warning) when it has none. A
-    shard directory's slab files are mapped on the auditor's first use (`Auditor.store`: the nodes' admission
-    probes, on their own thread while the model loads): a file each, 0.8 s for 1,024 of them here, ~8 s for
-    the 35B's 10,240."""
+    """The coordinator's own slabs, to check node answers with; None (and a warning) when it has none."""
     shard_dir = Path(path) if Path(path).is_dir() else None
-    if shard_dir is not None:
-        if next((shard_dir / EXPERTS_DIR).rglob("*.gguf"), None) is None:
-            log.warning("%s holds no expert slabs here: node answers cannot be audited", path)
-            return None
-        return Auditor(lambda: _audit_store(path), numerics, wire_dtype, rate, shard_dir, seed)
+    if shard_dir is not None and next((shard_dir / EXPERTS_DIR).rglob("*.gguf"), None) is None:
+        log.warning("%s holds no expert slabs here: node answers cannot be audited", path)
+        return None
     store = _audit_store(path)
-    return Auditor(store, numerics, wire_dtype, rate, None, seed) if store.slabs else None
+    return Auditor(store, numerics, wire_dtype, rate, shard_dir, seed) if store.slabs else None
 
 
 def _audit_store(path: str | Path) -> ExpertStore:
-    loaded = load_slabs(path, verify=False)  # memory-mapped; a shard dir's are verified one by one when used
+    """The coordinator's own slabs, memory-mapped: a shard directory's slab files each read on the first
+    audit that draws it (LazySlabs: none at start), a GGUF's experts as views of its map. Neither is hashed
+    here: a slab whose bytes an audit finds different is checked against the manifest before it counts."""
+    if Path(path).is_dir():
+        slabs = LazySlabs(path, dims=slab_dims)
+        return ExpertStore(slabs, torch.device("cpu"), AUDIT_MEMORY, stacked=False)
+    loaded = load_slabs(path, verify=False)
     if not loaded.slabs:
         log.warning("%s holds no expert slabs here: node answers cannot be audited", path)
     return ExpertStore(loaded.slabs, torch.device("cpu"), AUDIT_MEMORY, stacked=False)

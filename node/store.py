@@ -21,7 +21,7 @@ import logging
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,7 +32,7 @@ from swarm.node import kernels, pages
 from swarm.node.dequant import dequantize
 from swarm.node.kernels import EXACT, FFN, NATIVE, NUMERICS, Numerics, Weight
 from swarm.sharding.ranges import format_ranges
-from swarm.sharding.slabs import SlabKey, SlabTensor
+from swarm.sharding.slabs import LazySlabs, SlabKey, SlabTensor
 
 log = logging.getLogger(__name__)
 
@@ -226,7 +226,7 @@ def _fmt(ids: Sequence[int]) -> str:
     return format_ranges(ids) if ids else "none"
 
 
-def _slab_dims(key: SlabKey, parts: dict[str, SlabTensor]) -> tuple[int, int]:
+def slab_dims(key: SlabKey, parts: dict[str, SlabTensor]) -> tuple[int, int]:
     """(D, F) of one expert's slabs, checking that its parts are complete and agree."""
     layer, expert = key
     if DOWN not in parts or not (GATE_UP in parts or (GATE in parts and UP in parts)):
@@ -283,7 +283,7 @@ class ExpertStore:
 
     def __init__(
         self,
-        slabs: dict[SlabKey, dict[str, SlabTensor]],
+        slabs: Mapping[SlabKey, dict[str, SlabTensor]],
         device: str | torch.device = "cpu",
         memory_budget: int | None = None,
         stacked: bool = True,
@@ -292,8 +292,9 @@ class ExpertStore:
         self.stacked = stacked  # False: per-expert copies even where the GGUF stacks them (what audits use)
         self.device = torch.device(device)
         self.memory_budget = int(memory_budget or 0)
-        dims = {key: _slab_dims(key, parts) for key, parts in slabs.items()}
-        widths = {d for d, _ in dims.values()}
+        lazy = isinstance(slabs, LazySlabs)  # read on first use: nothing of them is touched here
+        dims = {} if lazy else {key: slab_dims(key, parts) for key, parts in slabs.items()}
+        widths = {slabs.manifest.n_embd} if lazy else {d for d, _ in dims.values()}
         if len(widths) > 1:
             raise ValueError(
                 f"slabs disagree on the model width D: {sorted(widths)}; they are from different models"
@@ -312,14 +313,15 @@ class ExpertStore:
         self._stack_lock = threading.Lock()
         # the slab pages are mapped in while the process starts up, not one fault at a time in the first calls
         # (not those that native calls multiply as a repacked copy: they are read once, by `prepare`)
-        pages.populate(_multiplied_in_place(slabs.values()))
+        if not lazy:
+            pages.populate(_multiplied_in_place(slabs.values()))
         self._bytes = 0
         self._hits = self._misses = self._evictions = 0
 
     def add(self, key: SlabKey, parts: dict[str, SlabTensor]) -> None:
         """Serve one more slab from now on (a fetched slab, once it verified). Calls in flight read the
         slab tables without a lock, so each table is replaced whole, never changed under them."""
-        d, _ = _slab_dims(key, parts)
+        d, _ = slab_dims(key, parts)
         layer, expert = key
         with self._lock:
             if self.hidden_size is not None and d != self.hidden_size:
@@ -338,6 +340,10 @@ class ExpertStore:
 
     def held(self) -> list[SlabKey]:
         return sorted(self.slabs)
+
+    def lists(self, layer: int, expert: int) -> bool:
+        """Whether this store holds the slab by its list (a lazily read slab file is not read to tell)."""
+        return expert in self._experts_of.get(layer, ())
 
     def layers(self) -> list[int]:
         return sorted(self._experts_of)

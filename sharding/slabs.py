@@ -7,7 +7,9 @@ mini-GGUF written by `swarm shard`.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterable
+import logging
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +28,10 @@ from swarm.sharding.gguf_io import (
 )
 from swarm.sharding.manifest import Manifest, SlabEntry, read_manifest
 
+log = logging.getLogger(__name__)
+
 __all__ = [
+    "LazySlabs",
     "Manifest",
     "SlabKey",
     "SlabTensor",
@@ -171,6 +176,65 @@ def slabs_from_shard(
             if progress is not None:
                 progress(done, total)
     return out, problems
+
+
+class LazySlabs(Mapping[SlabKey, dict[str, SlabTensor]]):
+    """Every slab a shard directory's manifest lists, each slab file read (memory-mapped) on its first use
+    rather than all at once: a coordinator checks the few slabs its audits draw, and reading 10,240 slab
+    headers (~1 ms each) would hold up its start. Unverified: a slab whose bytes an audit finds different is
+    hashed against the manifest before it counts (coordinator.audit). A slab whose file cannot be read is not
+    in the mapping (`in` reads it), said once."""
+
+    def __init__(
+        self,
+        directory: str | Path,
+        manifest: Manifest | None = None,
+        dims: Callable[[SlabKey, dict[str, SlabTensor]], tuple[int, int]] | None = None,
+    ) -> None:
+        """`dims`: a slab's (D, F), raising ValueError when its parts are incomplete or disagree; a slab it
+        refuses, or whose D is not the manifest's, is not used."""
+        self.directory = Path(directory)
+        self.manifest = manifest if manifest is not None else read_manifest(self.directory)
+        self.dims = dims
+        self._entries = {(s.layer, s.expert): s for s in self.manifest.slabs}
+        self._read: dict[SlabKey, dict[str, SlabTensor] | None] = {}  # None: its file cannot be read
+        self._lock = threading.Lock()
+        self._warned = False
+
+    def __getitem__(self, key: SlabKey) -> dict[str, SlabTensor]:
+        parts = self._read.get(key, _UNREAD)
+        if parts is _UNREAD:
+            entry = self._entries[key]  # KeyError: not in this shard
+            with self._lock:
+                parts = self._read.get(key, _UNREAD)
+                if parts is _UNREAD:
+                    parts = self._read[key] = self._read_file(key, entry)
+        if parts is None:
+            raise KeyError(key)
+        return parts  # type: ignore[return-value]
+
+    def _read_file(self, key: SlabKey, entry: SlabEntry) -> dict[str, SlabTensor] | None:
+        try:
+            parts = read_slab_file(self.directory / entry.path)
+            if self.dims is not None and (d := self.dims(key, parts)[0]) != self.manifest.n_embd:
+                raise ValueError(f"{entry.path} is {d} wide, the model {self.manifest.n_embd}")
+            return parts
+        except (OSError, UserError, ValueError) as e:
+            if not self._warned:
+                self._warned = True
+                log.warning("%s: %s; slabs whose file cannot be read here are not used", self.directory, e)
+            else:
+                log.debug("%s: %s", self.directory, e)
+            return None
+
+    def __iter__(self) -> Iterator[SlabKey]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+_UNREAD: Any = object()
 
 
 class _Refused(Exception):

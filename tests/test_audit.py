@@ -127,48 +127,51 @@ def test_nodes_found_at_start_are_probed_while_the_model_loads(rig):
         swarm.close()
 
 
-def test_a_shard_directorys_slabs_are_mapped_for_audits_beside_the_models_loading(rig, monkeypatch):
-    """Mapping every slab file of a shard directory takes seconds on a real model (a file each): the
-    coordinator does it on the admission thread, while the model loads, not before it."""
-    import threading
-
-    from swarm.coordinator import engine
+def test_a_shard_directorys_slab_files_are_read_as_audits_draw_them(rig, monkeypatch):
+    """Reading every slab file of a shard directory takes seconds on a real model (~1 ms each: 10,240 files
+    for the 35B): a coordinator reads none to start, and each on the first probe or audit that draws it,
+    once."""
+    from swarm.coordinator.audit import PROBE_SLABS
+    from swarm.sharding import slabs
 
     honest_dir, _, nodes = rig
-    made_on: list[str] = []
-    real = engine.load_slabs
+    reads: list[str] = []
+    real = slabs.read_slab_file
 
-    def recorded(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        made_on.append(threading.current_thread().name)
-        return real(*args, **kwargs)
+    def counted(path):  # noqa: ANN001, ANN202
+        reads.append(str(path))
+        return real(path)
 
-    monkeypatch.setattr(engine, "load_slabs", recorded)
-    swarm = _swarm(honest_dir, rate=0.0001, peers=tuple(n.address for n in nodes))
+    monkeypatch.setattr(slabs, "read_slab_file", counted)
+    swarm = _swarm(honest_dir, rate=1.0, peers=tuple(n.address for n in nodes))
     try:
-        swarm.experts.await_admission()
-        assert made_on == ["swarm-admit"]
-        assert len(swarm.checker.store.slabs) == len(read_manifest(honest_dir).slabs)
+        total = len(read_manifest(honest_dir).slabs)
+        assert 0 < len(reads) <= PROBE_SLABS * len(nodes) < total, (len(reads), total)  # the probes' only
+        probed = len(reads)
+        forward_one(swarm.model, list(range(3, 12)), swarm.model.new_state(), "cpu")  # every answer audited
+        assert swarm.checker.settle(force=True) == Verdict.SETTLED
+        assert swarm.checker.report.audits > 0 and len(reads) > probed
+        assert len(reads) == len(set(reads)), "a slab file was read twice"
     finally:
         swarm.close()
 
 
 def test_the_engine_is_returned_once_the_admission_has_ended(rig, monkeypatch):
-    """What the admission has left when the model is loaded (the audit store's slab files mapped: seconds on a
-    real model, here made slow on purpose) is waited for by open_engine, as start-up: the first prompt's
-    time is the prompt's (bench/decode times prefill from it)."""
+    """What the nodes' admission has left when the model is loaded (probes: slow here on purpose; on a real
+    model cold slabs are copied into ggml's repacked layout first) is waited for by open_engine, as start-up:
+    the first prompt's time is the prompt's (bench/decode times prefill from it)."""
     import time
 
-    from swarm.coordinator import engine
     from swarm.coordinator.audit import PROBE_SLABS
 
     honest_dir, _, nodes = rig
-    real = engine._audit_store
+    real = Auditor.probe
 
-    def slow(path):  # noqa: ANN001, ANN202
-        time.sleep(1.5)
-        return real(path)
+    def slow(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        time.sleep(0.75)
+        return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(engine, "_audit_store", slow)
+    monkeypatch.setattr(Auditor, "probe", slow)
     swarm = _swarm(honest_dir, rate=0.0001, peers=tuple(n.address for n in nodes))
     try:
         assert swarm.experts._admission is None, "open_engine returned while the admission still ran"

@@ -222,6 +222,39 @@ def test_verify_names_every_flipped_byte(tmp_path):
         open_dense(out, verify=True)
 
 
+def test_lazy_slabs_read_each_file_once_when_drawn_and_pass_over_unreadable_ones(tmp_path, caplog):
+    """A coordinator's audit slabs: listed from the manifest without reading a file, each file read on its
+    first use and kept; a file cut short or gone is not in the mapping (said once), the others are the same
+    bytes and compute the same bits as slabs read all at once."""
+    import logging
+
+    import torch
+
+    from swarm.node.store import ExpertStore, slab_dims
+    from swarm.sharding.slabs import LazySlabs
+
+    src = FIXTURES / "qwen35moe-quant/model-q4_k_m.gguf"
+    whole, damaged = tmp_path / "whole", tmp_path / "damaged"
+    shard_model(src, whole)
+    shutil.copytree(whole, damaged)
+    m = read_manifest(damaged)
+    (damaged / m.slab(1, 3).path).write_bytes(b"GGUF\x03\x00")  # cut short
+    (damaged / m.slab(2, 5).path).unlink()
+    eager, _ = slabs_from_shard(whole, verify=False)
+    lazy = LazySlabs(damaged, dims=slab_dims)
+    assert len(lazy) == len(eager) and set(lazy) == set(eager) and not lazy._read  # listed, none read
+    with caplog.at_level(logging.WARNING, logger="swarm.sharding.slabs"):
+        assert (1, 3) not in lazy and (2, 5) not in lazy
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
+    assert lazy[(0, 2)] is lazy[(0, 2)] and len(lazy._read) == 3
+    for kind, s in lazy[(0, 2)].items():
+        assert s.qtype == eager[(0, 2)][kind].qtype and np.array_equal(s.data, eager[(0, 2)][kind].data)
+    rows = torch.randn(5, m.n_embd, generator=torch.Generator().manual_seed(0))
+    ours = ExpertStore(lazy, "cpu", stacked=False).compute(0, [2, 6], [3, 2], rows)
+    want = ExpertStore(eager, "cpu", stacked=False).compute(0, [2, 6], [3, 2], rows)
+    assert torch.equal(ours, want)
+
+
 def test_verify_cli_exit_status(tmp_path, capsys):
     src = FIXTURES / "qwen2moe-tiny/model-f32.gguf"
     out = tmp_path / "out"

@@ -312,8 +312,9 @@ def test_a_small_calls_answer_is_read_on_the_callers_thread_a_prompts_on_the_str
 
 
 def test_a_small_calls_answer_is_read_on_the_callers_thread_past_a_thousand_open_files(nodes):
-    """A coordinator auditing from a shard directory maps every slab file (a descriptor each), so its stream
-    sockets get descriptors past 1,023, where select() cannot wait: the answer must still be read here."""
+    """A process with a thousand slab files mapped (a descriptor each: a coordinator whose audits have drawn
+    that many from a shard directory, or that holds them) has its stream sockets past descriptor 1,023, where
+    select() cannot wait: the answer must still be read here."""
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

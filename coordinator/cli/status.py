@@ -201,7 +201,7 @@ def _probe(auditor: Any, client: Any, info: Any) -> str:
     def compute(layer: int, ids: list[int], counts: list[int], rows: Any) -> Any:
         return client.compute(layer, ids, counts, rows, 30.0)
 
-    if not any(k in auditor.store.slabs for k in info.held):
+    if not any(auditor.store.lists(*k) for k in info.held):
         return "-"
     if auditor.probe(info.address, sorted(info.held), compute, info.hidden_size, STATUS_PROBE_SLABS):
         return "ok"
