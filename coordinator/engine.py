@@ -23,7 +23,7 @@ from swarm.coordinator.tokenizer import GGUFTokenizer
 from swarm.node.auth import SwarmKey
 from swarm.node.identity import ModelIdentity, identity_of
 from swarm.node.kernels import NATIVE, Numerics
-from swarm.node.source import load_slabs, slab_progress
+from swarm.node.source import allow_open_files, load_slabs, slab_progress
 from swarm.node.store import ExpertStore, default_memory_budget, slab_dims
 from swarm.sharding.errors import UserError
 from swarm.sharding.gguf_io import expert_tensors, open_gguf
@@ -94,6 +94,7 @@ def _audit_store(path: str | Path) -> ExpertStore:
     here: a slab whose bytes an audit finds different is checked against the manifest before it counts."""
     if Path(path).is_dir():
         slabs = LazySlabs(path, dims=slab_dims)
+        allow_open_files(len(slabs))  # a file read is a descriptor kept: a long run's audits draw them all
         return ExpertStore(slabs, torch.device("cpu"), AUDIT_MEMORY, stacked=False)
     loaded = load_slabs(path, verify=False)
     if not loaded.slabs:

@@ -617,8 +617,8 @@ def _under_file_limit(soft: int, hard: int, code: str) -> subprocess.CompletedPr
 
 def test_a_node_holding_more_slabs_than_the_soft_file_limit_raises_it_or_says_what_to_do(tmp_path):
     """Each slab file a node holds stays open (memory-mapped): 128 slabs under a soft limit of 100 load all
-    the same (the soft limit is raised towards the hard one), and under a hard limit of 100 the node stops
-    with an error that names the limit, not a "damaged file"."""
+    the same (the soft limit is raised towards the hard one), as a coordinator's audit slabs do, and under a
+    hard limit of 100 the node stops with an error that names the limit, not a "damaged file"."""
     shard = tmp_path / "m.swarm"
     shard_model(FIXTURES / "qwen3moe-tiny" / "model-f32.gguf", shard)  # 4 layers x 32 experts
     load = (
@@ -629,6 +629,15 @@ def test_a_node_holding_more_slabs_than_the_soft_file_limit_raises_it_or_says_wh
     done = _under_file_limit(100, resource.getrlimit(resource.RLIMIT_NOFILE)[1], load)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["128", "0"]
+    # a coordinator reads its own slab files as its audits draw them, and keeps each open the same way
+    audit = (
+        "from swarm.coordinator.engine import _audit_store\n"
+        f"store = _audit_store({str(shard)!r})\n"
+        "print(sum(1 for key in list(store.slabs) if key in store.slabs))\n"
+    )
+    done = _under_file_limit(100, resource.getrlimit(resource.RLIMIT_NOFILE)[1], audit)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["128"], done.stderr
     cli = f"from swarm.coordinator.cli import main; raise SystemExit(main(['node', {str(shard)!r}, '--no-mdns']))"
     refused = _under_file_limit(100, 100, cli)
     assert refused.returncode == 2, refused.stderr
