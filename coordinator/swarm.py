@@ -406,8 +406,8 @@ class SwarmExperts:
 
     def await_admission(self) -> None:
         """Wait for admit_known's thread: no call goes out while it probes. open_engine waits here once the
-        model is loaded, so that what the admission has left (the audit store's slab files mapped, the
-        probes) is start-up, not the first prompt's time."""
+        model is loaded, so that what the admission has left (its probes, each of a cold slab read and copied
+        into ggml's repacked layout first) is start-up, not the first prompt's time."""
         if self._admission is not None:
             self._admission.join()
             self._admission = None

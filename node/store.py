@@ -278,7 +278,8 @@ class ExpertStore:
     it, with the same bits. The experts a call is computing stay alive until it ends, so a budget smaller than
     one expert still works. `device`: where exact calls compute (a GPU runs them with torch); native calls
     always run ggml's CPU kernels. `stacked=False`: per-expert copies only (a layer's whole stack is not
-    copied to compute a few of its experts).
+    copied to compute a few of its experts). `slabs` may be a LazySlabs (a coordinator's audit slabs): each
+    slab file is then read on its first use, and nothing of them is touched here.
     """
 
     def __init__(
