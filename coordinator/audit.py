@@ -267,21 +267,20 @@ class Auditor:
             self._worker.shutdown(wait=True, cancel_futures=True)
 
     def _audit(self, address: str, call: _Call, forced: bool = False) -> torch.Tensor | None:
-        """None when the node's answer holds (its open calls are then checked), else the right rows. A call
-        this coordinator cannot check (a slab it lacks, or one of its own that is damaged) settles as if it
-        held: it is trusted, as with no audits, rather than left open for ever. `forced`: a settle waits for
-        it (see the module docstring)."""
-        if not self.holds(call.layer, call.expert_ids):
+        """None when the node's answer holds (its open calls are then checked), else the right rows (None too
+        when some cannot be made here). A call whose drawn experts this coordinator cannot check (a slab it
+        lacks, or one of its own that is damaged) settles as if it held: it is trusted, as with no audits,
+        rather than left open for ever. `forced`: a settle waits for it (see the module docstring)."""
+        picked = self._rows_to_check(call, forced)
+        checked = call.expert_ids if picked is None else [expert for _, expert in picked]
+        if not self.holds(call.layer, checked):  # (only the checked experts' slab files are read)
             self._checked(address, call, counted=False)
             return None
-        picked = self._rows_to_check(call, forced)
         if picked is None:
-            checked = call.expert_ids
             own = self.expected(call.layer, checked, call.counts, call.rows)
             same = torch.equal(own, call.answer)
         else:
             idx = torch.tensor([row for row, _ in picked])
-            checked = [expert for _, expert in picked]
             own_rows = self.expected(call.layer, checked, [1] * len(checked), call.rows.index_select(0, idx))
             same = torch.equal(own_rows, call.answer.index_select(0, idx))
         with self._lock:
@@ -297,6 +296,8 @@ class Auditor:
             address,
             f"its answer for layer {call.layer} experts {call.expert_ids} differs from the model's slabs",
         )
+        if not self.holds(call.layer, call.expert_ids):
+            return None  # the rows cannot all be made here: the settle redoes the pass without the node
         return self.expected(call.layer, call.expert_ids, call.counts, call.rows)
 
     def _audit_all(self, todo: list[tuple[str, _Call]]) -> None:

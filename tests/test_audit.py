@@ -130,9 +130,13 @@ def test_nodes_found_at_start_are_probed_while_the_model_loads(rig):
 def test_a_shard_directorys_slab_files_are_read_as_audits_draw_them(rig, monkeypatch):
     """Reading every slab file of a shard directory takes seconds on a real model (~1 ms each: 10,240 files
     for the 35B): a coordinator reads none to start, and each on the first probe or audit that draws it,
-    once."""
+    once; an audit of a call reads the files of the experts it checks, not of every expert in the call (a
+    prompt's call holds a node's share of a whole layer)."""
+    from swarm.coordinator import audit
     from swarm.coordinator.audit import PROBE_SLABS
     from swarm.sharding import slabs
+
+    monkeypatch.setattr(audit, "AUDIT_EXPERTS", 1)
 
     honest_dir, _, nodes = rig
     reads: list[str] = []
@@ -152,6 +156,8 @@ def test_a_shard_directorys_slab_files_are_read_as_audits_draw_them(rig, monkeyp
         assert swarm.checker.settle(force=True) == Verdict.SETTLED
         assert swarm.checker.report.audits > 0 and len(reads) > probed
         assert len(reads) == len(set(reads)), "a slab file was read twice"
+        n_calls = sum(swarm.experts.calls_per_node.values())
+        assert len(reads) <= probed + n_calls + len(nodes) < total, (len(reads), probed, n_calls)
     finally:
         swarm.close()
 
