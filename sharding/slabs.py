@@ -123,16 +123,17 @@ def check_slab_file(directory: str | Path, entry: SlabEntry) -> str | None:
 
 def read_slab_file(path: str | Path) -> dict[str, SlabTensor]:
     """The slabs of one mini-GGUF written by `swarm shard`, memory-mapped, keyed like slabs_from_gguf."""
-    reader = open_gguf(path)
-    out: dict[str, SlabTensor] = {}
+    return {kind: SlabTensor(kind, t.tensor_type, torch_shape(t), t.data.reshape(-1).view(np.uint8))
+            for kind, t in _slab_tensors(open_gguf(path), path)}  # fmt: skip
+
+
+def _slab_tensors(reader: GGUFReader, path: str | Path) -> Iterator[tuple[str, Any]]:
+    """(kind, tensor) of each tensor of a slab file."""
     for t in reader.tensors:
         m = EXPERT_TENSOR_RE.match(t.name)
         if m is None:
             raise GGUFError(f"{path}: tensor {t.name} is not an expert slab; this is not a swarm slab file")
-        kind = m.group("kind") if m.group("part") == "weight" else m.group("kind") + ".bias"
-        data = t.data.reshape(-1).view(np.uint8)
-        out[kind] = SlabTensor(kind, t.tensor_type, torch_shape(t), data)
-    return out
+        yield (m.group("kind") if m.group("part") == "weight" else m.group("kind") + ".bias"), t
 
 
 def slab_file_metadata(path: str | Path) -> dict[str, Any]:
@@ -179,11 +180,15 @@ def slabs_from_shard(
 
 
 class LazySlabs(Mapping[SlabKey, dict[str, SlabTensor]]):
-    """Every slab a shard directory's manifest lists, each slab file read (memory-mapped) on its first use
-    rather than all at once: a coordinator checks the few slabs its audits draw, and reading 10,240 slab
-    headers (~1 ms each) would hold up its start. Unverified: a slab whose bytes an audit finds different is
-    hashed against the manifest before it counts (coordinator.audit). A slab whose file cannot be read is not
-    in the mapping (`in` reads it), said once."""
+    """Every slab a shard directory's manifest lists, each slab file memory-mapped on its first use rather
+    than all at once: a coordinator checks the few slabs its audits draw, and reading 10,240 slab headers
+    (~1 ms of Python each) would hold up its start. The first file of a layer is read whole (gguf's
+    reader); `swarm shard` writes every slab of a layer with the same tensors in the same places after the
+    data offset the manifest records, so the others are mapped there without parsing their headers again
+    (tens of microseconds: an audit thread parsing headers holds the interpreter lock the model's thread
+    needs between its kernels). Unverified: a slab whose bytes an audit finds different is hashed against
+    the manifest before it counts (coordinator.audit). A slab whose file cannot be read is not in the
+    mapping (`in` maps it), said once."""
 
     def __init__(
         self,
@@ -198,6 +203,8 @@ class LazySlabs(Mapping[SlabKey, dict[str, SlabTensor]]):
         self.dims = dims
         self._entries = {(s.layer, s.expert): s for s in self.manifest.slabs}
         self._read: dict[SlabKey, dict[str, SlabTensor] | None] = {}  # None: its file cannot be read
+        # per layer: each kind's (offset in the data region, type, shape, bytes), from its first file read
+        self._layouts: dict[int, dict[str, tuple[int, GGMLQuantizationType, tuple[int, ...], int]]] = {}
         self._lock = threading.Lock()
         self._warned = False
 
@@ -214,11 +221,33 @@ class LazySlabs(Mapping[SlabKey, dict[str, SlabTensor]]):
         return parts  # type: ignore[return-value]
 
     def _read_file(self, key: SlabKey, entry: SlabEntry) -> dict[str, SlabTensor] | None:
+        path = self.directory / entry.path
         try:
-            parts = read_slab_file(self.directory / entry.path)
-            if self.dims is not None and (d := self.dims(key, parts)[0]) != self.manifest.n_embd:
-                raise ValueError(f"{entry.path} is {d} wide, the model {self.manifest.n_embd}")
-            return parts
+            layout = self._layouts.get(key[0])
+            if layout is None:
+                reader = open_gguf(path)
+                if reader.data_offset != entry.data_offset:
+                    raise ValueError(f"{entry.path}: its data starts at {reader.data_offset}, not where the "
+                                     f"manifest says ({entry.data_offset})")  # fmt: skip
+                parts = {}
+                layout = {}
+                for kind, t in _slab_tensors(reader, path):
+                    data = t.data.reshape(-1).view(np.uint8)
+                    parts[kind] = SlabTensor(kind, t.tensor_type, torch_shape(t), data)
+                    layout[kind] = (int(t.data_offset) - entry.data_offset, t.tensor_type, torch_shape(t),
+                                    data.nbytes)  # fmt: skip
+                if self.dims is not None and (d := self.dims(key, parts)[0]) != self.manifest.n_embd:
+                    raise ValueError(f"{entry.path} is {d} wide, the model {self.manifest.n_embd}")
+                self._layouts[key[0]] = layout
+                return parts
+            size, region_bytes = path.stat().st_size, entry.size - entry.data_offset
+            if size != entry.size or any(at + n > region_bytes for at, _, _, n in layout.values()):
+                raise ValueError(f"{entry.path} is {size} bytes, not the manifest's {entry.size}")
+            region = np.memmap(
+                path, dtype=np.uint8, mode="r", offset=entry.data_offset, shape=(region_bytes,)
+            )
+            return {kind: SlabTensor(kind, qtype, shape, region[at : at + n])
+                    for kind, (at, qtype, shape, n) in layout.items()}  # fmt: skip
         except (OSError, UserError, ValueError) as e:
             if not self._warned:
                 self._warned = True

@@ -140,13 +140,13 @@ def test_a_shard_directorys_slab_files_are_read_as_audits_draw_them(rig, monkeyp
 
     honest_dir, _, nodes = rig
     reads: list[str] = []
-    real = slabs.read_slab_file
+    real = slabs.LazySlabs._read_file
 
-    def counted(path):  # noqa: ANN001, ANN202
-        reads.append(str(path))
-        return real(path)
+    def counted(self, key, entry):  # noqa: ANN001, ANN202
+        reads.append(entry.path)
+        return real(self, key, entry)
 
-    monkeypatch.setattr(slabs, "read_slab_file", counted)
+    monkeypatch.setattr(slabs.LazySlabs, "_read_file", counted)
     swarm = _swarm(honest_dir, rate=1.0, peers=tuple(n.address for n in nodes))
     try:
         total = len(read_manifest(honest_dir).slabs)
