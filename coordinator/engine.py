@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from swarm.node.store import ExpertStore, default_memory_budget, slab_dims
 from swarm.sharding.errors import UserError
 from swarm.sharding.gguf_io import expert_tensors, open_gguf
 from swarm.sharding.manifest import EXPERTS_DIR
-from swarm.sharding.slabs import LazySlabs, SlabKey, read_manifest
+from swarm.sharding.slabs import LazySlabs, SlabKey, SlabTensor, read_manifest
 
 log = logging.getLogger(__name__)
 
@@ -81,11 +82,12 @@ def make_auditor(
 ) -> Auditor | None:
     """The coordinator's own slabs, to check node answers with; None (and a warning) when it has none."""
     shard_dir = Path(path) if Path(path).is_dir() else None
-    if shard_dir is not None and next((shard_dir / EXPERTS_DIR).rglob("*.gguf"), None) is None:
+    no_files = shard_dir is not None and next((shard_dir / EXPERTS_DIR).rglob("*.gguf"), None) is None
+    store = None if no_files else _audit_store(path)
+    if store is None or not store.slabs:
         log.warning("%s holds no expert slabs here: node answers cannot be audited", path)
         return None
-    store = _audit_store(path)
-    return Auditor(store, numerics, wire_dtype, rate, shard_dir, seed) if store.slabs else None
+    return Auditor(store, numerics, wire_dtype, rate, shard_dir, seed)
 
 
 def _audit_store(path: str | Path) -> ExpertStore:
@@ -93,13 +95,11 @@ def _audit_store(path: str | Path) -> ExpertStore:
     audit that draws it (LazySlabs: none at start), a GGUF's experts as views of its map. Neither is hashed
     here: a slab whose bytes an audit finds different is checked against the manifest before it counts."""
     if Path(path).is_dir():
-        slabs = LazySlabs(path, dims=slab_dims)
+        slabs: Mapping[SlabKey, dict[str, SlabTensor]] = LazySlabs(path, dims=slab_dims)
         allow_open_files(len(slabs))  # a file read is a descriptor kept: a long run's audits draw them all
-        return ExpertStore(slabs, torch.device("cpu"), AUDIT_MEMORY, stacked=False)
-    loaded = load_slabs(path, verify=False)
-    if not loaded.slabs:
-        log.warning("%s holds no expert slabs here: node answers cannot be audited", path)
-    return ExpertStore(loaded.slabs, torch.device("cpu"), AUDIT_MEMORY, stacked=False)
+    else:
+        slabs = load_slabs(path, verify=False).slabs
+    return ExpertStore(slabs, torch.device("cpu"), AUDIT_MEMORY, stacked=False)
 
 
 def open_engine(

@@ -224,30 +224,22 @@ class LazySlabs(Mapping[SlabKey, dict[str, SlabTensor]]):
         path = self.directory / entry.path
         try:
             layout = self._layouts.get(key[0])
+            first = layout is None
             if layout is None:
-                reader = open_gguf(path)
-                if reader.data_offset != entry.data_offset:
-                    raise ValueError(f"{entry.path}: its data starts at {reader.data_offset}, not where the "
-                                     f"manifest says ({entry.data_offset})")  # fmt: skip
-                parts = {}
-                layout = {}
-                for kind, t in _slab_tensors(reader, path):
-                    data = t.data.reshape(-1).view(np.uint8)
-                    parts[kind] = SlabTensor(kind, t.tensor_type, torch_shape(t), data)
-                    layout[kind] = (int(t.data_offset) - entry.data_offset, t.tensor_type, torch_shape(t),
-                                    data.nbytes)  # fmt: skip
-                if self.dims is not None and (d := self.dims(key, parts)[0]) != self.manifest.n_embd:
-                    raise ValueError(f"{entry.path} is {d} wide, the model {self.manifest.n_embd}")
-                self._layouts[key[0]] = layout
-                return parts
+                layout = _slab_layout(path, entry)
             size, region_bytes = path.stat().st_size, entry.size - entry.data_offset
             if size != entry.size or any(at + n > region_bytes for at, _, _, n in layout.values()):
                 raise ValueError(f"{entry.path} is {size} bytes, not the manifest's {entry.size}")
             region = np.memmap(
                 path, dtype=np.uint8, mode="r", offset=entry.data_offset, shape=(region_bytes,)
             )
-            return {kind: SlabTensor(kind, qtype, shape, region[at : at + n])
-                    for kind, (at, qtype, shape, n) in layout.items()}  # fmt: skip
+            parts = {kind: SlabTensor(kind, qtype, shape, region[at : at + n])
+                     for kind, (at, qtype, shape, n) in layout.items()}  # fmt: skip
+            if first:
+                if self.dims is not None and (d := self.dims(key, parts)[0]) != self.manifest.n_embd:
+                    raise ValueError(f"{entry.path} is {d} wide, the model {self.manifest.n_embd}")
+                self._layouts[key[0]] = layout
+            return parts
         except (OSError, UserError, ValueError) as e:
             if not self._warned:
                 self._warned = True
@@ -264,6 +256,20 @@ class LazySlabs(Mapping[SlabKey, dict[str, SlabTensor]]):
 
 
 _UNREAD: Any = object()
+
+
+def _slab_layout(
+    path: Path, entry: SlabEntry
+) -> dict[str, tuple[int, GGMLQuantizationType, tuple[int, ...], int]]:
+    """Each kind's (offset after the data offset, type, shape, bytes) in one slab file, read with gguf's
+    reader; its data offset must be the manifest's."""
+    reader = open_gguf(path)
+    if reader.data_offset != entry.data_offset:
+        raise ValueError(
+            f"{entry.path}: its data starts at {reader.data_offset}, not at the manifest's {entry.data_offset}"
+        )
+    return {kind: (int(t.data_offset) - entry.data_offset, t.tensor_type, torch_shape(t), int(t.n_bytes))
+            for kind, t in _slab_tensors(reader, path)}  # fmt: skip
 
 
 class _Refused(Exception):
