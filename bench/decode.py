@@ -10,10 +10,10 @@ real UD files):
     .venv/bin/python bench/decode.py --model qwen35moe [--reps 3] [--prompt-tokens 64] [--decode-tokens 32] \
         [--llama-bench /work/llamacpp-build/build/bin/llama-bench] [--rpc-server .../ggml-rpc-server]
 
-Every repetition runs every configuration once, in a rotating order, each from a cold start the way a user
-meets `swarm run`: a fresh process opens the model (and the nodes start) and the timed prefill and decode
-follow at once, with no warm-up pass (llama-bench does its own warm-up). The default numerics computes on the
-stored quant blocks; the `--exact` configurations (float32 working copies, dequantized as experts are first
+Every repetition runs every configuration once (those compared with each other back to back: UNITS), each
+from a cold start the way a user meets `swarm run`: a fresh process opens the model (and the nodes start) and
+the timed prefill and decode follow at once, with no warm-up pass (llama-bench does its own warm-up). The
+default numerics computes on the stored quant blocks; the `--exact` configurations (float32 working copies, dequantized as experts are first
 met) run beside them. Medians over the repetitions; ratios against the in-process run.
 
 For the swarm, where one decode step's time goes, all measured: dispatch (route output packed, encoded and
@@ -197,6 +197,28 @@ class TimedInProcess:
                 delattr(owner, name)  # an instance's own attribute: the class's method shows again
             else:
                 setattr(owner, name, old)
+
+
+# Configurations whose figures are compared with each other run back to back, a unit per comparison, so
+# that the two runs of a ratio meet the same stretch of this shared machine's load (minutes apart, a busy
+# spell could sink one side only). Within a unit each neighbour pair stays adjacent: the unit runs forwards
+# in even repetitions and backwards in odd ones (who goes first alternates); the units rotate.
+UNITS: tuple[tuple[str, ...], ...] = (
+    ("llama.cpp-avx2", "in-process", "llama.cpp"),
+    ("swarm", "llama.cpp-rpc", "swarm-noaudit", "swarm-grpc"),
+    ("swarm-floor", "swarm-layers"),
+    ("in-process-exact", "swarm-exact"),
+)
+
+
+def rep_order(active: Sequence[str], rep: int) -> list[str]:
+    """The configurations of repetition `rep` in the order they run (see UNITS); any not in a unit last."""
+    units = [[c for c in u if c in active] for u in UNITS]
+    units = [u if rep % 2 == 0 else u[::-1] for u in units if u]
+    if units:
+        units = units[rep % len(units) :] + units[: rep % len(units)]
+    placed = {c for u in units for c in u}
+    return [c for u in units for c in u] + [c for c in active if c not in placed]
 
 
 # --- our engine, in-process or over loopback nodes -------------------------------------------------------
@@ -521,8 +543,9 @@ def render(
         + f", Q4_K experts, {spec.dense_type} dense, vocab {spec.n_vocab} (random weights).  ",
         f"Workload: a fixed {args.prompt_tokens}-token prompt, then {args.decode_tokens} greedy tokens "
         f"(decode tokens/s counts the {args.decode_tokens - 1} steps after the token prefill gives). "
-        f"{args.reps} repetitions; each runs every configuration once, in a rotating order, from a cold start "
-        "(a fresh process opens the model; no warm-up pass), timed as `swarm run` times it; medians. Nodes: "
+        f"{args.reps} repetitions; each runs every configuration once, from a cold start "
+        "(a fresh process opens the model; no warm-up pass), timed as `swarm run` times it; configurations "
+        "compared with each other run back to back, their order alternating (bench/decode.py: UNITS); medians. Nodes: "
         f"`--threads {args.node_threads}` each, disjoint expert ranges (unless the row says otherwise), found by mDNS on "
         "127.0.0.1, f32 wire.",
         "",
@@ -828,8 +851,7 @@ def main(argv: list[str] | None = None) -> int:
         active = [c for c in configs if c not in unavailable]
         results: dict[str, list[Run]] = {c: [] for c in active}
         for rep in range(args.reps):
-            order = active[rep % len(active) :] + active[: rep % len(active)]
-            for key in order:
+            for key in rep_order(active, rep):
                 t0 = time.perf_counter()
                 try:
                     run = runners[key]()
