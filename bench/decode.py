@@ -8,7 +8,8 @@ real UD files):
                      llama.cpp RPC over 4 local rpc-servers (issue 5)
 
     .venv/bin/python bench/decode.py --model qwen35moe [--reps 3] [--prompt-tokens 64] [--decode-tokens 32] \
-        [--llama-bench /work/llamacpp-build/build/bin/llama-bench] [--rpc-server .../ggml-rpc-server]
+        [--llama-bench /work/llamacpp-build/build/bin/llama-bench] [--rpc-server .../ggml-rpc-server] \
+        [--audit RATE]
 
 Every repetition runs every configuration once (those compared with each other back to back: UNITS), each
 from a cold start the way a user meets `swarm run`: a fresh process opens the model (and the nodes start) and
@@ -51,6 +52,7 @@ from typing import Any
 
 import torch
 
+from swarm.coordinator.audit import DEFAULT_RATE
 from swarm.coordinator.engine import Engine, open_engine
 from swarm.coordinator.experts import PendingExperts
 from swarm.coordinator.generate import GenerationStats, SamplingParams, generate
@@ -514,7 +516,8 @@ def render(
     base = results.get("in-process", [])
     names = {
         "in-process": "in-process experts",
-        "swarm": f"swarm, {args.nodes} loopback nodes",
+        "swarm": f"swarm, {args.nodes} loopback nodes"
+        + (f", `--audit {args.audit:g}`" if args.audit is not None else ""),
         "swarm-noaudit": f"swarm, {args.nodes} loopback nodes, `--audit 0` (answers trusted, as RPC does)",
         "swarm-grpc": f"swarm, {args.nodes} loopback nodes, `--audit 0`, Compute calls over gRPC (nodes started "
         "with `--no-stream`)",
@@ -754,11 +757,19 @@ def main(argv: list[str] | None = None) -> int:
         help="comma list of configurations: in-process,swarm,swarm-noaudit,swarm-grpc,swarm-floor,swarm-layers,"
         "llama.cpp,llama.cpp-avx2,llama.cpp-rpc,in-process-exact,swarm-exact",
     )
+    p.add_argument(
+        "--audit",
+        type=float,
+        default=None,
+        help=f"share of node answers the audited swarm row checks (default: swarm's own, {DEFAULT_RATE})",
+    )
     p.add_argument("--workdir", type=Path, default=None, help="keep/reuse the synthesized model here")
     p.add_argument(
         "--no-write", action="store_true", help="print the section instead of writing docs/BENCHMARKS.md"
     )
     args = p.parse_args(argv)
+    if args.audit is not None and not 0.0 <= args.audit <= 1.0:
+        p.error(f"--audit {args.audit}: give a share between 0 and 1")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     log.setLevel(logging.INFO)
     torch.set_num_threads(args.threads)
@@ -817,7 +828,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 for sfx, numerics in (("", "native"), ("-exact", "exact"))
             },
-            "swarm": partial(swarm, "native"),
+            "swarm": partial(swarm, "native", args.audit),
             "swarm-exact": partial(swarm, "exact"),
             "swarm-noaudit": partial(swarm, "native", 0.0),
             "swarm-grpc": partial(swarm, "native", 0.0, stream=False),
