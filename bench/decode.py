@@ -14,8 +14,9 @@ real UD files):
 Every repetition runs every configuration once (those compared with each other back to back: UNITS), each
 from a cold start the way a user meets `swarm run`: a fresh process opens the model (and the nodes start) and
 the timed prefill and decode follow at once, with no warm-up pass (llama-bench does its own warm-up). The
-default numerics computes on the stored quant blocks; the `--exact` configurations (float32 working copies, dequantized as experts are first
-met) run beside them. Medians over the repetitions; ratios against the in-process run.
+default numerics computes on the stored quant blocks; the `--exact` configurations (float32 working copies,
+dequantized as experts are first met) run beside them. Medians over the repetitions; ratios against the
+in-process run.
 
 For the swarm, where one decode step's time goes, all measured: dispatch (route output packed, encoded and
 sent: SwarmExperts.start), blocked wait (the model waiting for node replies: SwarmExperts.wait_seconds), the
