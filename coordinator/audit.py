@@ -47,7 +47,9 @@ from typing import Any
 
 import torch
 
+from swarm.coordinator.tolerance import within_bound
 from swarm.node.kernels import Numerics, one_thread
+from swarm.node.numclass import numerics_class, same_class
 from swarm.node.store import ExpertStore
 from swarm.sharding.slabs import SlabKey
 
@@ -64,6 +66,19 @@ AUDIT_EXPERTS = 8
 TAKE_OVER = 0.05
 
 
+_INT_OF = {4: torch.int32, 2: torch.int16, 1: torch.int8}
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two answers are the same bits: a NaN or an infinity an honest node computes (from rows a
+    damaged node shaped earlier in the pass, say) equals the coordinator's own, where torch.equal would
+    call NaN unequal to itself and ban every honest node that got such rows."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    as_int = _INT_OF[a.element_size()]
+    return torch.equal(a.contiguous().view(as_int), b.contiguous().view(as_int))
+
+
 def _idle_priority() -> None:
     """The calling thread at the idle scheduling priority (Linux SCHED_IDLE; nothing elsewhere)."""
     if hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE"):
@@ -71,6 +86,15 @@ def _idle_priority() -> None:
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         except OSError as e:  # a sandbox may forbid it: audits then take time slices as before
             log.debug("audit thread keeps its scheduling priority: %s", e)
+
+
+class Scope(Enum):
+    """Which rows of a call an audit recomputes."""
+
+    SAMPLE = "sample"  # one row of each of up to AUDIT_EXPERTS experts, drawn at random
+    READY = "ready"  # a forced settle's: one row of each ready expert (up to AUDIT_EXPERTS), or of one
+    EVERY_EXPERT = "every-expert"  # one row of every expert of the call (a prompt pass's calls)
+    EVERY_ROW = "every-row"  # the whole call (--verify all)
 
 
 class Verdict(Enum):
@@ -96,7 +120,7 @@ class _Job:
     future: Future[None]
     address: str
     call: _Call
-    forced: bool
+    scope: Scope
 
 
 @dataclass
@@ -124,6 +148,7 @@ class Auditor:
         shard_dir: Path | None = None,
         seed: int | None = None,
         background: bool = True,
+        every_row: bool = False,
     ) -> None:
         if not 0.0 <= rate <= 1.0:
             raise ValueError(f"audit rate {rate} is not between 0 and 1")
@@ -144,6 +169,10 @@ class Auditor:
             else None
         )
         self._pending: list[_Job] = []  # audits handed to the audit thread, not yet taken in
+        self._cover = False  # the pass under way reads a prompt: each of its calls is checked (cover())
+        self.own_class = numerics_class()  # this coordinator's ggml build (swarm.node.numclass)
+        self.classes: dict[str, str] = {}  # address -> the numerics class a node reported
+        self.every_row = every_row  # --verify all: every answer is recomputed here, whole
 
     # --- the coordinator's own answer ---------------------------------------------------------------
 
@@ -183,6 +212,20 @@ class Auditor:
         out = self.store.compute(layer, expert_ids, counts, rows, self.numerics)
         return out.to(rows.dtype)
 
+    def _agrees(
+        self, address: str, layer: int, experts: list[int], rows: torch.Tensor, ours: torch.Tensor,
+        theirs: torch.Tensor,
+    ) -> bool:  # fmt: skip
+        """Whether a node's answer is an honest one: the same bits from a node of this coordinator's numerics
+        class, within the kernels' error bound (swarm.coordinator.tolerance) from one of another class."""
+        if same_bits(ours, theirs):
+            return True
+        if same_class(self.classes.get(address, self.own_class), self.own_class):
+            return False
+        exact = self.numerics != "native"
+        half = "fp16_va" in self.classes.get(address, "") or "fp16_va" in self.own_class
+        return within_bound(self.store, layer, experts, rows, ours, theirs, exact, half)
+
     # --- probes and audits ------------------------------------------------------------------------------
 
     def probe(
@@ -198,7 +241,8 @@ class Auditor:
             rows = torch.randn(PROBE_ROWS, width, generator=g).to(self.wire_dtype)
             answer = compute(layer, [expert], [PROBE_ROWS], rows)
             self.report.probes += 1
-            same = torch.equal(answer, self.expected(layer, [expert], [PROBE_ROWS], rows))
+            own = self.expected(layer, [expert], [PROBE_ROWS], rows)
+            same = self._agrees(address, layer, [expert] * PROBE_ROWS, rows, own, answer)
             if not same and self._ours_verify(layer, [expert]):
                 self._ban(
                     address, f"its answer for layer {layer} expert {expert} differs from the model's slab"
@@ -217,35 +261,70 @@ class Auditor:
             book = self._books.setdefault(address, _NodeBook())
             book.last_call = call
             book.open_calls += 1
-        if self.rate > 0 and self._rng.random() < self.rate:
+        scope = Scope.EVERY_ROW if self.every_row else Scope.EVERY_EXPERT if self._cover else None
+        if scope is None and self.rate > 0 and self._rng.random() < self.rate:
+            scope = Scope.SAMPLE
+        if scope is not None:
             if self._worker is not None:
-                job = self._aside(address, call)
+                job = self._aside(address, call, scope)
                 with self._lock:
                     self._pending.append(job)
                 return answer
-            own = self._audit(address, call)
+            own = self._audit(address, call, scope)
             if own is not None:
                 return own
         return answer
 
-    def _aside(self, address: str, call: _Call, forced: bool = False) -> _Job:
-        assert self._worker is not None
-        return _Job(self._worker.submit(self._audit_here, address, call, forced), address, call, forced)
+    def decide(
+        self, address: str, layer: int, experts: list[int], rows: torch.Tensor, answer: torch.Tensor
+    ) -> bool:
+        """Two holders answered these rows (row i through experts[i]) differently (--verify pair): recompute
+        them here now; the node is banned when its answer is not an honest one (see _agrees). Whether it
+        holds (True too when this coordinator cannot make the rows: the sampled audits stay)."""
+        unique = sorted(set(experts))
+        if not self.holds(layer, unique):
+            log.warning(
+                "nodes disagree on layer %d experts %s, which this coordinator cannot check", layer, unique
+            )
+            return True
+        order = torch.tensor(sorted(range(len(experts)), key=lambda i: experts[i]))  # expert-major
+        rows, theirs = rows.index_select(0, order), answer.index_select(0, order)
+        per_row = [experts[int(i)] for i in order]
+        own = self.expected(layer, unique, [per_row.count(e) for e in unique], rows)
+        with self._lock:
+            self.report.audits += 1
+        if self._agrees(address, layer, per_row, rows, own, theirs) or not self._ours_verify(layer, unique):
+            return True
+        self._ban(
+            address,
+            f"its answer for layer {layer} experts {unique} differs from the model's slabs "
+            "(found where a second holder's answer disagreed)",
+        )
+        return False
 
-    def _audit_here(self, address: str, call: _Call, forced: bool = False) -> None:
+    def cover(self, on: bool) -> None:
+        """Whether every call answered from now on is checked before its pass settles, one row of each of its
+        experts (`on`: the pass reads a prompt), rather than sampled at `rate` (decode steps)."""
+        self._cover = on
+
+    def _aside(self, address: str, call: _Call, scope: Scope = Scope.SAMPLE) -> _Job:
+        assert self._worker is not None
+        return _Job(self._worker.submit(self._audit_here, address, call, scope), address, call, scope)
+
+    def _audit_here(self, address: str, call: _Call, scope: Scope = Scope.SAMPLE) -> None:
         with one_thread():
-            self._audit(address, call, forced)
+            self._audit(address, call, scope)
 
     def _finish(self, job: _Job) -> None:
         """The verdict of an audit handed to the audit thread, now: done here when the thread has not
         started it, or has not finished it within TAKE_OVER seconds (an audit that failed raises here)."""
         if job.future.cancel():
-            self._audit_here(job.address, job.call, job.forced)
+            self._audit_here(job.address, job.call, job.scope)
             return
         try:
             job.future.result(timeout=TAKE_OVER)
         except FutureTimeout:
-            self._audit_here(job.address, job.call, job.forced)  # (the thread's own verdict comes too)
+            self._audit_here(job.address, job.call, job.scope)  # (the thread's own verdict comes too)
 
     def _collect(self, wait: bool) -> bool:
         """Take in the verdicts of the audits handed to the audit thread: every one (`wait`, see _finish)
@@ -266,23 +345,27 @@ class Auditor:
         if self._worker is not None:
             self._worker.shutdown(wait=True, cancel_futures=True)
 
-    def _audit(self, address: str, call: _Call, forced: bool = False) -> torch.Tensor | None:
+    def _audit(self, address: str, call: _Call, scope: Scope = Scope.SAMPLE) -> torch.Tensor | None:
         """None when the node's answer holds (its open calls are then checked), else the right rows (None too
         when some cannot be made here). A call whose drawn experts this coordinator cannot check (a slab it
         lacks, or one of its own that is damaged) settles as if it held: it is trusted, as with no audits,
-        rather than left open for ever. `forced`: a settle waits for it (see the module docstring)."""
-        picked = self._rows_to_check(call, forced)
+        rather than left open for ever. `scope`: which rows (see Scope and the module docstring)."""
+        picked = self._rows_to_check(call, scope)
         checked = call.expert_ids if picked is None else [expert for _, expert in picked]
         if not self.holds(call.layer, checked):  # (only the checked experts' slab files are read)
             self._checked(address, call, counted=False)
             return None
         if picked is None:
             own = self.expected(call.layer, checked, call.counts, call.rows)
-            same = torch.equal(own, call.answer)
+            per_row = [e for e, n in zip(checked, call.counts, strict=True) for _ in range(n)]
+            same = self._agrees(address, call.layer, per_row, call.rows, own, call.answer)
         else:
             idx = torch.tensor([row for row, _ in picked])
-            own_rows = self.expected(call.layer, checked, [1] * len(checked), call.rows.index_select(0, idx))
-            same = torch.equal(own_rows, call.answer.index_select(0, idx))
+            rows = call.rows.index_select(0, idx)
+            own_rows = self.expected(call.layer, checked, [1] * len(checked), rows)
+            same = self._agrees(
+                address, call.layer, checked, rows, own_rows, call.answer.index_select(0, idx)
+            )
         with self._lock:
             again, call.audited = call.audited, True
         if again and same:  # checked twice (a settle took over from the audit thread): a pass counts once,
@@ -306,13 +389,13 @@ class Auditor:
         time) takes one core."""
         if self._worker is None or len(todo) < 2:
             for address, call in todo:
-                self._audit(address, call, forced=True)
+                self._audit(address, call, Scope.READY)
             return
-        aside = [self._aside(a, c, True) for a, c in todo[1::2]]
+        aside = [self._aside(a, c, Scope.READY) for a, c in todo[1::2]]
         try:
             with one_thread():
                 for address, call in todo[0::2]:
-                    self._audit(address, call, forced=True)
+                    self._audit(address, call, Scope.READY)
         finally:
             for job in aside:
                 self._finish(job)
@@ -324,26 +407,31 @@ class Auditor:
             if book.last_call is call:
                 book.open_calls = 0
 
-    def _rows_to_check(self, call: _Call, forced: bool = False) -> list[tuple[int, int]] | None:
+    def _rows_to_check(self, call: _Call, scope: Scope = Scope.SAMPLE) -> list[tuple[int, int]] | None:
         """(row, its expert) for one row of each of up to AUDIT_EXPERTS of the call's experts, all at random
         (None: check every row); `forced`: of its ready experts (up to AUDIT_EXPERTS), or of one when none
         is. Native numerics compute every row on its own (ggml multiplies row by row), so a row checked
         alone has the bits it had in the call; a damaged slab spoils every row of its expert, and a node
         cannot tell which of its experts a random check will take. Exact numerics (torch's float32 matmuls)
         check whole calls."""
-        if self.numerics != "native":
+        if self.numerics != "native" or scope is Scope.EVERY_ROW:
             return None
         blocks, start = [], 0  # (first row, rows, expert) of each expert with rows
         for expert, n in zip(call.expert_ids, call.counts, strict=True):
             if n:
                 blocks.append((start, n, expert))
             start += n
-        if forced and blocks:
+        most = AUDIT_EXPERTS
+        if scope is Scope.EVERY_EXPERT:
+            if start == len(blocks):
+                return None
+            most = len(blocks)
+        elif scope is Scope.READY and blocks:
             ready = [b for b in blocks if self.store.ready(call.layer, b[2])]
             blocks = ready or [self._rng.choice(blocks)]
         elif start == len(blocks) <= AUDIT_EXPERTS:
             return None
-        chosen = sorted(self._rng.sample(range(len(blocks)), min(AUDIT_EXPERTS, len(blocks))))
+        chosen = sorted(self._rng.sample(range(len(blocks)), min(most, len(blocks))))
         return [(blocks[i][0] + self._rng.randrange(blocks[i][1]), blocks[i][2]) for i in chosen]
 
     def _ban(self, address: str, why: str) -> None:

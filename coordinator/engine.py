@@ -78,7 +78,12 @@ def model_identity(path: str | Path) -> tuple[ModelIdentity, list[SlabKey]]:
 
 
 def make_auditor(
-    path: str | Path, numerics: Numerics, wire_dtype: torch.dtype, rate: float, seed: int | None
+    path: str | Path,
+    numerics: Numerics,
+    wire_dtype: torch.dtype,
+    rate: float,
+    seed: int | None,
+    every_row: bool = False,
 ) -> Auditor | None:
     """The coordinator's own slabs, to check node answers with; None (and a warning) when it has none."""
     shard_dir = Path(path) if Path(path).is_dir() else None
@@ -87,7 +92,7 @@ def make_auditor(
     if store is None or not store.slabs:
         log.warning("%s holds no expert slabs here: node answers cannot be audited", path)
         return None
-    return Auditor(store, numerics, wire_dtype, rate, shard_dir, seed)
+    return Auditor(store, numerics, wire_dtype, rate, shard_dir, seed, every_row=every_row)
 
 
 def _audit_store(path: str | Path) -> ExpertStore:
@@ -119,12 +124,17 @@ def open_engine(
     audit: float = DEFAULT_RATE,
     audit_seed: int | None = None,
     degraded: bool = False,
+    verify: str = "sample",
+    numerics_class: str = "any",
 ) -> Engine:
     """The model at `path` with its experts computed here (`local`) or by the swarm's nodes.
     `progress`: progress bars on stderr (only when it is a terminal) while slabs and weights load.
     `numerics`: native (every weight multiplied in its file type with ggml's kernels, llama.cpp's numerics)
     or exact (float32 on weights dequantized exactly); nodes are asked for the same. `audit`: the share of
-    node answers recomputed here to check them (swarm.coordinator.audit; 0: trust every node)."""
+    node answers recomputed here to check them (swarm.coordinator.audit; 0: trust every node). `verify`:
+    "sample" (that share, and every answer of a prompt pass on one row per expert), "pair" (every call also
+    sent to a second holder, the two compared) or "all" (every answer recomputed here). `numerics_class`:
+    "same" takes only nodes whose answers are checked bit for bit (swarm.node.numclass)."""
     dev = torch.device(device) if device else default_device()
     wire_dtype = WIRE_DTYPES[wire]
     experts: LocalExperts | SwarmExperts
@@ -154,10 +164,14 @@ def open_engine(
             wire_dtype=wire_dtype,
             timeout=timeout,
             numerics=numerics,
+            same_class_only=numerics_class == "same",
         )
         experts.degraded = degraded
-        if audit > 0:
-            experts.auditor = make_auditor(path, numerics, wire_dtype, audit, audit_seed)
+        experts.pair = verify == "pair"
+        if audit > 0 or verify != "sample":  # (pair and all check every answer whatever the rate)
+            experts.auditor = make_auditor(path, numerics, wire_dtype, audit, audit_seed, verify == "all")
+            if experts.auditor is not None:
+                experts.auditor.classes = experts.classes  # (the same dict: nodes that join later too)
             if experts.auditor is not None:
                 experts.auditor.on_ban = experts.placement.ban
                 experts.admit_known()  # beside the model's loading below

@@ -101,6 +101,8 @@ class Checker(Protocol):
 
     def settle(self, force: bool = False) -> Any: ...
 
+    def cover(self, on: bool) -> None: ...
+
 
 # A pass whose answers are not all checked yet is held back; after this many, the checker is made to settle
 # (the model waits for the audits still open). Audits aside run at idle priority, in the time the model and
@@ -178,7 +180,10 @@ class Steps:
             if self.checker is not None:
                 self.open.setdefault(id(e.seq), e.seq)
         self._pass(entries)
-        self._settle(force=len(self.passes) >= SETTLE_EVERY)
+        # a prompt's output (its logits, or the first token a user waits for) goes out once every answer
+        # of its pass is checked; decode outputs wait for up to SETTLE_EVERY passes of sampled checks
+        prompt_out = any(e.tokens is not None and e.output for e in entries)
+        self._settle(force=prompt_out or len(self.passes) >= SETTLE_EVERY)
 
     def finish(self) -> None:
         """Settle whatever is still held (the end of a generation)."""
@@ -195,6 +200,8 @@ class Steps:
         every_row = any(e.output and e.seq.sampler is None for e in entries)
         ids = torch.tensor([t for f in feeds for t in f], dtype=torch.long, device=self.device)
         marks = [e.mark for e in entries] if any(e.mark for e in entries) else ()
+        if self.checker is not None:  # every answer of a pass that reads a prompt is checked (audit.Scope)
+            self.checker.cover(any(e.tokens is not None for e in entries))
         with torch.inference_mode():
             logits = self.model(
                 ids,

@@ -43,9 +43,27 @@ def add_swarm_args(p: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         metavar="RATE",
-        help="share of node answers recomputed here to check them, 0-1 (default 0.05); a node caught is "
-        "banned and the work its answers touched is done again. Nodes are also probed before first use. "
-        "Needs the model's expert slabs here (a GGUF, or a shard directory with its experts/); 0: trust",
+        help="share of decode answers recomputed here to check them, 0-1 (default 0.05; every answer of a "
+        "prompt pass is checked on one row per expert whatever the rate); a node caught is banned and the "
+        "work its answers touched is done again. Nodes are also probed before first use. Needs the model's "
+        "expert slabs here (a GGUF, or a shard directory with its experts/); 0: trust every answer",
+    )
+    g.add_argument(
+        "--verify",
+        choices=["sample", "pair", "all"],
+        default="sample",
+        help="how answers are checked: sample (the default: --audit's share of decode answers, every prompt "
+        "answer on one row per expert), pair (every call also sent to a second holder, of the same numerics "
+        "class where one exists, and the two compared: a disagreement is decided here), all (every answer "
+        "recomputed here, whole: as slow as computing the experts here). See the README's table",
+    )
+    g.add_argument(
+        "--numerics-class",
+        choices=["any", "same"],
+        default="any",
+        help="any (default): nodes of every numerics class (CPU kind and ggml build; `swarm status` shows "
+        "each node's), another class's answers checked within the kernels' error bound; same: only nodes of "
+        "this coordinator's class, every answer checked bit for bit",
     )
     g.add_argument(
         "--degraded",
@@ -133,6 +151,8 @@ def open_from_args(args: argparse.Namespace) -> Any:
         timeout=args.timeout,
         audit=DEFAULT_RATE if args.audit is None else audit_rate(args.audit),
         degraded=args.degraded,
+        verify=args.verify,
+        numerics_class=args.numerics_class,
         progress=True,
         numerics="exact" if args.exact else "native",
     )

@@ -24,12 +24,13 @@ from typing import TYPE_CHECKING
 import grpc
 import torch
 
-from swarm.coordinator.audit import Auditor
+from swarm.coordinator.audit import Auditor, same_bits
 from swarm.coordinator.experts import ExpertMajor, PendingExperts, group_expert_major
 from swarm.node.auth import SwarmKey
 from swarm.node.client import ComputeCall, NodeCallError, NodeClient, ask_peer, wait_calls
 from swarm.node.identity import Match, ModelIdentity
 from swarm.node.kernels import NATIVE, Numerics
+from swarm.node.numclass import numerics_class, same_class
 from swarm.node.store import ROWS_PER_MATMUL
 from swarm.sharding.errors import UserError
 from swarm.sharding.ranges import format_ranges
@@ -100,6 +101,14 @@ class Placement:
                     holders.append(address)
                     holders.sort()
 
+    def drop(self, address: str, keys: Iterable[SlabKey]) -> None:
+        """A node no longer holds these slabs (it dropped them: their files failed its own check)."""
+        with self._lock:
+            for key in keys:
+                holders = self._holders.get(key)
+                if holders and address in holders:
+                    holders.remove(address)
+
     def remove(self, address: str) -> None:
         """A node that left: it holds nothing any more."""
         with self._lock:
@@ -156,16 +165,22 @@ class Placement:
         """A live holder of (layer, expert) not in `avoid`, or None. Replicas share the load by a fixed
         rule that rotates with each call of the layer (`next_turn`): over a run every holder of an expert gets an
         equal share of its pairs, the share `swarm plan` counts on, and within one call the choice is fixed."""
+        live = self.live(layer, expert, avoid, include_down)
+        if not live:
+            return None
+        return live[(layer * 31 + expert + self._turns.get(layer, 0)) % len(live)]
+
+    def live(
+        self, layer: int, expert: int, avoid: Iterable[str] = (), include_down: bool = False
+    ) -> list[str]:
+        """The holders of (layer, expert) not banned, not in `avoid` and (unless include_down) not down."""
         avoid = set(avoid)
         with self._lock:
-            live = [
+            return [
                 a
                 for a in self._holders.get((layer, expert), ())
                 if a not in avoid and a not in self._banned and (include_down or not self._is_down(a))
             ]
-        if not live:
-            return None
-        return live[(layer * 31 + expert + self._turns.get(layer, 0)) % len(live)]
 
     def missing(self, needed: Iterable[SlabKey]) -> dict[int, list[int]]:
         """layer -> experts with no live holder."""
@@ -253,6 +268,7 @@ class _SwarmPending:
         self.calls, self.t, self.k, self.device = calls, t, k, device
         self._dropped: list[Part] = []
         self.dropped: torch.Tensor | None = None  # [T, K] True where a pair was left out (degraded mode)
+        self.twins: list[_Call] = []  # the same parts sent to second holders (--verify pair)
 
     def drop(self, parts: list[Part]) -> None:
         self._dropped += parts
@@ -264,6 +280,7 @@ class _SwarmPending:
         pending = list(self.calls)
         failed: dict[int, list[str]] = {}  # expert index -> holders that failed it, in order
         deadline = time.monotonic() + self.backend.timeout  # failover keeps trying holders until then
+        by_row: list[str] = [""] * int(self.rows.shape[0]) if self.twins else []  # who answered each row
         while pending:
             c = pending.pop(0)
             try:
@@ -289,6 +306,8 @@ class _SwarmPending:
                     if auditor.is_banned(call.address):
                         self.backend.placement.ban(call.address)
                 begins = [offsets[p.index] + p.start for p in call.parts]
+                for begin, p in zip(begins, call.parts, strict=True) if by_row else ():
+                    by_row[begin : begin + p.rows] = [call.address] * p.rows
                 end = _span(begins, call.parts)
                 if end is not None:
                     out[begins[0] : end].copy_(result)  # one copy for the whole answer
@@ -297,6 +316,8 @@ class _SwarmPending:
                 for begin, p in zip(begins, call.parts, strict=True):
                     out[begin : begin + p.rows].copy_(result[at : at + p.rows])
                     at += p.rows
+        if self.twins:
+            self._compare_twins(out, by_row)
         if self._dropped:
             mask = torch.zeros(self.rows.shape[0], 1)
             for p in self._dropped:
@@ -310,6 +331,35 @@ class _SwarmPending:
                 "degraded: layer %d experts %s have no live holder; left out of the sum", self.layer, experts
             )
         return g.unpack(out.to(self.device), self.t, self.k)
+
+    def _compare_twins(self, out: torch.Tensor, by_row: list[str]) -> None:
+        """--verify pair: each second holder's answer against the first's, part by part; where they differ,
+        the auditor recomputes the rows and bans whichever node is not honest (the settle then redoes the
+        pass without it). A second holder that fails leaves the first's answer to the sampled audits."""
+        b, g = self.backend, self.groups
+        auditor = b.auditor
+        assert auditor is not None
+        offsets = g.offsets()
+        for twin in self.twins:
+            try:
+                _, answer = b.observed(twin)
+            except NodeCallError as e:
+                log.warning("node %s failed a paired call of layer %d (%s)", twin.address, self.layer, e)
+                b.node_failed(twin.address)
+                continue
+            at = 0
+            for p in twin.parts:
+                begin = offsets[p.index] + p.start
+                theirs, at = answer[at : at + p.rows], at + p.rows
+                first = out[begin : begin + p.rows].to(theirs.dtype)  # (exact: out holds the wire's values)
+                if same_bits(first, theirs):
+                    continue
+                rows, experts = self.rows[begin : begin + p.rows], [g.expert_ids[p.index]] * p.rows
+                for address, said in ((by_row[begin], first), (twin.address, theirs)):
+                    if auditor.decide(address, self.layer, experts, rows, said):
+                        continue
+                    b.placement.ban(address)
+            b.paired_calls += 1
 
     def _answer(self, c: _Call) -> list[tuple[_Call, torch.Tensor]]:
         """The rows of call c: from c itself or, when c stalls, from hedge calls to other holders."""
@@ -371,9 +421,15 @@ class SwarmExperts:
         self.hedge_wins = 0  # ... and the other holder answered first
         self.wait_seconds = 0.0
         self.auditor: Auditor | None = None  # checks answers (probes, sampled audits); None: trusts them
+        self.classes: dict[str, str] = {}  # address -> the node's numerics class (what its audits compare)
+        self.same_class_only = False  # --numerics-class same: nodes of another class are passed over
         # Opt-in degraded mode (hivemind's k_min): an expert with no live holder is left out of the sum and
         # the weights of the experts that answered are renormalized, instead of waiting for a holder.
         self.degraded = False
+        # --verify pair: every call also goes to a second holder (of the same numerics class where one
+        # exists) and the two answers are compared; the auditor decides a disagreement
+        self.pair = False
+        self.paired_calls = 0  # calls whose answer a second holder's answer confirmed
         self.dropped_pairs = 0  # (token, slot) pairs left out that way
         self._admitted: set[str] = set()  # nodes probed (or not needing it) before their first pair
         self._pace: dict[str, float] = {}  # address -> seconds per row, a moving average of answered calls
@@ -424,6 +480,8 @@ class SwarmExperts:
         calls = self._send(layer, groups, rows, parts, {}, dropped=dropped)
         pending = _SwarmPending(self, layer, groups, rows, calls, t, k, x.device)
         pending.drop(dropped)
+        if self.pair and self.auditor is not None:
+            pending.twins = [tw for c in calls for tw in self._twins(layer, groups, rows, c)]
         return _TimedPending(self, pending)
 
     def _send(
@@ -451,6 +509,12 @@ class SwarmExperts:
                 dropped.append(p)
                 continue
             by_node.setdefault(address, []).append(p)
+        return self._calls(layer, groups, rows, by_node)
+
+    def _calls(
+        self, layer: int, groups: ExpertMajor, rows: torch.Tensor, by_node: dict[str, list[Part]]
+    ) -> list[_Call]:
+        """One compute call (or several, when its rows exceed call_bytes) for each node's parts."""
         offsets = groups.offsets()
         max_rows = max(1, self.call_bytes // max(1, rows.shape[1] * rows.element_size()))
         calls = []
@@ -475,14 +539,35 @@ class SwarmExperts:
                 calls.append(_Call(address, chunk, call, int(part.shape[1]), part))
         return calls
 
+    def _twins(self, layer: int, groups: ExpertMajor, rows: torch.Tensor, c: _Call) -> list[_Call]:
+        """Call c's parts sent to a second holder each (--verify pair): one of c's node's numerics class where
+        there is one (the answers are then compared bit for bit), else any other live holder; parts with no
+        other holder go unpaired (the sampled audits still cover them)."""
+        mine = self.classes.get(c.address, "")
+        by_node: dict[str, list[Part]] = {}
+        for p in c.parts:
+            expert = groups.expert_ids[p.index]
+            others = [a for a in self.placement.live(layer, expert, [c.address]) if a in self._admitted]
+            if not others:
+                continue
+            alike = [a for a in others if same_class(self.classes.get(a, ""), mine)]
+            choice = (alike or others)[(layer * 31 + expert) % len(alike or others)]
+            by_node.setdefault(choice, []).append(p)
+        return self._calls(layer, groups, rows, by_node)
+
     def follow_mdns(self) -> None:
         """Take in the nodes mDNS has found or lost since the last look (cheap when nothing changed)."""
         b = self.browser
         if b is None or b.version == self._browser_version:
             return
         self._browser_version = b.version
-        now = {n.address: n for n in b.nodes()}
+        now = {
+            n.address: n
+            for n in b.nodes()
+            if not self.same_class_only or same_class(n.numerics_class, numerics_class())
+        }
         for address, n in now.items():
+            self.classes[address] = n.numerics_class
             if address not in self.clients:
                 self.clients[address] = NodeClient(
                     address,
@@ -496,10 +581,14 @@ class SwarmExperts:
             known = self._advertised.get(address)
             if known is None:
                 self.placement.add(address, held)
-            elif held - known:  # a fetching node announces the slabs it has verified since
-                self.placement.add(address, held - known, revive=False)
-                log.info("node %s holds %d more slabs", address, len(held - known))
-            self._advertised[address] = held | (known or set())
+            else:
+                if held - known:  # a fetching node announces the slabs it has verified since
+                    self.placement.add(address, held - known, revive=False)
+                    log.info("node %s holds %d more slabs", address, len(held - known))
+                if known - held:  # ... and a node drops those whose files failed its own check
+                    self.placement.drop(address, known - held)
+                    log.warning("node %s no longer serves %d slabs", address, len(known - held))
+            self._advertised[address] = held
         for address in self._advertised.keys() - now.keys():
             self.placement.remove(address)
             log.info("node left: %s; its experts go to the other holders", address)
@@ -655,12 +744,15 @@ def connect(
     wire_dtype: torch.dtype = torch.float32,
     timeout: float = 30.0,
     numerics: Numerics = NATIVE,
+    same_class_only: bool = False,
 ) -> SwarmExperts:
     """Find nodes (static peers, then mDNS until every needed slab has a holder or `wait` s pass).
 
     A node is taken when `identity` matches its own (the same model, started on the GGUF or on its shard
     directory: see swarm.node.identity; a bare fingerprint string matches exactly that fingerprint). Each
     node's calls then carry the fingerprint that node itself reports, which it checks on every call.
+    `same_class_only` (--numerics-class same): nodes of another numerics class than this process's ggml
+    build (swarm.node.numclass) are passed over, so that every answer is checked bit for bit.
     """
     if isinstance(identity, str):
         identity = ModelIdentity(identity)
@@ -668,8 +760,27 @@ def connect(
     clients: dict[str, NodeClient] = {}
     by_header: list[str] = []  # nodes taken on the source GGUF's header hash alone
     strangers: list[str] = []  # peers of another model, passed over
+    classes: dict[str, str] = {}  # address -> numerics class, of every node taken
+    own_class = numerics_class()
+    other_class: set[str] = set()  # passed over for --numerics-class same
 
-    def add(address: str, node: ModelIdentity, held: Iterable[SlabKey], tls: bool, stream_port: int) -> None:
+    def class_ok(address: str, cls: str) -> bool:
+        if not same_class_only or same_class(cls, own_class):
+            return True
+        if address not in other_class:
+            other_class.add(address)
+            log.warning(
+                "passing over node %s: its numerics class is %s, this coordinator's %s "
+                "(--numerics-class same takes only bit-exact nodes)", address, cls or "not said", own_class,
+            )  # fmt: skip
+        return False
+
+    def add(
+        address: str, node: ModelIdentity, held: Iterable[SlabKey], tls: bool, stream_port: int, cls: str
+    ) -> None:
+        if not class_ok(address, cls):
+            return
+        classes[address] = cls
         if address not in clients:
             clients[address] = NodeClient(
                 address, fingerprint=node.fingerprint, key=key, tls=tls, stream_port=stream_port
@@ -697,6 +808,10 @@ def connect(
             )
             strangers.append(peer)
             continue
+        if not class_ok(peer, info.numerics_class):
+            client.close()
+            continue
+        classes[peer] = info.numerics_class
         client.fingerprint = info.fingerprint  # what the node checks in every Compute call
         clients[peer] = client
         if match is Match.HEADER:
@@ -711,7 +826,7 @@ def connect(
 
         def covered(nodes: list) -> bool:
             for n in nodes:
-                add(n.address, n.identity, n.held, n.tls, n.stream_port)
+                add(n.address, n.identity, n.held, n.tls, n.stream_port, n.numerics_class)
             return not placement.missing(needed)
 
         if browser.wait_for(covered, wait) is not None:
@@ -719,7 +834,7 @@ def connect(
             # ms at random): take them too, they are the replicas a failover will need.
             time.sleep(min(MDNS_SETTLE_SECONDS, wait))
         for n in browser.nodes():
-            add(n.address, n.identity, n.held, n.tls, n.stream_port)
+            add(n.address, n.identity, n.held, n.tls, n.stream_port, n.numerics_class)
 
     missing = placement.missing(needed)
     if missing:
@@ -731,6 +846,8 @@ def connect(
             hint = "" if mdns else " (mDNS is off: give --peer host:port)"
             if strangers:
                 hint += f" (passed over {', '.join(strangers)}: another model)"
+            if other_class:
+                hint += f" (passed over {', '.join(sorted(other_class))}: another numerics class, --numerics-class same)"
             raise UserError(
                 f"no swarm nodes found for this model{hint}. Start one with `swarm node {source} --experts 0-7` "
                 "on this or another machine, or run with --local to compute the experts here"
@@ -756,6 +873,8 @@ def connect(
         numerics=numerics,
         needed=needed,
     )
+    experts.classes.update(classes)
+    experts.same_class_only = same_class_only
     if browser is not None:
         experts.follow_mdns()  # what connect saw is the starting point for joins and leaves
     return experts

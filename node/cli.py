@@ -21,7 +21,8 @@ log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from swarm.node.fetch_cli import NodeFetch
-    from swarm.sharding.manifest import SlabEntry
+    from swarm.node.selfcheck import SlabSelfCheck
+    from swarm.sharding.manifest import Manifest, SlabEntry
 
 MAX_PROBLEM_LINES = 20  # refused slabs named one per line, then a count
 
@@ -226,6 +227,21 @@ def register(sub: argparse._SubParsersAction) -> None:
         "the --host address when it is one, every interface for 0.0.0.0)",
     )
     p.add_argument("--no-verify", action="store_true", help="skip the SHA-256 check of shard slab files")
+    from swarm.node.selfcheck import DEFAULT_INTERVAL, WATCH_SECONDS
+
+    p.add_argument(
+        "--recheck",
+        type=float,
+        default=DEFAULT_INTERVAL,
+        metavar="SECONDS",
+        help="while it serves, hash every slab file against the manifest again in rounds: a full pass, then "
+        f"a pause of SECONDS (default {DEFAULT_INTERVAL:g}; 0: no checks after start), on a thread at idle "
+        f"priority; every {WATCH_SECONDS:g} s (less often for very many files) each file is also stat'ed, "
+        "and one whose size, times or inode changed is hashed at once. A slab whose file fails is dropped: no "
+        "longer served, announced or given out, an ERROR in the log, listed by `swarm status`; once its file "
+        "matches again (restored, or fetched again) it is served again. Shard directories only: a whole GGUF "
+        "has no per-slab hashes, and --no-verify checks nothing",
+    )
     p.add_argument(
         "--ready-file", type=Path, default=None, help="write JSON (address, port, ...) here once serving"
     )
@@ -340,6 +356,8 @@ def run_node(args: argparse.Namespace) -> int:
 
     if args.workers < 1:
         raise UserError("--workers must be at least 1")
+    if not args.recheck >= 0:
+        raise UserError("--recheck must be 0 (off) or a number of seconds")
     memory = parse_size(args.memory) if args.memory is not None else default_memory_budget()
     device = _device(args.device)
     if args.threads is not None:
@@ -351,6 +369,7 @@ def run_node(args: argparse.Namespace) -> int:
     key = swarm_key(args, "node")
     tls = _tls(args.tls, key is not None, args.host)
 
+    checked_from = time.time_ns()  # the slab files are checked from here on: the later watch starts from it
     fetch = None
     if args.fetch:
         from swarm.node.fetch_cli import NodeFetch
@@ -366,7 +385,7 @@ def run_node(args: argparse.Namespace) -> int:
     else:
         loaded, store = open_store(args, device, memory)
     try:
-        return _serve(args, loaded, store, key, tls, memory, parent, fetch)
+        return _serve(args, loaded, store, key, tls, memory, parent, fetch, checked_from)
     finally:
         if fetch is not None:
             fetch.close()
@@ -385,20 +404,74 @@ def _store(loaded: Any, device: str, memory: int, source: str) -> Any:
     return store
 
 
-def _shard_files(args: argparse.Namespace, store: Any) -> Any:
-    """The files a node on a verified shard directory gives out (None for a whole GGUF or --no-verify)."""
-    from swarm.node.files import ShardFiles
+def _verified_manifest(args: argparse.Namespace) -> Manifest | None:
+    """The manifest a node's slabs verified against (None for a whole GGUF or --no-verify)."""
     from swarm.sharding.manifest import read_manifest
 
     if not Path(args.source).is_dir() or args.no_verify:
         return None
+    return read_manifest(args.source)
+
+
+def _shard_files(args: argparse.Namespace, store: Any, manifest: Manifest | None) -> Any:
+    """The files a node on a verified shard directory gives out (None for a whole GGUF or --no-verify)."""
+    from swarm.node.files import ShardFiles
+
+    if manifest is None:
+        return None
     files = ShardFiles(args.source)
-    manifest = read_manifest(args.source)
     for layer, expert in store.held():
         entry = manifest.slab(layer, expert)
         assert entry is not None  # the store holds only slabs that verified against this manifest
         files.add_slab(layer, expert, entry.size)
     return files
+
+
+def _self_check(
+    args: argparse.Namespace,
+    store: Any,
+    files: Any,
+    manifest: Manifest | None,
+    checked_from: int,
+    changed: threading.Event,
+) -> SlabSelfCheck | None:
+    """The watch over the slab files the node serves (swarm.node.selfcheck), started; None when --recheck 0,
+    or when there is nothing to check against (a whole GGUF, --no-verify). A slab whose file fails is taken
+    out of the store and of the files given out, and `changed` says so to the loop that announces the node."""
+    from swarm.node.selfcheck import SlabSelfCheck
+    from swarm.sharding.slabs import read_slab_file
+
+    if manifest is None or not args.recheck:
+        return None
+    directory = Path(args.source)
+
+    def failed(entry: SlabEntry, why: str) -> None:
+        store.remove((entry.layer, entry.expert))
+        files.remove_slab(entry.layer, entry.expert)
+        log.error(
+            "slab %d:%d failed its check and is no longer served or announced: %s. Restore the file from a "
+            "good copy (this node serves the slab again once it matches the manifest), or fetch it again: "
+            "restart this node with --fetch, which fetches from the swarm every slab whose file does not "
+            "match",
+            entry.layer, entry.expert, why,
+        )  # fmt: skip
+        changed.set()
+
+    def restored(entry: SlabEntry) -> None:
+        store.add((entry.layer, entry.expert), read_slab_file(directory / entry.path))
+        files.add_slab(entry.layer, entry.expert, entry.size)
+        log.warning(
+            "slab %d:%d: %s matches the manifest again; serving it again",
+            entry.layer, entry.expert, directory / entry.path,
+        )  # fmt: skip
+        changed.set()
+
+    check = SlabSelfCheck(directory, args.recheck, failed, restored)
+    for layer, expert in store.held():
+        entry = manifest.slab(layer, expert)
+        assert entry is not None  # the store holds only slabs that verified against this manifest
+        check.watch(entry, checked_from)
+    return check.start()
 
 
 def _serve(
@@ -410,12 +483,15 @@ def _serve(
     memory: int,
     parent: int | None,
     fetch: NodeFetch | None,
+    checked_from: int,
 ) -> int:
-    """Serve (and fetch, with --fetch) until a signal, or the process that started this node is gone."""
+    """Serve (and fetch, with --fetch) until a signal, or the process that started this node is gone; with
+    --recheck, drop the slabs whose files stop matching the manifest, and take them back once they match."""
     from swarm.node.server import NodeServer
     from swarm.sharding.slabs import read_slab_file
 
-    files = _shard_files(args, store)
+    manifest = _verified_manifest(args)
+    files = _shard_files(args, store, manifest)
     server = NodeServer(
         store,
         loaded.fingerprint,
@@ -473,6 +549,7 @@ def _serve(
                     "source_sha256": loaded.source_sha256,
                     "slabs": len(store.slabs),
                     "held": describe_held(store.held()),
+                    "dropped": describe_held(store.dropped()),  # slabs whose files failed the check
                     "device": str(store.device),
                     "problems": loaded.problems,
                     "metrics_port": metrics_port,
@@ -489,6 +566,7 @@ def _serve(
     advertiser = None
     if not args.no_mdns:
         from swarm.node.discovery import Advertiser, default_mdns_interfaces, node_properties
+        from swarm.node.numclass import numerics_class
 
         def properties() -> dict[str, str]:
             return node_properties(
@@ -503,6 +581,7 @@ def _serve(
                 tls=tls,
                 serves_files=files is not None,
                 stream_port=server.stream.port if server.stream is not None else 0,
+                numerics_class=numerics_class(),
             )
 
         interfaces = args.mdns_interface if args.mdns_interface else default_mdns_interfaces(args.host)
@@ -514,6 +593,8 @@ def _serve(
                 file=sys.stderr,
             )
     grown = threading.Event()  # slabs fetched since the last announcement
+    checked = threading.Event()  # slabs dropped or taken back by the check since the last announcement
+    check = _self_check(args, store, files, manifest, checked_from, checked)
     if fetch is not None:
         fetch.sources.exclude(server.address)
         assert files is not None  # --fetch fills a directory and verifies: it gives out what it holds
@@ -521,6 +602,8 @@ def _serve(
         def verified(entry: SlabEntry) -> None:
             store.add((entry.layer, entry.expert), read_slab_file(Path(args.source) / entry.path))
             files.add_slab(entry.layer, entry.expert, entry.size)
+            if check is not None:
+                check.watch(entry)
             grown.set()
 
         fetch.start(stop, verified)
@@ -530,10 +613,21 @@ def _serve(
             if parent is not None and os.getppid() != parent:
                 print("swarm node: the process that started this node is gone; stopping", file=sys.stderr)
                 break
-            if grown.is_set() or (fetching and fetch.done()):
+            if grown.is_set() or checked.is_set() or (fetching and fetch.done()):
                 grown.clear()
                 if advertiser is not None:
                     advertiser.update(properties())
+            if checked.is_set():
+                checked.clear()
+                dropped = store.dropped()
+                print(
+                    f"swarm node: serving slabs={len(store.slabs)} held={describe_held(store.held())}"
+                    + (
+                        f" dropped={describe_held(dropped)} (their files failed the check)" if dropped else ""
+                    ),
+                    flush=True,
+                )
+                write_ready()
             if fetching and fetch.done():
                 fetching = False
                 for line in fetch.report():
@@ -544,6 +638,8 @@ def _serve(
                 )
                 write_ready()
     finally:
+        if check is not None:
+            check.close()
         if fetching:
             stop.set()
             fetch.join(timeout=10.0)

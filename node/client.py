@@ -57,6 +57,7 @@ class NodeInfo:
     source_sha256: str = ""  # the source GGUF's header hash; "" from an older node
     serves_files: bool = False  # gives out manifest.json and its held slabs' files (Fetch)
     stream_port: int = 0  # its compute stream's port (swarm.node.streams); 0: none
+    numerics_class: str = ""  # its ggml build's class (swarm.node.numclass); "" from an older node
 
     @property
     def identity(self) -> ModelIdentity:
@@ -76,6 +77,7 @@ class NodeStats:
     busy_seconds: float
     uptime_seconds: float
     in_flight: int
+    dropped: frozenset[SlabKey] = frozenset()  # slabs it stopped serving: their files failed its check
 
 
 class FileStream:
@@ -334,6 +336,7 @@ class NodeClient:
             source_sha256=r.source_sha256,
             serves_files=r.serves_files,
             stream_port=r.stream_port,
+            numerics_class=r.numerics_class,
         )
 
     def stats(self, timeout: float | None = 10.0) -> NodeStats:
@@ -353,6 +356,7 @@ class NodeClient:
             busy_seconds=r.busy_seconds,
             uptime_seconds=r.uptime_seconds,
             in_flight=r.in_flight,
+            dropped=frozenset(held_from_proto(r.dropped)),
         )
 
     def health(self, timeout: float | None = 5.0, service: str = SERVICE_NAME) -> bool:

@@ -90,6 +90,7 @@ class DiscoveredNode:
     tls: bool = False  # the node serves TLS (with its swarm key's identity)
     serves_files: bool = False  # it gives out manifest.json and its held slabs' files (Fetch)
     stream_port: int = 0  # its compute stream's port (swarm.node.streams); 0: none
+    numerics_class: str = ""  # its ggml build's numerics class (swarm.node.numclass); "": not said
 
     @property
     def identity(self) -> ModelIdentity:
@@ -127,6 +128,7 @@ def node_properties(
     tls: bool = False,
     serves_files: bool = False,
     stream_port: int = 0,
+    numerics_class: str = "",
 ) -> dict[str, str]:
     chunks = pack_slabs(held)
     props = {
@@ -148,6 +150,8 @@ def node_properties(
         props["fs"] = "1"  # gives out manifest.json and its held slabs' files (Fetch)
     if stream_port:
         props["cs"] = str(stream_port)  # its compute stream
+    if numerics_class:
+        props["nc"] = numerics_class
     props.update({f"s{i}": c for i, c in enumerate(chunks)})
     return props
 
@@ -181,6 +185,7 @@ def parse_service(info: ServiceInfo) -> DiscoveredNode:
         tls=_text(props, "tls") == "1",
         serves_files=_text(props, "fs") == "1",
         stream_port=int(_text(props, "cs", "0")),
+        numerics_class=_text(props, "nc"),
     )
 
 

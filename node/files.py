@@ -1,10 +1,10 @@
 """What a node gives out of its shard directory (the Fetch call): the manifest and the slab files it holds.
 
-A node offers a file only once it serves it, that is once the slab verified against the manifest (at start,
-or when a fetch of its own finished it), so a fetching node never gets bytes this node has not checked. A
-path is matched against that set as the text the manifest writes ('/'-separated, relative); anything that
-could name another file (absolute, '..', '.', backslashes, empty parts) is refused before any file is
-opened, so no request reaches outside the directory.
+A node offers a file only while it serves it, that is once the slab verified against the manifest (at start,
+or when a fetch of its own finished it) and until its own check of the file finds it changed, so a fetching
+node never gets bytes this node has not checked. A path is matched against that set as the text the
+manifest writes ('/'-separated, relative); anything that could name another file (absolute, '..', '.',
+backslashes, empty parts) is refused before any file is opened, so no request reaches outside the directory.
 """
 
 from __future__ import annotations
@@ -51,6 +51,11 @@ class ShardFiles:
     def add_slab(self, layer: int, expert: int, size: int) -> None:
         with self._lock:
             self._sizes[slab_relpath(layer, expert)] = size
+
+    def remove_slab(self, layer: int, expert: int) -> None:
+        """Give this slab's file out no more (it failed the node's check of its own files)."""
+        with self._lock:
+            self._sizes.pop(slab_relpath(layer, expert), None)
 
     def __contains__(self, path: str) -> bool:
         with self._lock:

@@ -49,6 +49,13 @@ class NodeCollector(Collector):
         g = GaugeMetricFamily("swarm_node_slabs", "expert slabs this node serves", labels=["node"])
         g.add_metric(labels, len(self.store.slabs))
         yield g
+        g = GaugeMetricFamily(
+            "swarm_node_slabs_dropped",
+            "expert slabs no longer served: their files failed the check",
+            labels=["node"],
+        )
+        g.add_metric(labels, len(self.store.dropped()))
+        yield g
         g = GaugeMetricFamily("swarm_node_cache_bytes", "bytes of float32 working copies", labels=["node"])
         g.add_metric(labels, cache.resident_bytes)
         yield g

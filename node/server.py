@@ -22,6 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from swarm.node.auth import AUTH_METADATA, SwarmKey, Verifier
 from swarm.node.files import BadPath, NotOffered, ShardFiles, chunks
+from swarm.node.numclass import numerics_class
 from swarm.node.store import BadCall, ExpertStore, MissingSlabs
 from swarm.node.streams import StreamServer, tls_context
 from swarm.proto import expert_pb2 as pb
@@ -222,6 +223,7 @@ class ExpertServicer(pb_grpc.ExpertNodeServicer):
             source_sha256=self.source_sha256,
             serves_files=self.files is not None,
             stream_port=self.stream_port,
+            numerics_class=numerics_class(),
         )
 
     @_answer
@@ -245,6 +247,7 @@ class ExpertServicer(pb_grpc.ExpertNodeServicer):
                 busy_seconds=s.busy_seconds,
                 uptime_seconds=time.monotonic() - s.started,
                 in_flight=s.in_flight,
+                dropped=held_to_proto(self.store.dropped()),
             )
 
     @_answer

@@ -318,6 +318,7 @@ class ExpertStore:
             pages.populate(_multiplied_in_place(slabs.values()))
         self._bytes = 0
         self._hits = self._misses = self._evictions = 0
+        self._dropped: frozenset[SlabKey] = frozenset()
 
     def add(self, key: SlabKey, parts: dict[str, SlabTensor]) -> None:
         """Serve one more slab from now on (a fetched slab, once it verified). Calls in flight read the
@@ -333,11 +334,40 @@ class ExpertStore:
             self._load_locks.setdefault(key, threading.Lock())
             self._experts_of = {**self._experts_of, layer: self._experts_of.get(layer, set()) | {expert}}
             self.slabs = {**self.slabs, key: parts}
-            self._stacks.pop(layer, None)
-            self._native.pop(key, None)
-            self._packed_bytes -= self._packed.pop(key, 0)
+            self._dropped = self._dropped - {key}
+            self._forget(key)
             self.hidden_size = d
         pages.populate(_multiplied_in_place([parts]), background=False)  # the caller's thread: one slab
+
+    def remove(self, key: SlabKey) -> bool:
+        """Serve this slab no more (its file failed its check): a call for it is refused from now on exactly
+        as one for a slab never held (MissingSlabs), and `dropped()` names it until `add` takes it back. Each
+        table is replaced whole, as `add` does; a call already multiplying it keeps its own reference to the
+        bytes and ends. False when it was not held."""
+        layer, expert = key
+        with self._lock:
+            if key not in self.slabs:
+                return False
+            rest = self._experts_of.get(layer, set()) - {expert}
+            self._experts_of = {n: es for n, es in {**self._experts_of, layer: rest}.items() if es}
+            self.slabs = {k: v for k, v in self.slabs.items() if k != key}
+            self._dropped = self._dropped | {key}
+            self._forget(key)
+        return True
+
+    def _forget(self, key: SlabKey) -> None:
+        """Drop every copy made from this slab's old bytes (repacked, float32, its layer's stack). Under
+        self._lock."""
+        self._stacks.pop(key[0], None)
+        self._native.pop(key, None)
+        self._packed_bytes -= self._packed.pop(key, 0)
+        w = self._cache.pop(key, None)
+        if w is not None:
+            self._bytes -= w.nbytes
+
+    def dropped(self) -> list[SlabKey]:
+        """The slabs `remove` took out of service (and `add` has not taken back)."""
+        return sorted(self._dropped)
 
     def held(self) -> list[SlabKey]:
         return sorted(self.slabs)
@@ -359,8 +389,7 @@ class ExpertStore:
     def weights(self, layer: int, expert: int) -> ExpertWeights:
         """The working copy of one expert, dequantizing it if it is not resident."""
         key = (layer, expert)
-        if key not in self.slabs:
-            raise MissingSlabs(layer, [expert], self.layers())
+        parts = self._parts(key)
         with self._lock:
             w = self._cache.get(key)
             if w is not None:
@@ -375,12 +404,20 @@ class ExpertStore:
                     self._hits += 1
                     return w
                 self._misses += 1
-            w = dequantize_expert(self.slabs[key], self.device)
+            w = dequantize_expert(parts, self.device)
             with self._lock:
-                self._cache[key] = w
-                self._bytes += w.nbytes
-                self._evict_over_budget(keep=key)
+                if self.slabs.get(key) is parts:  # not removed (or replaced) while it was copied
+                    self._cache[key] = w
+                    self._bytes += w.nbytes
+                    self._evict_over_budget(keep=key)
         return w
+
+    def _parts(self, key: SlabKey) -> dict[str, SlabTensor]:
+        """The slab's parts; MissingSlabs when it is not held (never held, or removed)."""
+        parts = self.slabs.get(key)
+        if parts is None:
+            raise MissingSlabs(key[0], [key[1]], self.layers())
+        return parts
 
     def _evict_over_budget(self, keep: SlabKey) -> None:
         """Drop the least recently used copies (float32 ones first: only exact calls use them) until what is
@@ -446,9 +483,12 @@ class ExpertStore:
             with self._load_locks[key]:  # two calls needing the same new expert repack it once
                 f = self._native.get(key, _UNSET)
                 if f is _UNSET:
-                    f = native_ffn(self.slabs[key])
+                    parts = self._parts(key)
+                    f = native_ffn(parts)
                     copied = sum(w.nbytes for w in f.matrices if w.repack is not None) if f else 0
                     with self._lock:
+                        if self.slabs.get(key) is not parts:  # removed (or replaced) while it was copied
+                            return f
                         self._native[key] = f
                         if copied:
                             self._packed[key] = copied
@@ -471,13 +511,17 @@ class ExpertStore:
         tensors do (a shard directory's slab files do not): then one mul_mat_id multiplies them all."""
         if not self.stacked:
             return None
-        if layer not in self._stacks:
+        stack = self._stacks.get(layer, _UNSET)
+        if stack is _UNSET:
             with self._stack_lock:
-                if layer not in self._stacks:
-                    self._stacks[layer] = _find_stack(
-                        layer, {e: self.slabs[(layer, e)] for e in self._experts_of[layer]}
-                    )
-        return self._stacks[layer]
+                stack = self._stacks.get(layer, _UNSET)
+                if stack is _UNSET:
+                    slabs = self.slabs
+                    parts = {e: slabs.get((layer, e)) for e in self._experts_of.get(layer, ())}
+                    if not parts or any(p is None for p in parts.values()):
+                        return None  # a slab added or removed meanwhile: the next call looks again
+                    stack = self._stacks[layer] = _find_stack(layer, parts)  # type: ignore[arg-type]
+        return stack  # type: ignore[return-value]
 
     def prepare(self) -> None:
         """Put every held expert in the form native calls multiply it in (ggml's repacked layout, where this

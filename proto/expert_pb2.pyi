@@ -84,7 +84,7 @@ class SlabGroup(_message.Message):
     def __init__(self, layers: _Optional[_Iterable[_Union[IdRange, _Mapping]]] = ..., experts: _Optional[_Iterable[_Union[IdRange, _Mapping]]] = ...) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("fingerprint", "protocol_version", "held", "device", "memory_budget_bytes", "max_message_bytes", "workers", "hidden_size", "node_name", "version", "source_sha256", "serves_files", "stream_port")
+    __slots__ = ("fingerprint", "protocol_version", "held", "device", "memory_budget_bytes", "max_message_bytes", "workers", "hidden_size", "node_name", "version", "source_sha256", "serves_files", "stream_port", "numerics_class")
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     HELD_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,7 @@ class InfoReply(_message.Message):
     SOURCE_SHA256_FIELD_NUMBER: _ClassVar[int]
     SERVES_FILES_FIELD_NUMBER: _ClassVar[int]
     STREAM_PORT_FIELD_NUMBER: _ClassVar[int]
+    NUMERICS_CLASS_FIELD_NUMBER: _ClassVar[int]
     fingerprint: str
     protocol_version: int
     held: _containers.RepeatedCompositeFieldContainer[SlabGroup]
@@ -111,7 +112,8 @@ class InfoReply(_message.Message):
     source_sha256: str
     serves_files: bool
     stream_port: int
-    def __init__(self, fingerprint: _Optional[str] = ..., protocol_version: _Optional[int] = ..., held: _Optional[_Iterable[_Union[SlabGroup, _Mapping]]] = ..., device: _Optional[str] = ..., memory_budget_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., workers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., node_name: _Optional[str] = ..., version: _Optional[str] = ..., source_sha256: _Optional[str] = ..., serves_files: _Optional[bool] = ..., stream_port: _Optional[int] = ...) -> None: ...
+    numerics_class: str
+    def __init__(self, fingerprint: _Optional[str] = ..., protocol_version: _Optional[int] = ..., held: _Optional[_Iterable[_Union[SlabGroup, _Mapping]]] = ..., device: _Optional[str] = ..., memory_budget_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., workers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., node_name: _Optional[str] = ..., version: _Optional[str] = ..., source_sha256: _Optional[str] = ..., serves_files: _Optional[bool] = ..., stream_port: _Optional[int] = ..., numerics_class: _Optional[str] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
@@ -130,7 +132,7 @@ class ExpertCount(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., expert: _Optional[int] = ..., calls: _Optional[int] = ..., rows: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("calls", "rows", "errors", "experts", "cache_hits", "cache_misses", "cache_evictions", "cache_bytes", "busy_seconds", "uptime_seconds", "in_flight")
+    __slots__ = ("calls", "rows", "errors", "experts", "cache_hits", "cache_misses", "cache_evictions", "cache_bytes", "busy_seconds", "uptime_seconds", "in_flight", "dropped")
     CALLS_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +144,7 @@ class StatsReply(_message.Message):
     BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
     calls: int
     rows: int
     errors: int
@@ -153,7 +156,8 @@ class StatsReply(_message.Message):
     busy_seconds: float
     uptime_seconds: float
     in_flight: int
-    def __init__(self, calls: _Optional[int] = ..., rows: _Optional[int] = ..., errors: _Optional[int] = ..., experts: _Optional[_Iterable[_Union[ExpertCount, _Mapping]]] = ..., cache_hits: _Optional[int] = ..., cache_misses: _Optional[int] = ..., cache_evictions: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., uptime_seconds: _Optional[float] = ..., in_flight: _Optional[int] = ...) -> None: ...
+    dropped: _containers.RepeatedCompositeFieldContainer[SlabGroup]
+    def __init__(self, calls: _Optional[int] = ..., rows: _Optional[int] = ..., errors: _Optional[int] = ..., experts: _Optional[_Iterable[_Union[ExpertCount, _Mapping]]] = ..., cache_hits: _Optional[int] = ..., cache_misses: _Optional[int] = ..., cache_evictions: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., uptime_seconds: _Optional[float] = ..., in_flight: _Optional[int] = ..., dropped: _Optional[_Iterable[_Union[SlabGroup, _Mapping]]] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
     __slots__ = ("fingerprint", "protocol_version", "path", "offset")

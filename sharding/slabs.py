@@ -81,27 +81,42 @@ def slabs_from_gguf(
 HASH_CHUNK = 8 << 20  # bytes read per step when hashing a file: memory stays flat
 
 
-def hash_file_range(path: str | Path, start: int = 0, end: int | None = None) -> str:
-    """SHA-256 (hex) of bytes [start, end) of a file, read in chunks into one reused buffer."""
+def hash_file_range(
+    path: str | Path,
+    start: int = 0,
+    end: int | None = None,
+    chunk: int = HASH_CHUNK,
+    between: Callable[[], None] | None = None,
+) -> str:
+    """SHA-256 (hex) of bytes [start, end) of a file, read in `chunk`-byte pieces into one reused buffer;
+    `between()` after each piece (a background check paces itself there, or stops by raising)."""
     h = hashlib.sha256()
-    buf = bytearray(HASH_CHUNK)
+    buf = bytearray(chunk)
     view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
         f.seek(start)
         left = None if end is None else end - start
         while left is None or left > 0:
-            want = HASH_CHUNK if left is None else min(HASH_CHUNK, left)
+            want = chunk if left is None else min(chunk, left)
             n = f.readinto(view[:want])
             if not n:
                 break
             h.update(view[:n])
             if left is not None:
                 left -= n
+            if between is not None:
+                between()
     return h.hexdigest()
 
 
-def check_slab_file(directory: str | Path, entry: SlabEntry) -> str | None:
-    """None if the slab file matches its manifest entry byte for byte; else what is wrong (one line)."""
+def check_slab_file(
+    directory: str | Path,
+    entry: SlabEntry,
+    chunk: int = HASH_CHUNK,
+    between: Callable[[], None] | None = None,
+) -> str | None:
+    """None if the slab file matches its manifest entry byte for byte; else what is wrong (one line).
+    `chunk` and `between` as hash_file_range takes them."""
     path = Path(directory) / entry.path
     try:
         size = path.stat().st_size
@@ -112,9 +127,9 @@ def check_slab_file(directory: str | Path, entry: SlabEntry) -> str | None:
     if size != entry.size:
         return f"{entry.path}: size {size} bytes, manifest says {entry.size}"
     try:
-        if hash_file_range(path, 0, entry.data_offset) != entry.header_sha256:
+        if hash_file_range(path, 0, entry.data_offset, chunk, between) != entry.header_sha256:
             return f"{entry.path}: header differs from the manifest (SHA-256 mismatch)"
-        if hash_file_range(path, entry.data_offset, entry.size) != entry.sha256:
+        if hash_file_range(path, entry.data_offset, entry.size, chunk, between) != entry.sha256:
             return f"{entry.path}: tensor data differs from the manifest (SHA-256 mismatch)"
     except OSError as e:
         return f"{entry.path}: cannot be read ({e.strerror})"

@@ -65,10 +65,13 @@ def env(work) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def sources(model, work, env):
     """a: every slab of the shard directory, advertised by mDNS on loopback; b: a copy of it whose slab
-    DAMAGED is damaged after b verified it (b still claims it and gives out its bytes)."""
+    DAMAGED is damaged after b verified it (b, its own check of its files off, still claims it and gives out
+    its bytes)."""
     copy = work / "b.swarm"
     shutil.copytree(model, copy)
-    a, b = start_nodes([(model, []), (copy, ["--no-mdns"])], work / "sources", prefix="source", env=env)
+    a, b = start_nodes(
+        [(model, []), (copy, ["--no-mdns", "--recheck", "0"])], work / "sources", prefix="source", env=env
+    )
     entry = read_manifest(copy).slab(*DAMAGED)
     with open(copy / entry.path, "r+b") as f:
         f.seek(entry.data_offset + 1000)

@@ -391,7 +391,8 @@ def test_a_node_caught_lying_mid_batch_changes_no_text(tmp_path: Path, server: S
     honest_dir, liar_dir = tmp_path / "honest.swarm", tmp_path / "liar.swarm"
     shard_model(MODEL, honest_dir)
     shutil.copytree(honest_dir, liar_dir)
-    nodes = start_nodes([(honest_dir, []), (liar_dir, [])], tmp_path / "nodes")
+    # the liar's own check of its files off: damaged under it, they reach its answers
+    nodes = start_nodes([(honest_dir, []), (liar_dir, ["--recheck", "0"])], tmp_path / "nodes")
     try:
         peers = [a for n in nodes for a in ("--peer", n.address)]
         s = Server(tmp_path, "--no-mdns", *peers, "--audit", "1", "--parallel", "4", "--model-id", MODEL_ID,

@@ -20,6 +20,7 @@ from typing import Any
 
 from swarm.coordinator.session import add_discovery_args
 from swarm.node.cli import describe_held, swarm_key
+from swarm.node.numclass import numerics_class, same_class
 from swarm.sharding.errors import UserError
 from swarm.sharding.ranges import format_ranges
 
@@ -126,6 +127,7 @@ def _node_record(address: str, info: Any, stats: Any, checked: str) -> dict[str,
         "held": describe_held(info.held),
         "slabs": len(info.held),
         "device": info.device,
+        "numerics_class": info.numerics_class,  # its ggml build's (swarm.node.numclass); "" from an older node
         "memory_budget_bytes": info.memory_budget_bytes,
         "calls": stats.calls,
         "rows": stats.rows,
@@ -138,6 +140,8 @@ def _node_record(address: str, info: Any, stats: Any, checked: str) -> dict[str,
         "uptime_seconds": stats.uptime_seconds,
         "answers": checked.split(":")[0],
         "banned_because": checked.split(": ", 1)[1] if checked.startswith("BANNED") else None,
+        "dropped": describe_held(stats.dropped),  # slabs whose files failed the node's own check
+        "dropped_slabs": len(stats.dropped),
     }
 
 
@@ -172,19 +176,25 @@ def _print_nodes(nodes: list[dict[str, Any]]) -> None:
     rows = []
     for n in nodes:
         if not n["answering"]:
-            rows.append([n["address"], "-", f"not answering: {n['error']}", "", "", "", "", "", "", ""])
+            rows.append([n["address"], "-", f"not answering: {n['error']}", "", "", "", "", "", "", "", ""])
             continue
         if n["banned_because"]:
             print(f"{n['address']}: BANNED: {n['banned_because']}")
+        if n["dropped_slabs"]:
+            k = n["dropped_slabs"]
+            print(
+                f"{n['address']}: dropped {k} slab{'s' if k > 1 else ''} (failed their check): {n['dropped']}"
+            )
         held = n["held"] if len(n["held"]) <= 40 else n["held"][:37] + "..."
         hit = n["cache_hit_rate"]
         ms = n["ms_per_call"]
         rows.append([
-            n["address"], n["fingerprint"][:12], held, n["device"], _size(n["memory_budget_bytes"]),
+            n["address"], n["fingerprint"][:12], held, n["device"], _short_class(n["numerics_class"]),
+            _size(n["memory_budget_bytes"]),
             f"{n['calls']:,}", f"{100 * n['load']:.0f}%", f"{ms:.1f}" if ms is not None else "-",
             f"{100 * hit:.0f}%" if hit is not None else "-", n["answers"],
         ])  # fmt: skip
-    header = ["node", "model", "holds (layers:experts)", "device", "memory", "calls", "load", "ms/call",
+    header = ["node", "model", "holds (layers:experts)", "device", "numerics", "memory", "calls", "load", "ms/call",
               "cache hits", "answers"]  # fmt: skip
     _table(header, rows)
 
@@ -203,9 +213,18 @@ def _probe(auditor: Any, client: Any, info: Any) -> str:
 
     if not any(auditor.store.lists(*k) for k in info.held):
         return "-"
+    auditor.classes[info.address] = info.numerics_class  # another class is checked within the error bound
     if auditor.probe(info.address, sorted(info.held), compute, info.hidden_size, STATUS_PROBE_SLABS):
         return "ok"
     return f"BANNED: {auditor.report.banned[info.address]}"
+
+
+def _short_class(cls: str) -> str:
+    """A numerics class as the table shows it: the CPU kind and features, marked when it is this machine's
+    (answers checked bit for bit); the ggml version is in --json."""
+    if not cls:
+        return "?"
+    return cls.split(" / ")[0] + (" (=)" if same_class(cls, numerics_class()) else "")
 
 
 def _size(n: int) -> str:

@@ -1,0 +1,323 @@
+"""What the answer checks guarantee and what they cost.
+
+rely: two liars beside an honest holder of every slab, default settings: a node whose slab files rot after
+it started, and a node serving a whole GGUF whose layer-0 expert weights differ under an identical header
+(tests/test_trust.py's rigs, on the qwen35moe Q4_K_M fixture). Each run is a fresh coordinator reading a
+12-token prompt's logits (`swarm logits`); a run counts when the logits equal in-process bit for bit, the
+liar is banned and the honest node is not. Quiet, and beside three busy processes on the machine's cores.
+Then `--verify pair` decoding 64 tokens with the files rotting after the prompt: the text must be the
+in-process one.
+
+detect: a node that falsifies a share q of its answers (bench/liar_node.py) beside an honest replica,
+default settings (--audit 0.05): 64 greedy tokens per run; how often it is caught, the share that goes
+unseen, and that share as the model predicts it: (1 - q)^P (every prompt answer is checked) x
+(1 - r q)^C (r = 0.05 of its C decode answers audited) x (1 - q)^S (its latest answer checked at each of
+the S forced settles, one per 8 decode passes), with P and C counted in the run.
+
+cost: the Qwen3.6-35B-A3B layer shape (4 layers, Q4_K experts, random weights), 4 loopback nodes (two
+replicas of each half of the experts), a fresh coordinator per run (the repack of cold experts for the
+checks included): prompt (64 tokens) and decode tok/s with --audit 0, the default, --verify pair and
+--verify all, in rotating order, medians of the repetitions and ratios to --audit 0 run by run.
+
+    python bench/trust.py --workdir /work/bench-models/decode [--runs 20] [--only rely,detect,cost]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from _doc import command, machine, publish  # noqa: E402
+from decode import LOOPBACK, prepare, run_engine  # noqa: E402
+from test_trust import MODEL, ROT_LAYER, other_weights, rot  # noqa: E402
+
+from swarm.coordinator.audit import DEFAULT_RATE  # noqa: E402
+from swarm.coordinator.engine import open_engine  # noqa: E402
+from swarm.coordinator.generate import (  # noqa: E402
+    SETTLE_EVERY,
+    SamplingParams,
+    checked_logits,
+    forward_one,
+    generate,
+)
+from swarm.node.auth import KEY_ENV, SwarmKey, generate_key_text  # noqa: E402
+from swarm.node.kernels import set_threads  # noqa: E402
+from swarm.node.launch import LocalNode, start_nodes, stop_nodes  # noqa: E402
+from swarm.sharding.ranges import format_ranges  # noqa: E402
+from swarm.sharding.shard import shard_model  # noqa: E402
+from swarm.sharding.slabs import read_manifest  # noqa: E402
+
+log = logging.getLogger("bench.trust")
+KEY_TEXT = generate_key_text()
+KEY = SwarmKey.from_text(KEY_TEXT)
+LIAR = ROOT / "bench" / "liar_node.py"
+
+
+class Busy:
+    """Processes spinning on the machine's cores for as long as the block runs."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.procs = n, []  # type: ignore[var-annotated]
+
+    def __enter__(self) -> Busy:
+        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(self.n)]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for p in self.procs:
+            p.kill()
+            p.wait()
+
+
+def _engine(shard_dir: Path, nodes: list[LocalNode], seed: int | None, **kw: Any) -> Any:
+    peers = tuple(n.address for n in nodes)
+    return open_engine(shard_dir, peers=peers, mdns=False, device="cpu", key=KEY, audit_seed=seed, **kw)
+
+
+# --- rely --------------------------------------------------------------------------------------------------
+
+
+def rely(work: Path, runs: int) -> str:
+    honest_dir = work / "honest.swarm"
+    shard_model(MODEL, honest_dir)
+    local = open_engine(honest_dir, local=True, device="cpu")
+    tokens = list(range(3, 15))
+    expect = forward_one(local.model, tokens, local.model.new_state(), "cpu")
+    text = list(generate(local.model, tokens, SamplingParams(max_tokens=64), "cpu"))
+    local.close()
+    lines = [
+        "| liar | machine | runs with exact logits, the liar banned, the honest node not |",
+        "|---|---|---:|",
+    ]
+    for kind in ("bit-rot", "other-weights"):
+        for busy in (0, 3):
+            ok = _rely_runs(work, honest_dir, kind, busy, runs, tokens, expect)
+            where = "quiet" if not busy else f"{busy} busy processes"
+            lines.append(f"| {kind} | {where} | {ok} of {runs} |")
+            log.info("rely %s %s: %d of %d", kind, where, ok, runs)
+    pair_ok, pair_runs = _pair_runs(work, honest_dir, max(1, runs // 4), tokens, text)
+    lines.append(
+        f"\n`--verify pair`, 64 greedy tokens, the liar's files rotting once the prompt is read (sampled "
+        f"audits off, so only the pairs can catch it): {pair_ok} of {pair_runs} runs gave the in-process text "
+        "with the liar banned."
+    )
+    return "\n".join(lines)
+
+
+def _liar(work: Path, honest_dir: Path, kind: str, tag: str) -> tuple[Path, list[str]]:
+    if kind == "bit-rot":
+        src = work / f"liar-{tag}.swarm"
+        subprocess.run(["rm", "-rf", str(src)], check=True)
+        subprocess.run(["cp", "-r", str(honest_dir), str(src)], check=True)
+        return src, ["--recheck", "0"]
+    src = work / "liar.gguf"
+    if not src.exists():
+        other_weights(MODEL, src, 0)
+    return src, []
+
+
+def _rely_runs(
+    work: Path, honest_dir: Path, kind: str, busy: int, runs: int, tokens: list[int], expect: torch.Tensor
+) -> int:
+    liar_src, args = _liar(work, honest_dir, kind, "rely")
+    nodes = start_nodes([(honest_dir, []), (liar_src, args)], work / "nodes", env={KEY_ENV: KEY_TEXT})
+    if kind == "bit-rot":
+        rot(liar_src, ROT_LAYER)
+    ok = 0
+    try:
+        with Busy(busy):
+            for run in range(runs):
+                swarm = _engine(honest_dir, nodes, seed=None)
+                try:
+                    got = checked_logits(swarm.model, tokens, swarm.model.new_state(), "cpu", swarm.checker)
+                    banned = set(swarm.checker.report.banned)
+                    good = torch.equal(got, expect) and banned == {nodes[1].address}
+                    ok += good
+                    if not good:
+                        log.warning(
+                            "run %d: banned %s, max diff %.3g", run, banned, (got - expect).abs().max()
+                        )
+                finally:
+                    swarm.close()
+    finally:
+        stop_nodes(nodes)
+    return ok
+
+
+def _pair_runs(
+    work: Path, honest_dir: Path, runs: int, tokens: list[int], text: list[int]
+) -> tuple[int, int]:
+    ok = 0
+    for run in range(runs):
+        liar_src, args = _liar(work, honest_dir, "bit-rot", "pair")
+        nodes = start_nodes([(honest_dir, []), (liar_src, args)], work / "nodes", env={KEY_ENV: KEY_TEXT})
+        swarm = _engine(honest_dir, nodes, seed=run, verify="pair")
+        try:
+            swarm.checker.rate = 0.0
+            it = generate(swarm.model, tokens, SamplingParams(max_tokens=64), "cpu", checker=swarm.checker)
+            got = [next(it)]
+            rot(liar_src, ROT_LAYER)
+            got += list(it)
+            ok += got == text and set(swarm.checker.report.banned) == {nodes[1].address}
+        finally:
+            swarm.close()
+            stop_nodes(nodes)
+    return ok, runs
+
+
+# --- detect ------------------------------------------------------------------------------------------------
+
+
+def detect(work: Path, runs: int, shares: list[float]) -> str:
+    honest_dir = work / "honest.swarm"
+    if not (honest_dir / "manifest.json").exists():
+        shard_model(MODEL, honest_dir)
+    local = open_engine(honest_dir, local=True, device="cpu")
+    tokens = list(range(3, 15))
+    text = list(generate(local.model, tokens, SamplingParams(max_tokens=64), "cpu"))
+    local.close()
+    lines = [
+        "| q (share falsified) | runs | caught | unseen after 64 tokens | predicted unseen | released tokens "
+        "before the ban (median) | text = in-process |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for q in shares:
+        caught = exact = 0
+        predicted: list[float] = []
+        when: list[int] = []
+        for _run in range(runs):
+            honest = start_nodes([(honest_dir, [])], work / "nodes", env={KEY_ENV: KEY_TEXT})
+            liar = start_nodes(
+                [(honest_dir, [])], work / "nodes", env={KEY_ENV: KEY_TEXT}, prefix="liar",
+                program=(str(LIAR), str(q)),
+            )  # fmt: skip
+            nodes = honest + liar
+            swarm = _engine(honest_dir, nodes, seed=None)
+            try:
+                it = generate(
+                    swarm.model, tokens, SamplingParams(max_tokens=64), "cpu", checker=swarm.checker
+                )
+                got: list[int] = []
+                prompt_calls = None
+                seen_at = None
+                for tok in it:
+                    got.append(tok)
+                    if prompt_calls is None:
+                        prompt_calls = swarm.experts.calls_per_node[liar[0].address]
+                    if seen_at is None and liar[0].address in swarm.checker.report.banned:
+                        seen_at = len(got)
+                calls = swarm.experts.calls_per_node[liar[0].address]
+                banned = liar[0].address in swarm.checker.report.banned
+                caught += banned
+                exact += got == text
+                if banned:
+                    when.append(seen_at if seen_at is not None else 0)
+                # the model: its answers up to the first token (the prompt: each checked), then the decode ones
+                p_calls = prompt_calls or 0
+                d_calls = max(0, calls - p_calls)
+                settles = 63 // SETTLE_EVERY + 1
+                predicted.append((1 - q) ** p_calls * (1 - DEFAULT_RATE * q) ** d_calls * (1 - q) ** settles)
+            finally:
+                swarm.close()
+                stop_nodes(nodes)
+        med_when = f"{statistics.median(when):.0f}" if when else "-"
+        lines.append(
+            f"| {q:g} | {runs} | {caught} | {(runs - caught) / runs:.2f} | {statistics.mean(predicted):.2f} | "
+            f"{med_when} | {exact} of {runs} |"
+        )
+        log.info("detect q=%g: caught %d of %d", q, caught, runs)
+    return "\n".join(lines)
+
+
+# --- cost --------------------------------------------------------------------------------------------------
+
+SETTINGS: dict[str, dict[str, Any]] = {
+    "trust (--audit 0)": {"audit": 0.0},
+    "default (sampled decode, checked prompt)": {},
+    "--verify pair": {"verify": "pair"},
+    "--verify all": {"verify": "all"},
+}
+
+
+def cost(workdir: Path, reps: int, n_prompt: int, n_decode: int, threads: int) -> str:
+    set_threads(threads)
+    _, shard_dir = prepare("qwen35moe", 4, workdir)
+    n_expert = read_manifest(shard_dir).n_expert
+    halves = [format_ranges(range(0, n_expert // 2)), format_ranges(range(n_expert // 2, n_expert))]
+    specs = [(shard_dir, ["--host", LOOPBACK, "--experts", halves[i % 2], "--threads", "1", "--no-verify"])
+             for i in range(4)]  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        nodes = start_nodes(specs, Path(tmp) / "nodes", timeout=300.0, env={KEY_ENV: KEY_TEXT})
+        runs: dict[str, list[Any]] = {k: [] for k in SETTINGS}
+        try:
+            names = list(SETTINGS)
+            for rep in range(reps):
+                order = names[rep % len(names) :] + names[: rep % len(names)]
+                for name in order:
+                    engine = _engine(shard_dir, nodes, seed=None, **SETTINGS[name])
+                    try:
+                        r = run_engine(engine, n_prompt, n_decode)
+                    finally:
+                        engine.close()
+                    runs[name].append(r)
+                    log.info("%s: prefill %.1f decode %.2f tok/s", name, r.prefill_tps, r.decode_tps)
+        finally:
+            stop_nodes(nodes)
+    base = runs["trust (--audit 0)"]
+    lines = [
+        f"| setting | prompt tok/s ({n_prompt}) | ratio | decode tok/s | ratio |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name, rs in runs.items():
+        pr = statistics.median(r.prefill_tps / b.prefill_tps for r, b in zip(rs, base, strict=True))
+        dr = statistics.median(r.decode_tps / b.decode_tps for r, b in zip(rs, base, strict=True))
+        lines.append(
+            f"| {name} | {statistics.median(r.prefill_tps for r in rs):.1f} | {pr:.2f}x | "
+            f"{statistics.median(r.decode_tps for r in rs):.2f} | {dr:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workdir", type=Path, required=True)
+    ap.add_argument("--runs", type=int, default=20, help="runs of each rely and detect case")
+    ap.add_argument("--reps", type=int, default=3, help="repetitions of each cost setting")
+    ap.add_argument("--shares", default="1,0.1,0.01", help="the detect liar's shares of falsified answers")
+    ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--only", default="rely,detect,cost")
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    parts = set(args.only.split(","))
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    work = args.workdir / "trust"
+    work.mkdir(exist_ok=True)
+    head = f"`{command('trust.py', argv)}` ({machine()})"
+    if "rely" in parts:
+        publish("trust-rely", f"{head}\n\n{rely(work, args.runs)}", not args.no_write)
+    if "detect" in parts:
+        shares = [float(s) for s in args.shares.split(",")]
+        publish("trust-detect", f"{head}\n\n{detect(work, args.runs, shares)}", not args.no_write)
+    if "cost" in parts:
+        text = cost(args.workdir, args.reps, args.prompt_tokens, args.decode_tokens, args.threads)
+        publish("trust-cost", f"{head}\n\n{text}", not args.no_write)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
