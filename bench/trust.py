@@ -10,7 +10,8 @@ in-process one.
 
 detect: a node that falsifies a share q of its answers (bench/liar_node.py) beside an honest replica,
 default settings (--audit 0.05): 64 greedy tokens per run; how often it is caught, the share that goes
-unseen, and that share as the model predicts it: (1 - q)^P (every prompt answer is checked) x
+unseen, and that share as the model predicts it: (1 - q)^(4 + P) (its 4 admission probes, and every
+prompt answer checked) x
 (1 - r q)^C (r = 0.05 of its C decode answers audited) x (1 - q)^S (its latest answer checked at each of
 the S forced settles, one per 8 decode passes), with P and C counted in the run.
 
@@ -43,7 +44,7 @@ from _doc import command, machine, publish  # noqa: E402
 from decode import LOOPBACK, prepare, run_engine  # noqa: E402
 from test_trust import MODEL, ROT_LAYER, other_weights, rot  # noqa: E402
 
-from swarm.coordinator.audit import DEFAULT_RATE  # noqa: E402
+from swarm.coordinator.audit import DEFAULT_RATE, PROBE_SLABS  # noqa: E402
 from swarm.coordinator.engine import open_engine  # noqa: E402
 from swarm.coordinator.generate import (  # noqa: E402
     SETTLE_EVERY,
@@ -197,29 +198,32 @@ def detect(work: Path, runs: int, shares: list[float]) -> str:
         caught = exact = 0
         predicted: list[float] = []
         when: list[int] = []
-        for _run in range(runs):
-            honest = start_nodes([(honest_dir, [])], work / "nodes", env={KEY_ENV: KEY_TEXT})
-            liar = start_nodes(
-                [(honest_dir, [])], work / "nodes", env={KEY_ENV: KEY_TEXT}, prefix="liar",
-                program=(str(LIAR), str(q)),
-            )  # fmt: skip
-            nodes = honest + liar
-            swarm = _engine(honest_dir, nodes, seed=None)
-            try:
-                it = generate(
-                    swarm.model, tokens, SamplingParams(max_tokens=64), "cpu", checker=swarm.checker
-                )
-                got: list[int] = []
-                prompt_calls = None
-                seen_at = None
-                for tok in it:
-                    got.append(tok)
-                    if prompt_calls is None:
-                        prompt_calls = swarm.experts.calls_per_node[liar[0].address]
-                    if seen_at is None and liar[0].address in swarm.checker.report.banned:
-                        seen_at = len(got)
-                calls = swarm.experts.calls_per_node[liar[0].address]
-                banned = liar[0].address in swarm.checker.report.banned
+        honest = start_nodes([(honest_dir, [])], work / "nodes", env={KEY_ENV: KEY_TEXT})
+        liar = start_nodes(
+            [(honest_dir, [])], work / "nodes", env={KEY_ENV: KEY_TEXT}, prefix="liar",
+            program=(str(LIAR), str(q)),
+        )  # fmt: skip
+        nodes = honest + liar
+        try:
+            for _run in range(runs):  # a fresh coordinator each run: a ban lasts one run
+                swarm = _engine(honest_dir, nodes, seed=None)
+                try:
+                    it = generate(
+                        swarm.model, tokens, SamplingParams(max_tokens=64), "cpu", checker=swarm.checker
+                    )
+                    got: list[int] = []
+                    prompt_calls = None
+                    seen_at = None
+                    for tok in it:
+                        got.append(tok)
+                        if prompt_calls is None:
+                            prompt_calls = swarm.experts.calls_per_node[liar[0].address]
+                        if seen_at is None and liar[0].address in swarm.checker.report.banned:
+                            seen_at = len(got)
+                    calls = swarm.experts.calls_per_node[liar[0].address]
+                    banned = liar[0].address in swarm.checker.report.banned
+                finally:
+                    swarm.close()
                 caught += banned
                 exact += got == text
                 if banned:
@@ -228,10 +232,13 @@ def detect(work: Path, runs: int, shares: list[float]) -> str:
                 p_calls = prompt_calls or 0
                 d_calls = max(0, calls - p_calls)
                 settles = 63 // SETTLE_EVERY + 1
-                predicted.append((1 - q) ** p_calls * (1 - DEFAULT_RATE * q) ** d_calls * (1 - q) ** settles)
-            finally:
-                swarm.close()
-                stop_nodes(nodes)
+                predicted.append(
+                    (1 - q) ** (PROBE_SLABS + p_calls)
+                    * (1 - DEFAULT_RATE * q) ** d_calls
+                    * (1 - q) ** settles
+                )
+        finally:
+            stop_nodes(nodes)
         med_when = f"{statistics.median(when):.0f}" if when else "-"
         lines.append(
             f"| {q:g} | {runs} | {caught} | {(runs - caught) / runs:.2f} | {statistics.mean(predicted):.2f} | "
@@ -307,15 +314,20 @@ def main(argv: list[str] | None = None) -> int:
     args.workdir.mkdir(parents=True, exist_ok=True)
     work = args.workdir / "trust"
     work.mkdir(exist_ok=True)
-    head = f"`{command('trust.py', argv)}` ({machine()})"
+    head = f"Command: `{command('trust.py', argv)}`  \nMachine: {machine()}."
     if "rely" in parts:
-        publish("trust-rely", f"{head}\n\n{rely(work, args.runs)}", not args.no_write)
+        title = "## Two liars beside an honest holder, default settings (`bench/trust.py`, rely)"
+        publish("trust-rely", f"{title}\n\n{head}\n\n{rely(work, args.runs)}", not args.no_write)
     if "detect" in parts:
         shares = [float(s) for s in args.shares.split(",")]
-        publish("trust-detect", f"{head}\n\n{detect(work, args.runs, shares)}", not args.no_write)
+        title = (
+            "## How soon a node that falsifies a share of its answers is caught (`bench/trust.py`, detect)"
+        )
+        publish("trust-detect", f"{title}\n\n{head}\n\n{detect(work, args.runs, shares)}", not args.no_write)
     if "cost" in parts:
         text = cost(args.workdir, args.reps, args.prompt_tokens, args.decode_tokens, args.threads)
-        publish("trust-cost", f"{head}\n\n{text}", not args.no_write)
+        title = "## What each --verify setting costs (`bench/trust.py`, cost)"
+        publish("trust-cost", f"{title}\n\n{head}\n\n{text}", not args.no_write)
     return 0
 
 

@@ -355,10 +355,22 @@ class _SwarmPending:
                 if same_bits(first, theirs):
                     continue
                 rows, experts = self.rows[begin : begin + p.rows], [g.expert_ids[p.index]] * p.rows
-                for address, said in ((by_row[begin], first), (twin.address, theirs)):
-                    if auditor.decide(address, self.layer, experts, rows, said):
-                        continue
-                    b.placement.ban(address)
+                held = [
+                    auditor.decide(address, self.layer, experts, rows, said)
+                    for address, said in ((by_row[begin], first), (twin.address, theirs))
+                ]
+                for address, ok in zip((by_row[begin], twin.address), held, strict=True):
+                    if not ok:
+                        b.placement.ban(address)
+                if all(held) and same_class(
+                    b.classes.get(by_row[begin], ""), b.classes.get(twin.address, "")
+                ):
+                    log.warning(
+                        "nodes %s and %s, of one numerics class, disagree on layer %d expert %d within the "
+                        "bound this coordinator (another class) can check: one of them is wrong, and neither "
+                        "can be shown so here; a third holder of their class would tell",
+                        by_row[begin], twin.address, self.layer, g.expert_ids[p.index],
+                    )  # fmt: skip
             b.paired_calls += 1
 
     def _answer(self, c: _Call) -> list[tuple[_Call, torch.Tensor]]:

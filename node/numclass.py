@@ -39,16 +39,21 @@ def numerics_class() -> str:
     from swarm.node.kernels import ggml_lib
 
     g = ggml_lib()
-    machine = platform.machine().lower()
-    machine = _ALIASES.get(machine, machine)
-    features = []
-    for name in _FEATURES.get(machine, ()):
+    flags = {}
+    for name in (*_FEATURES["x86_64"], *_FEATURES["aarch64"]):
         has = getattr(g, f"ggml_cpu_has_{name}", None)
-        if has is not None and has():
-            features.append(name)
-    if machine == "aarch64" and "sve" in features and hasattr(g, "ggml_cpu_get_sve_cnt"):
-        features[features.index("sve")] = f"sve{8 * int(g.ggml_cpu_get_sve_cnt())}"  # the vector length
-    return f"{machine} {'+'.join(features) or 'generic'} / {_ggml_version()}"
+        flags[name] = bool(has()) if has is not None else False
+    sve_cnt = int(g.ggml_cpu_get_sve_cnt()) if hasattr(g, "ggml_cpu_get_sve_cnt") else 0
+    return class_of(platform.machine(), flags, _ggml_version(), sve_cnt)
+
+
+def class_of(machine: str, flags: dict[str, bool], ggml: str, sve_cnt: int = 0) -> str:
+    """The class of a build on `machine` whose ggml_cpu_has_* flags are `flags` (name -> bool)."""
+    machine = _ALIASES.get(machine.lower(), machine.lower())
+    features = [name for name in _FEATURES.get(machine, ()) if flags.get(name)]
+    if "sve" in features and sve_cnt:
+        features[features.index("sve")] = f"sve{8 * sve_cnt}"  # the vector length decides the sums
+    return f"{machine} {'+'.join(features) or 'generic'} / {ggml}"
 
 
 def same_class(a: str, b: str) -> bool:

@@ -6,11 +6,13 @@ recorded on real ARM builds are in test_arm_answers below."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import platform
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import FIXTURES, flip_bytes
@@ -22,7 +24,7 @@ from swarm.coordinator.generate import checked_logits, forward_one
 from swarm.node.auth import KEY_ENV, SwarmKey, generate_key_text
 from swarm.node.client import NodeClient
 from swarm.node.launch import start_nodes, stop_nodes
-from swarm.node.numclass import numerics_class, same_class
+from swarm.node.numclass import class_of, numerics_class, same_class
 from swarm.sharding.gguf_io import open_gguf
 from swarm.sharding.shard import shard_model
 
@@ -173,3 +175,58 @@ def test_a_same_class_answer_one_ulp_off_is_caught_and_another_class_keeps_it(ri
     far[1, 7] += 0.05 * right.abs().max()
     assert not auditor.decide("other", DOWN_IN_PLACE, [4, 4, 4], x, far)
     assert set(auditor.report.banned) == {"same", "other"}
+
+
+RECORDED = sorted((FIXTURES / "numerics").glob("*.npz"))
+
+
+def _recorded(path: Path) -> tuple[dict, dict]:
+    with np.load(path) as z:
+        arrays = {k: z[k] for k in z.files}
+    return json.loads(str(arrays.pop("meta"))), arrays
+
+
+def _their_gguf(meta: dict) -> Path:
+    for p in FIXTURES.rglob(meta["gguf"]):
+        if hashlib.sha256(p.read_bytes()).hexdigest() == meta["gguf_sha256"]:
+            return p
+    raise AssertionError(f"no fixture GGUF {meta['gguf']} with SHA-256 {meta['gguf_sha256'][:12]}")
+
+
+def test_answers_recorded_on_real_arm_builds_are_there():
+    builds = {_recorded(p)[0]["build"] for p in RECORDED}
+    assert len(builds) >= 2, f"answers of at least two ARM builds in tests/fixtures/numerics: {builds}"
+
+
+@pytest.mark.parametrize("path", RECORDED, ids=[p.stem for p in RECORDED])
+def test_arm_answers_pass_the_bound_and_damaged_ones_never_do(path):
+    """Answers a real arm64 ggml build computed (tests/fixtures/numerics/README.md): an honest one is never
+    banned by an x86 coordinator although its bits differ; the answers of a copy with 1 % of the bytes of
+    each expert's slabs bit-flipped always are; and a node claiming the coordinator's own class is held to
+    every bit."""
+    meta, a = _recorded(path)
+    feats = meta["ggml_features"]
+    cls = class_of(meta["machine"], {k: bool(v) for k, v in feats.items()}, "ggml-python " + meta["ggml_python"],
+                   int(feats.get("sve_cnt", 0)))  # fmt: skip
+    assert cls.startswith("aarch64 ") and not same_class(cls, numerics_class())
+    from swarm.node.source import load_slabs
+    from swarm.node.store import ExpertStore
+
+    auditor = Auditor(
+        ExpertStore(load_slabs(_their_gguf(meta)).slabs), "native", torch.float32, rate=0.0, background=False
+    )
+    experts = [int(e) for e, n in zip(a["expert_ids"], a["counts"], strict=True) for _ in range(int(n))]
+    differing = 0
+    for i, layer in enumerate(int(x) for x in a["layers"]):
+        rows = torch.from_numpy(a["rows"][i])
+        honest, damaged = torch.from_numpy(a["answers"][i]), torch.from_numpy(a["damaged_answers"][i])
+        for name, c in (("arm", cls), ("arm-damaged", cls), ("claims-mine", numerics_class())):
+            auditor.classes[f"{name}-{layer}"] = c
+        ours = auditor.expected(layer, [int(e) for e in a["expert_ids"]], [int(n) for n in a["counts"]], rows)
+        differing += int((ours != honest).sum())
+        assert auditor.decide(f"arm-{layer}", layer, experts, rows, honest), auditor.report.banned
+        assert not auditor.decide(f"arm-damaged-{layer}", layer, experts, rows, damaged)
+        if not torch.equal(ours, honest):
+            assert not auditor.decide(f"claims-mine-{layer}", layer, experts, rows, honest)
+    if meta["build"] != "x86":
+        assert differing, "this build's answers equal the coordinator's: the test shows nothing about order"
