@@ -133,6 +133,7 @@ def test_a_running_coordinator_takes_in_slabs_a_node_announces_later() -> None:
         tls=False,
         held=[(0, 0)],
         stream_port=0,
+        numerics_class="",
     )
     browser = SimpleNamespace(version=1, nodes=lambda: [node], close=lambda: None)
     experts = SwarmExperts({}, Placement(), "m.swarm", browser=browser)  # type: ignore[arg-type]
@@ -144,4 +145,9 @@ def test_a_running_coordinator_takes_in_slabs_a_node_announces_later() -> None:
     experts.follow_mdns()
     assert experts.placement.holders()[(0, 1)] == [node.address]
     assert experts.placement.pick(0, 1) is None  # still backing off: announcing more is not answering
+    node.held = [(0, 1)]  # it dropped a slab whose file failed its own check
+    browser.version = 3
+    experts.follow_mdns()
+    assert node.address not in experts.placement.holders()[(0, 0)]
+    assert experts.placement.holders()[(0, 1)] == [node.address]
     experts.close()

@@ -26,7 +26,7 @@ from swarm.sharding.shard import shard_model
 MODEL = FIXTURES / "qwen35moe-quant" / "model-q4_k_m.gguf"  # Q4_K / Q6_K experts
 KEY_TEXT = generate_key_text()
 KEY = SwarmKey.from_text(KEY_TEXT)
-RUNS = 3  # coordinators per case (bench/trust.py runs 20 of each)
+RUNS = 2  # coordinators per case (bench/trust.py runs 20 of each)
 
 
 def rot(shard_dir, layer: int) -> None:
