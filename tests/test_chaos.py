@@ -50,7 +50,7 @@ def test_nodes_killed_every_two_seconds_cost_time_not_tokens(tmp_path):
             victim += 1
             try:
                 nodes[i].process.send_signal(signal.SIGKILL)
-                nodes[i].process.wait(10)
+                nodes[i].process.wait(60)  # a killed process may take a while to exit on a loaded machine
                 kills.append((i, time.monotonic()))
                 args = ["--experts", halves[i], "--port", str(ports[i])]
                 nodes[i] = spawn_node(shard_dir, args, tmp_path / "nodes", f"again{victim}", env)
