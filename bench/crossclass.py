@@ -27,10 +27,10 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from _doc import command, machine, publish  # noqa: E402
 
+from swarm.compute.numclass import numerics_class  # noqa: E402
+from swarm.compute.slabs import load_slabs  # noqa: E402
+from swarm.compute.store import ExpertStore  # noqa: E402
 from swarm.coordinator.tolerance import SAFETY, expert_bound  # noqa: E402
-from swarm.node.numclass import numerics_class  # noqa: E402
-from swarm.node.source import load_slabs  # noqa: E402
-from swarm.node.store import ExpertStore  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "fixtures"
 

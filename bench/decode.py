@@ -53,16 +53,16 @@ from typing import Any
 
 import torch
 
+from swarm.compute import ffn
+from swarm.compute.ggml import set_threads
+from swarm.compute.openmp import wait_policy_env
 from swarm.coordinator.audit import DEFAULT_RATE
 from swarm.coordinator.engine import Engine, open_engine
 from swarm.coordinator.experts import PendingExperts
 from swarm.coordinator.generate import GenerationStats, SamplingParams, generate
+from swarm.coordinator.spawn import SWARM_CLI, LocalNode, start_nodes, stop_nodes
 from swarm.coordinator.swarm import SwarmExperts
-from swarm.node import kernels
 from swarm.node.client import NodeClient
-from swarm.node.kernels import set_threads
-from swarm.node.launch import SWARM_CLI, LocalNode, start_nodes, stop_nodes
-from swarm.node.openmp import wait_policy_env
 from swarm.sharding.ranges import format_ranges
 from swarm.sharding.shard import shard_model
 from swarm.sharding.slabs import read_manifest
@@ -169,7 +169,7 @@ class TimedBackend:
 
 class TimedInProcess:
     """The in-process counterpart of TimedBackend, which would hide the experts from the MoE block's one-graph
-    path (it takes only this process's own experts): times kernels.moe_layer (a whole MoE layer: experts,
+    path (it takes only this process's own experts): times ffn.moe_layer (a whole MoE layer: experts,
     shared expert, sum) and the backend's own start (the exact numerics, which go op by op) in place."""
 
     def __init__(self, experts: Any) -> None:
@@ -177,7 +177,7 @@ class TimedInProcess:
         self.wait_s = 0.0
         self.starts = 0
         self._restore: list[tuple[Any, str, Any]] = []
-        self._wrap(kernels, "moe_layer")
+        self._wrap(ffn, "moe_layer")
         self._wrap(experts, "start")
 
     def _wrap(self, owner: Any, name: str) -> None:
@@ -678,7 +678,7 @@ def render(
         lines += [
             "",
             "In-process, for comparison (ms per decode step, medians): "
-            f"whole step {med_bd(base, 'step'):.1f}, the MoE layers' graphs (kernels.moe_layer: routed experts, "
+            f"whole step {med_bd(base, 'step'):.1f}, the MoE layers' graphs (ffn.moe_layer: routed experts, "
             f"shared expert and the sum) {med_bd(base, 'start'):.1f}, the rest (attention / DeltaNet, norms, "
             f"routers, output head) {med_bd(base, 'dense'):.1f}.",
         ]

@@ -34,13 +34,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _doc import publish  # noqa: E402
 from decode import LOOPBACK, MODELS, prepare, prompt_tokens  # noqa: E402
 
+from swarm.compute.ggml import set_threads  # noqa: E402
+from swarm.compute.openmp import set_wait_policy  # noqa: E402
 from swarm.coordinator.engine import open_engine  # noqa: E402
 from swarm.coordinator.experts import WithoutExperts  # noqa: E402
 from swarm.coordinator.generate import GenerationStats, SamplingParams, forward_one, generate  # noqa: E402
+from swarm.coordinator.spawn import LocalNode, spawn_node, start_nodes, stop_nodes  # noqa: E402
 from swarm.node.auth import KEY_ENV, SwarmKey, generate_key_text  # noqa: E402
-from swarm.node.kernels import set_threads  # noqa: E402
-from swarm.node.launch import LocalNode, spawn_node, start_nodes, stop_nodes  # noqa: E402
-from swarm.node.openmp import set_wait_policy  # noqa: E402
 from swarm.sharding.ranges import format_ranges  # noqa: E402
 from swarm.sharding.slabs import read_manifest  # noqa: E402
 

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 
 import torch
 
+from swarm.compute.store import ExpertStore
 from swarm.coordinator.cli import main
-from swarm.node.store import ExpertStore
 
 _honest = ExpertStore.compute
 _rng = random.SystemRandom()

@@ -3,7 +3,7 @@
 1. Compute throughput: rows/s of ExpertStore.compute (warm working copies) at 1, 8 and 64 rows per expert,
    8 experts per call as a node serves a layer, against torch's own float32 matmuls of the same math on the
    same (already float32) weights, interleaved in one run; plus the cost of dequantizing one Q4_K expert (what
-   a call pays for an expert evicted under --memory): the store's torch path (swarm.node.dequant) against the
+   a call pays for an expert evicted under --memory): the store's torch path (swarm.compute.dequant) against the
    former gguf-py numpy path, and per quant type the torch dequantizer against gguf-py's numpy one.
 2. Loopback round trip to a real `swarm node` process: p50/p99 of a decode-sized Compute (8 rows of 2048 f16,
    one row for each of 8 experts) against a gRPC health check (an empty call) on the same channel.
@@ -31,10 +31,10 @@ from _doc import replace_section
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import quantize
 
+from swarm.compute.dequant import dequantize
+from swarm.compute.store import DOWN, GATE, UP, ExpertStore, dequantize_expert
+from swarm.coordinator.spawn import start_nodes, stop_nodes
 from swarm.node.client import NodeClient
-from swarm.node.dequant import dequantize
-from swarm.node.launch import start_nodes, stop_nodes
-from swarm.node.store import DOWN, GATE, UP, ExpertStore, dequantize_expert
 from swarm.sharding import gguf_io
 from swarm.sharding.slabs import SlabTensor, slabs_from_gguf
 from swarm.sharding.synth import preset, synthesize
@@ -148,7 +148,7 @@ def bench_layout(store: ExpertStore, reps: int) -> list[dict[str, float]]:
 
 
 def numpy_expert(parts: dict[str, SlabTensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The store's dequantization before swarm.node.dequant: gguf-py numpy per slab, gate and up joined by cat."""
+    """The store's dequantization before swarm.compute.dequant: gguf-py numpy per slab, gate and up joined by cat."""
 
     def load(s: SlabTensor) -> torch.Tensor:
         return torch.from_numpy(gguf_io.dequantize(s.data, s.qtype, s.shape))
@@ -304,11 +304,11 @@ def render(
     lines += [
         "",
         f"Dequantizing one Q4_K expert (gate+up+down) to float32, the extra cost of a call whose expert was evicted "
-        f"under `--memory`: {dq['torch_ms']:.1f} ms with `ExpertStore.dequantize_expert` (torch, `swarm.node.dequant`) "
+        f"under `--memory`: {dq['torch_ms']:.1f} ms with `ExpertStore.dequantize_expert` (torch, `swarm.compute.dequant`) "
         f"against {dq['numpy_ms']:.1f} ms the former way (gguf-py numpy per slab, then torch.cat): "
         f"{dq['numpy_ms'] / dq['torch_ms']:.1f}x, the same bits.",
         "",
-        "Per quant type, one expert's bytes (3F x D = 3.1 M values), `swarm.node.dequant.dequantize` against gguf-py's "
+        "Per quant type, one expert's bytes (3F x D = 3.1 M values), `swarm.compute.dequant.dequantize` against gguf-py's "
         "numpy dequantizer (`swarm.sharding.gguf_io.dequantize`), interleaved, checked bit-identical; MB/s of "
         "quantized input. Blocks quantized by gguf-py from normal values, or (Q2_K..Q6_K, which gguf-py cannot "
         "quantize) random bytes with model-sized float16 scales. Both include allocating the float32 output.",

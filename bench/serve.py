@@ -53,7 +53,7 @@ from decode import LOOPBACK, free_port, llama_version, prepare, rpc_servers, spl
 from gguf import Keys  # noqa: E402
 
 from swarm.coordinator.serve.launch import spawn_server  # noqa: E402
-from swarm.node.launch import LocalNode, start_nodes, stop_nodes  # noqa: E402
+from swarm.coordinator.spawn import LocalNode, start_nodes, stop_nodes  # noqa: E402
 from swarm.sharding.gguf_io import open_gguf  # noqa: E402
 from swarm.sharding.ranges import format_ranges  # noqa: E402
 from swarm.sharding.slabs import read_manifest  # noqa: E402
@@ -213,14 +213,14 @@ def model_level(gguf: Path, threads: int, prompts: list[list[int]]) -> dict[str,
     """Where a server's time goes, without HTTP: the in-process model (as `swarm serve --local` runs it: its heap
     policy, its warm-up passes) reading 1 and 8 prompts in one pass, and decode steps of 1 and 8 sequences. Run
     in a child process (its own threads)."""
-    from swarm.node.malloc import keep_freed_memory
+    from swarm.compute.malloc import keep_freed_memory
 
     keep_freed_memory()
     import torch
 
+    from swarm.compute.ggml import set_threads
     from swarm.coordinator.engine import open_engine
     from swarm.coordinator.serve.scheduler import warm_prompts
-    from swarm.node.kernels import set_threads
 
     set_threads(threads)
     engine = open_engine(gguf, local=True, device="cpu")

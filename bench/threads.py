@@ -40,10 +40,10 @@ _TPS = re.compile(r"prefill: \d+ tokens, ([\d.]+) tok/s \| decode: \d+ tokens, (
 
 PROBE = """
 import os, torch
-from swarm.node import kernels
-kernels.set_threads(2)
-w = kernels.Weight.of_float(torch.randn(256, 256))
-kernels.linear([w], torch.randn(4, 256))
+from swarm.compute import dense, ggml, weights
+ggml.set_threads(2)
+w = weights.Weight.of_float(torch.randn(256, 256))
+dense.linear([w], torch.randn(4, 256))
 torch.randn(512, 512) @ torch.randn(512, 512)
 maps = open('/proc/self/maps').read().splitlines()
 libs = sorted({l.split()[-1] for l in maps if 'gomp' in l or 'libiomp' in l})
@@ -56,7 +56,7 @@ TIMEOUT = 120  # seconds; a run that spins against a busy core can take far long
 
 def _env_without_waits() -> dict[str, str]:
     """This process's environment without any OpenMP wait setting (each run sets the one it measures)."""
-    from swarm.node.openmp import OURS, SPIN_COUNT, WAIT_POLICY
+    from swarm.compute.openmp import OURS, SPIN_COUNT, WAIT_POLICY
 
     return {k: v for k, v in os.environ.items() if k not in (WAIT_POLICY, SPIN_COUNT, OURS)}
 
@@ -98,8 +98,8 @@ def steps_child(shard_dir: Path, peers: list[str]) -> None:
 
     import torch
 
+    from swarm.compute.ggml import set_threads
     from swarm.coordinator.engine import open_engine
-    from swarm.node.kernels import set_threads
 
     engine = open_engine(shard_dir, peers=tuple(peers), mdns=False, device="cpu", audit=0.0)
     m = engine.model
@@ -124,7 +124,7 @@ def steps_child(shard_dir: Path, peers: list[str]) -> None:
 
 def swarm_waits(shard_dir: Path, reps: int, write: bool) -> None:
     """Decode through 4 loopback nodes under each coordinator wait of SWARM_WAITS, side by side."""
-    from swarm.node.launch import start_nodes, stop_nodes
+    from swarm.coordinator.spawn import start_nodes, stop_nodes
     from swarm.sharding.slabs import read_manifest
 
     n_expert = read_manifest(shard_dir).n_expert

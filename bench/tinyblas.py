@@ -4,7 +4,7 @@
 
 For every weight type a model's dense matrices use (Q8_0, Q4_0, Q5_0, F16, BF16, F32): a random 8192 x 2048
 matrix (the Qwen3.6-35B DeltaNet qkv shape) times 1, 8, 64 and 256 activation rows through
-swarm.node.kernels.linear, milliseconds per row (the best of --reps), and whether the batch gives every row
+swarm.node.dense.linear, milliseconds per row (the best of --reps), and whether the batch gives every row
 exactly its bits alone. This process uses the installed ggml (the README's build, with tinyBLAS); `--plain DIR`
 runs the same measurement in a child process on a ggml-python installed in DIR without it (`pip install
 --target DIR` with CMAKE_ARGS lacking -DGGML_LLAMAFILE=ON), side by side. Written to `bench:tinyblas`.
@@ -34,24 +34,24 @@ def measure(reps: int) -> dict:
     import torch
     from gguf import GGMLQuantizationType, quants
 
-    from swarm.node import kernels
+    from swarm.compute import dense, ggml, weights
 
-    kernels.set_threads(2)
+    ggml.set_threads(2)
     rng = np.random.default_rng(0)
     x = torch.from_numpy(rng.standard_normal((max(BATCHES), COLS)).astype(np.float32))
-    out: dict = {"_tinyblas": bool(kernels.ggml_lib().ggml_cpu_has_llamafile())}
+    out: dict = {"_tinyblas": bool(ggml.ggml_lib().ggml_cpu_has_llamafile())}
     for name in TYPES:
         qtype = GGMLQuantizationType[name]
         w = rng.standard_normal((ROWS, COLS)).astype(np.float32) * 0.05
         data = np.ascontiguousarray(quants.quantize(w, qtype)).view(np.uint8).reshape(-1)
-        weight = kernels.Weight.of_bytes(data, int(qtype), (ROWS, COLS))
-        alone = torch.cat([kernels.linear([weight], x[i : i + 1].clone())[0] for i in range(max(BATCHES))])
+        weight = weights.Weight.of_bytes(data, int(qtype), (ROWS, COLS))
+        alone = torch.cat([dense.linear([weight], x[i : i + 1].clone())[0] for i in range(max(BATCHES))])
         per_row, same = {}, True
         for n in BATCHES:
             best = float("inf")
             for _ in range(reps):
                 t = time.perf_counter()
-                (y,) = kernels.linear([weight], x[:n])
+                (y,) = dense.linear([weight], x[:n])
                 best = min(best, time.perf_counter() - t)
             same = same and torch.equal(y, alone[:n])
             per_row[str(n)] = best * 1e3 / n  # str keys, as they come back through JSON

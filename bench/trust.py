@@ -44,6 +44,7 @@ from _doc import command, machine, publish  # noqa: E402
 from decode import LOOPBACK, prepare, run_engine  # noqa: E402
 from test_trust import MODEL, ROT_LAYER, other_weights, rot  # noqa: E402
 
+from swarm.compute.ggml import set_threads  # noqa: E402
 from swarm.coordinator.audit import DEFAULT_RATE, PROBE_SLABS  # noqa: E402
 from swarm.coordinator.engine import open_engine  # noqa: E402
 from swarm.coordinator.generate import (  # noqa: E402
@@ -53,9 +54,8 @@ from swarm.coordinator.generate import (  # noqa: E402
     forward_one,
     generate,
 )
+from swarm.coordinator.spawn import LocalNode, start_nodes, stop_nodes  # noqa: E402
 from swarm.node.auth import KEY_ENV, SwarmKey, generate_key_text  # noqa: E402
-from swarm.node.kernels import set_threads  # noqa: E402
-from swarm.node.launch import LocalNode, start_nodes, stop_nodes  # noqa: E402
 from swarm.sharding.ranges import format_ranges  # noqa: E402
 from swarm.sharding.shard import shard_model  # noqa: E402
 from swarm.sharding.slabs import read_manifest  # noqa: E402

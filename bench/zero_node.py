@@ -15,8 +15,8 @@ from collections.abc import Sequence
 
 import torch
 
+from swarm.compute.store import ExpertStore
 from swarm.coordinator.cli import main
-from swarm.node.store import ExpertStore
 
 
 def _zeros(self: ExpertStore, layer: int, ids: Sequence[int], counts: Sequence[int], rows: torch.Tensor,

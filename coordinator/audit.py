@@ -47,10 +47,11 @@ from typing import Any
 
 import torch
 
+from swarm.compute.ggml import one_thread
+from swarm.compute.numclass import numerics_class, same_class
+from swarm.compute.numerics import Numerics
+from swarm.compute.store import ExpertStore
 from swarm.coordinator.tolerance import within_bound
-from swarm.node.kernels import Numerics, one_thread
-from swarm.node.numclass import numerics_class, same_class
-from swarm.node.store import ExpertStore
 from swarm.sharding.slabs import SlabKey
 
 log = logging.getLogger(__name__)
@@ -170,7 +171,7 @@ class Auditor:
         )
         self._pending: list[_Job] = []  # audits handed to the audit thread, not yet taken in
         self._cover = False  # the pass under way reads a prompt: each of its calls is checked (cover())
-        self.own_class = numerics_class()  # this coordinator's ggml build (swarm.node.numclass)
+        self.own_class = numerics_class()  # this coordinator's ggml build (swarm.compute.numclass)
         self.classes: dict[str, str] = {}  # address -> the numerics class a node reported
         self.every_row = every_row  # --verify all: every answer is recomputed here, whole
 

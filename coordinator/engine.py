@@ -15,6 +15,9 @@ from typing import Any
 
 import torch
 
+from swarm.compute.numerics import Numerics
+from swarm.compute.slabs import allow_open_files, load_slabs, slab_progress
+from swarm.compute.store import ExpertStore, default_memory_budget, slab_dims
 from swarm.coordinator.audit import DEFAULT_RATE, Auditor
 from swarm.coordinator.experts import LocalExperts
 from swarm.coordinator.loader import default_device, load_model
@@ -22,12 +25,9 @@ from swarm.coordinator.models.layers import DecoderModel
 from swarm.coordinator.swarm import SwarmExperts, connect
 from swarm.coordinator.tokenizer import GGUFTokenizer
 from swarm.node.auth import SwarmKey
-from swarm.node.identity import ModelIdentity, identity_of
-from swarm.node.kernels import NATIVE, Numerics
-from swarm.node.source import allow_open_files, load_slabs, slab_progress
-from swarm.node.store import ExpertStore, default_memory_budget, slab_dims
 from swarm.sharding.errors import UserError
 from swarm.sharding.gguf_io import expert_tensors, open_gguf
+from swarm.sharding.identity import ModelIdentity, identity_of
 from swarm.sharding.manifest import EXPERTS_DIR
 from swarm.sharding.slabs import LazySlabs, SlabKey, SlabTensor, read_manifest
 
@@ -49,7 +49,7 @@ class Engine:
     device: torch.device
     source: str
     fingerprint: str
-    numerics: Numerics = NATIVE
+    numerics: Numerics = Numerics.NATIVE
 
     @property
     def checker(self) -> Auditor | None:
@@ -120,7 +120,7 @@ def open_engine(
     timeout: float = 30.0,
     memory_budget: int | None = None,
     progress: bool = False,
-    numerics: Numerics = NATIVE,
+    numerics: Numerics = Numerics.NATIVE,
     audit: float = DEFAULT_RATE,
     audit_seed: int | None = None,
     degraded: bool = False,
@@ -134,7 +134,7 @@ def open_engine(
     node answers recomputed here to check them (swarm.coordinator.audit; 0: trust every node). `verify`:
     "sample" (that share, and every answer of a prompt pass on one row per expert), "pair" (every call also
     sent to a second holder, the two compared) or "all" (every answer recomputed here). `numerics_class`:
-    "same" takes only nodes whose answers are checked bit for bit (swarm.node.numclass)."""
+    "same" takes only nodes whose answers are checked bit for bit (swarm.compute.numclass)."""
     dev = torch.device(device) if device else default_device()
     wire_dtype = WIRE_DTYPES[wire]
     experts: LocalExperts | SwarmExperts
@@ -145,7 +145,7 @@ def open_engine(
             raise UserError(f"{path}: some expert slabs cannot be used: " + "; ".join(loaded.problems[:5]))
         budget = default_memory_budget() if memory_budget is None else memory_budget
         store = ExpertStore(loaded.slabs, dev, budget)
-        if numerics == NATIVE:
+        if numerics == Numerics.NATIVE:
             store.prepare()  # repacked copies now, as llama.cpp's load makes them, not in the first prompt
         experts = LocalExperts(store, wire_dtype, numerics)
         fingerprint = loaded.fingerprint

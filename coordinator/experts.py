@@ -17,8 +17,9 @@ from typing import Any, Protocol
 
 import torch
 
-from swarm.node.kernels import NATIVE, ExpertStack, Numerics
-from swarm.node.store import ExpertStore
+from swarm.compute.ffn import ExpertStack
+from swarm.compute.numerics import Numerics
+from swarm.compute.store import ExpertStore
 from swarm.sharding.errors import UserError
 
 
@@ -85,7 +86,7 @@ class LocalExperts:
     """
 
     def __init__(
-        self, store: ExpertStore, wire_dtype: torch.dtype = torch.float32, numerics: Numerics = NATIVE
+        self, store: ExpertStore, wire_dtype: torch.dtype = torch.float32, numerics: Numerics = Numerics.NATIVE
     ) -> None:
         self.store = store
         self.wire_dtype = wire_dtype
@@ -94,12 +95,12 @@ class LocalExperts:
     def stack(self, layer: int, ids: torch.Tensor) -> ExpertStack | None:
         """The layer's experts as one stack a graph multiplies where they lie (ids checked held), when this
         backend computes them so (native numerics, float32 wire, stacked in the file); else None."""
-        if self.numerics != NATIVE or self.wire_dtype != torch.float32:
+        if self.numerics != Numerics.NATIVE or self.wire_dtype != torch.float32:
             return None
         return self.store.held_stack(layer, ids)
 
     def start(self, layer: int, x: torch.Tensor, ids: torch.Tensor) -> PendingExperts:
-        if self.numerics == NATIVE and self.wire_dtype == torch.float32:
+        if self.numerics == Numerics.NATIVE and self.wire_dtype == torch.float32:
             # the tokens as they are, no packing (the same bits as a node's packed call of the same pairs)
             out = self.store.compute_slots(layer, x, ids)
             if out is not None:

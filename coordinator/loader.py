@@ -26,6 +26,9 @@ from gguf.gguf_reader import ReaderTensor
 from torch import nn
 from tqdm import tqdm
 
+from swarm.compute import pages, weights
+from swarm.compute.dequant import dequantize
+from swarm.compute.numerics import Numerics
 from swarm.coordinator.experts import ExpertBackend
 from swarm.coordinator.models import get_arch
 from swarm.coordinator.models.layers import (
@@ -37,9 +40,6 @@ from swarm.coordinator.models.layers import (
     TorchMatrix,
     n_main_layers,
 )
-from swarm.node import kernels, pages
-from swarm.node.dequant import dequantize
-from swarm.node.kernels import NATIVE, Numerics
 from swarm.sharding.gguf_io import (
     EXPERT_TENSOR_RE,
     GGUFError,
@@ -78,7 +78,7 @@ def load_model(
     experts: ExpertBackend,
     device: str | torch.device | None = None,
     progress: bool = False,
-    numerics: Numerics = NATIVE,
+    numerics: Numerics = Numerics.NATIVE,
 ) -> tuple[DecoderModel, dict[str, Any]]:
     """(model on `device`, every metadata key of the file). device: cuda when present, else cpu.
     `progress`: a progress bar on stderr (when it is a terminal) while the dense weights load.
@@ -100,7 +100,7 @@ def load_model(
     load_dense_tensors(model, reader, meta, gguf_path, progress, numerics)
     for mod in model.modules():  # layers that compute some steps as llama.cpp does in native numerics
         if hasattr(mod, "native_steps"):
-            mod.native_steps = numerics == NATIVE
+            mod.native_steps = numerics == Numerics.NATIVE
     model.eval()
     log.info("loaded %s (%s) on %s", gguf_path, meta[Keys.General.ARCHITECTURE], device)
     return model, meta
@@ -137,9 +137,9 @@ def linear_names(model: nn.Module) -> dict[str, Linear]:
 def make_matrix(t: ReaderTensor, shape: tuple[int, int], device: torch.device, numerics: Numerics) -> Matrix:
     """A Linear's matrix [out, in] from a file tensor, in the form `numerics` multiplies on `device`."""
     if device.type == "cpu":
-        return GGMLMatrix(kernels.stored_weight(t.data, t.tensor_type, shape, numerics, t.name))
+        return GGMLMatrix(weights.stored_weight(t.data, t.tensor_type, shape, numerics, t.name))
     w = dequantize(t.data, t.tensor_type, shape)
-    if numerics == NATIVE:  # compact on the GPU: the file's own bf16, else f16
+    if numerics == Numerics.NATIVE:  # compact on the GPU: the file's own bf16, else f16
         w = w.to(torch.bfloat16 if t.tensor_type == GGMLQuantizationType.BF16 else torch.float16)
     return TorchMatrix(w.to(device))
 
@@ -158,7 +158,7 @@ def load_dense_tensors(
     meta: dict[str, Any],
     path: Path,
     progress: bool = False,
-    numerics: Numerics = NATIVE,
+    numerics: Numerics = Numerics.NATIVE,
 ) -> None:
     arch = meta[Keys.General.ARCHITECTURE]
     n_main = n_main_layers(meta, arch)

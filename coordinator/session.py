@@ -8,7 +8,7 @@ import argparse
 import sys
 from typing import Any
 
-from swarm.node.cli import add_key_argument, swarm_key
+from swarm.node.auth import add_key_argument, swarm_key
 from swarm.sharding.errors import UserError
 
 
@@ -99,7 +99,7 @@ def apply_threads(threads: int | None) -> None:
         return
     if threads < 1:
         raise UserError("--threads must be at least 1")
-    from swarm.node.kernels import set_threads
+    from swarm.compute.ggml import set_threads
 
     set_threads(threads)
 
@@ -128,10 +128,10 @@ def audit_rate(rate: float) -> float:
 
 
 def open_from_args(args: argparse.Namespace) -> Any:
+    from swarm.compute.malloc import keep_freed_memory
     from swarm.coordinator.audit import DEFAULT_RATE
     from swarm.coordinator.engine import open_engine
     from swarm.coordinator.swarm import SwarmExperts
-    from swarm.node.malloc import keep_freed_memory
 
     keep_freed_memory()  # a pass finds the memory the pass before it freed (before the model allocates)
     where = "experts in this process" if args.local else "looking for nodes"
@@ -166,7 +166,7 @@ def open_from_args(args: argparse.Namespace) -> Any:
                 "which anyone who reaches them can use; see `swarm keygen`",
                 file=sys.stderr,
             )
-    from swarm.node.heap import freeze_startup
+    from swarm.compute.heap import freeze_startup
 
     freeze_startup()  # the model is built: the collector need not walk it again while it serves
     return engine

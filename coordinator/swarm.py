@@ -24,15 +24,15 @@ from typing import TYPE_CHECKING
 import grpc
 import torch
 
+from swarm.compute.numclass import numerics_class, same_class
+from swarm.compute.numerics import Numerics
+from swarm.compute.store import ROWS_PER_MATMUL
 from swarm.coordinator.audit import Auditor, same_bits
 from swarm.coordinator.experts import ExpertMajor, PendingExperts, group_expert_major
 from swarm.node.auth import SwarmKey
 from swarm.node.client import ComputeCall, NodeCallError, NodeClient, ask_peer, wait_calls
-from swarm.node.identity import Match, ModelIdentity
-from swarm.node.kernels import NATIVE, Numerics
-from swarm.node.numclass import numerics_class, same_class
-from swarm.node.store import ROWS_PER_MATMUL
 from swarm.sharding.errors import UserError
+from swarm.sharding.identity import Match, ModelIdentity
 from swarm.sharding.ranges import format_ranges
 from swarm.sharding.slabs import SlabKey
 
@@ -413,7 +413,7 @@ class SwarmExperts:
         call_bytes: int = CALL_BYTES,
         browser: NodeBrowser | None = None,
         key: SwarmKey | None = None,
-        numerics: Numerics = NATIVE,
+        numerics: Numerics = Numerics.NATIVE,
         needed: Sequence[SlabKey] = (),
     ) -> None:
         self.clients = clients
@@ -755,16 +755,16 @@ def connect(
     key: SwarmKey | None = None,
     wire_dtype: torch.dtype = torch.float32,
     timeout: float = 30.0,
-    numerics: Numerics = NATIVE,
+    numerics: Numerics = Numerics.NATIVE,
     same_class_only: bool = False,
 ) -> SwarmExperts:
     """Find nodes (static peers, then mDNS until every needed slab has a holder or `wait` s pass).
 
     A node is taken when `identity` matches its own (the same model, started on the GGUF or on its shard
-    directory: see swarm.node.identity; a bare fingerprint string matches exactly that fingerprint). Each
+    directory: see swarm.sharding.identity; a bare fingerprint string matches exactly that fingerprint). Each
     node's calls then carry the fingerprint that node itself reports, which it checks on every call.
     `same_class_only` (--numerics-class same): nodes of another numerics class than this process's ggml
-    build (swarm.node.numclass) are passed over, so that every answer is checked bit for bit.
+    build (swarm.compute.numclass) are passed over, so that every answer is checked bit for bit.
     """
     if isinstance(identity, str):
         identity = ModelIdentity(identity)

@@ -1,6 +1,6 @@
 """How far an honest node of another numerics class can be from the coordinator's own answer.
 
-Within one numerics class (swarm.node.numclass) an answer is checked for equality. A node of another class
+Within one numerics class (swarm.compute.numclass) an answer is checked for equality. A node of another class
 (an ARM phone beside an x86 coordinator, or another ARM generation) multiplies the same slab bytes and the
 same rows with kernels that sum in another order, so its answer differs by a few units in the last place.
 Its answer is checked against a bound per output element, derived from the kernels' error model.
@@ -34,9 +34,9 @@ from __future__ import annotations
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from swarm.node import kernels
-from swarm.node.kernels import NATIVE
-from swarm.node.store import ExpertStore
+from swarm.compute import dense
+from swarm.compute.numerics import Numerics
+from swarm.compute.store import ExpertStore
 
 U = 2.0**-24  # float32 unit roundoff
 SAFETY = 2.0  # the bound's terms are estimated on float32 dequantized weights and unquantized rows
@@ -120,9 +120,9 @@ def expert_bound(
         g, u = gu[:, :f], gu[:, f:]
         types: tuple[int | None, int | None] = (None, None)
     else:
-        native = store.ffn(layer, expert, NATIVE)  # gate and up as this build's kernels make them
+        native = store.ffn(layer, expert, Numerics.NATIVE)  # gate and up as this build's kernels make them
         mats = [native.gate_up] if native.gate_up is not None else [native.gate, native.up]
-        outs = kernels.linear([m for m in mats if m is not None], x)
+        outs = dense.linear([m for m in mats if m is not None], x)
         gu = torch.cat(outs, dim=1).double() if len(outs) > 1 else outs[0].double()
         if native.gate_up is not None and native.gate_bias is not None:
             gu = gu + native.gate_bias.double()

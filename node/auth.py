@@ -17,6 +17,7 @@ from it with HMAC-SHA256 under a distinct label, so no derived value gives the k
 
 from __future__ import annotations
 
+import argparse
 import base64
 import datetime
 import functools
@@ -25,11 +26,13 @@ import hmac
 import itertools
 import os
 import secrets
+import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from swarm.sharding.errors import UserError
 
@@ -247,3 +250,24 @@ class Verifier:
             s.seen |= 1 << back
         s.last = now
         return ""
+
+
+def add_key_argument(g: Any) -> None:
+    """--key-file: where a command finds the swarm key (never on the command line itself, where every
+    process listing would show it)."""
+    g.add_argument(
+        "--key-file",
+        default=None,
+        metavar="FILE",
+        help="the swarm key (`swarm keygen --out FILE` makes one; default: $SWARM_KEY_FILE, else the key "
+        "text in $SWARM_KEY, else none: an open swarm, loopback only)",
+    )
+
+
+def swarm_key(args: argparse.Namespace, who: str) -> SwarmKey | None:
+    """The SwarmKey the command runs with (or None), after a warning for a weak hand-made one."""
+    key = key_from(args.key_file)
+    warning = weak_key_warning(args.key_file)
+    if warning:
+        print(f"swarm {who}: warning: {warning}", file=sys.stderr)
+    return key

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from swarm.node.auth import add_key_argument, swarm_key
 from swarm.sharding.errors import UserError
 from swarm.sharding.ranges import format_slabs, parse_ranges, parse_size
 
@@ -43,11 +44,6 @@ def parse_slab_specs(specs: list[str]) -> set[tuple[int, int]]:
                 for e in parse_ranges(experts, "slab expert")
             }
     return keys
-
-
-def describe_held(keys: set[tuple[int, int]] | list[tuple[int, int]]) -> str:
-    """ "0-3:0-7;5:1-2": layer ranges : expert ranges, one group per distinct expert set."""
-    return format_slabs(keys)
 
 
 def _read_plan(plan: Path) -> dict[str, Any]:
@@ -87,29 +83,6 @@ def planned_slabs(plan: Path | None, name: str | None) -> set[tuple[int, int]]:
         return {(int(layer), int(e)) for layer, e in mine[0]["slabs"]}
     except (KeyError, TypeError, ValueError) as e:
         raise UserError(f"{plan}: node {name!r} has a damaged slab list ({e})") from None
-
-
-def add_key_argument(g: Any) -> None:
-    """--key-file: where a command finds the swarm key (never on the command line itself, where every
-    process listing would show it)."""
-    g.add_argument(
-        "--key-file",
-        default=None,
-        metavar="FILE",
-        help="the swarm key (`swarm keygen --out FILE` makes one; default: $SWARM_KEY_FILE, else the key "
-        "text in $SWARM_KEY, else none: an open swarm, loopback only)",
-    )
-
-
-def swarm_key(args: argparse.Namespace, who: str) -> Any:
-    """The SwarmKey the command runs with (or None), after a warning for a weak hand-made one."""
-    from swarm.node.auth import key_from, weak_key_warning
-
-    key = key_from(args.key_file)
-    warning = weak_key_warning(args.key_file)
-    if warning:
-        print(f"swarm {who}: warning: {warning}", file=sys.stderr)
-    return key
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -330,7 +303,7 @@ def report_problems(problems: list[str]) -> None:
 def open_store(args: argparse.Namespace, device: str = "cpu", memory: int = 0) -> tuple[Any, Any]:
     """The slabs `swarm node` was asked for, checked and opened: (LoadedSlabs, ExpertStore). Slabs refused
     are named on stderr (one line each, then a count); a source with none to serve is a UserError."""
-    from swarm.node.source import load_slabs, slab_progress
+    from swarm.compute.slabs import load_slabs, slab_progress
 
     layers, experts, slab_keys = requested_slabs(args)
     with slab_progress("checking slabs" if not args.no_verify else "opening slabs") as progress:
@@ -344,13 +317,13 @@ def open_store(args: argparse.Namespace, device: str = "cpu", memory: int = 0) -
 
 
 def run_node(args: argparse.Namespace) -> int:
-    from swarm.node.openmp import set_wait_policy
+    from swarm.compute.openmp import set_wait_policy
 
     set_wait_policy(experts_remote=True, node=True)  # before torch loads: a node shares its device
-    from swarm.node.malloc import keep_freed_memory
+    from swarm.compute.malloc import keep_freed_memory
 
     keep_freed_memory()  # a call finds the memory the call before it freed
-    from swarm.node.store import default_memory_budget
+    from swarm.compute.store import default_memory_budget
 
     parent = os.getppid() if args.exit_with_parent else None  # read first: it may go while slabs load
 
@@ -392,7 +365,7 @@ def run_node(args: argparse.Namespace) -> int:
 
 
 def _store(loaded: Any, device: str, memory: int, source: str) -> Any:
-    from swarm.node.store import ExpertStore
+    from swarm.compute.store import ExpertStore
 
     try:
         store = ExpertStore(loaded.slabs, device=device, memory_budget=memory)
@@ -525,7 +498,7 @@ def _serve(
     signal.signal(signal.SIGINT, on_signal)
 
     print(
-        f"swarm node: serving address={server.address} slabs={len(store.slabs)} held={describe_held(store.held())} "
+        f"swarm node: serving address={server.address} slabs={len(store.slabs)} held={format_slabs(store.held())} "
         f"fingerprint={loaded.fingerprint} device={store.device} pid={os.getpid()}",
         flush=True,
     )
@@ -548,8 +521,8 @@ def _serve(
                     "fingerprint": loaded.fingerprint,
                     "source_sha256": loaded.source_sha256,
                     "slabs": len(store.slabs),
-                    "held": describe_held(store.held()),
-                    "dropped": describe_held(store.dropped()),  # slabs whose files failed the check
+                    "held": format_slabs(store.held()),
+                    "dropped": format_slabs(store.dropped()),  # slabs whose files failed the check
                     "device": str(store.device),
                     "problems": loaded.problems,
                     "metrics_port": metrics_port,
@@ -559,14 +532,14 @@ def _serve(
                 },
             )
 
-    from swarm.node.heap import freeze_startup
+    from swarm.compute.heap import freeze_startup
 
     freeze_startup()
     write_ready()
     advertiser = None
     if not args.no_mdns:
+        from swarm.compute.numclass import numerics_class
         from swarm.node.discovery import Advertiser, default_mdns_interfaces, node_properties
-        from swarm.node.numclass import numerics_class
 
         def properties() -> dict[str, str]:
             return node_properties(
@@ -621,9 +594,9 @@ def _serve(
                 checked.clear()
                 dropped = store.dropped()
                 print(
-                    f"swarm node: serving slabs={len(store.slabs)} held={describe_held(store.held())}"
+                    f"swarm node: serving slabs={len(store.slabs)} held={format_slabs(store.held())}"
                     + (
-                        f" dropped={describe_held(dropped)} (their files failed the check)" if dropped else ""
+                        f" dropped={format_slabs(dropped)} (their files failed the check)" if dropped else ""
                     ),
                     flush=True,
                 )
@@ -633,7 +606,7 @@ def _serve(
                 for line in fetch.report():
                     print(line, file=sys.stderr, flush=True)
                 print(
-                    f"swarm node: serving slabs={len(store.slabs)} held={describe_held(store.held())}",
+                    f"swarm node: serving slabs={len(store.slabs)} held={format_slabs(store.held())}",
                     flush=True,
                 )
                 write_ready()

@@ -32,13 +32,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from swarm.node.auth import AUTH_METADATA, TLS_NAME, Signer, SwarmKey, is_loopback_host
 from swarm.node.errors import NodeCallError, wrap_rpc_error
-from swarm.node.identity import ModelIdentity
 from swarm.node.streams import StreamCall, StreamPool, tls_context
 from swarm.proto import expert_pb2 as pb
 from swarm.proto.channel import CHANNEL_OPTIONS, PROTOCOL_VERSION, SERVICE_NAME
 from swarm.proto.codec import SlabKey, compute_request, decode_tensor, held_from_proto
 from swarm.proto.frames import COMPUTE_METHOD
 from swarm.sharding.errors import UserError
+from swarm.sharding.identity import ModelIdentity
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ class NodeInfo:
     source_sha256: str = ""  # the source GGUF's header hash; "" from an older node
     serves_files: bool = False  # gives out manifest.json and its held slabs' files (Fetch)
     stream_port: int = 0  # its compute stream's port (swarm.node.streams); 0: none
-    numerics_class: str = ""  # its ggml build's class (swarm.node.numclass); "" from an older node
+    numerics_class: str = ""  # its ggml build's class (swarm.compute.numclass); "" from an older node
 
     @property
     def identity(self) -> ModelIdentity:

@@ -2,7 +2,7 @@
 
 A node registers one service of type SERVICE_TYPE whose TXT record carries what a coordinator needs to
 place work before it ever connects: model fingerprint, source GGUF header hash (key "src", see
-swarm.node.identity; absent from older nodes), protocol version, width D, capacity (memory budget,
+swarm.sharding.identity; absent from older nodes), protocol version, width D, capacity (memory budget,
 workers), device and the held slabs. The slab set is packed as msgpack groups of
 (layer ranges, expert ranges), base64url-encoded and split over TXT keys s0, s1, ... (a TXT string is
 at most 255 bytes); "experts 0-63 of layers 0-39" is a dozen bytes.
@@ -31,9 +31,9 @@ import msgpack
 from zeroconf import IPVersion, ServiceBrowser, ServiceInfo, ServiceStateChange, Zeroconf
 
 from swarm.node.auth import SwarmKey
-from swarm.node.identity import ModelIdentity
 from swarm.proto.channel import PROTOCOL_VERSION
 from swarm.proto.codec import SlabKey, group_slabs, ungroup_slabs
+from swarm.sharding.identity import ModelIdentity
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class DiscoveredNode:
     tls: bool = False  # the node serves TLS (with its swarm key's identity)
     serves_files: bool = False  # it gives out manifest.json and its held slabs' files (Fetch)
     stream_port: int = 0  # its compute stream's port (swarm.node.streams); 0: none
-    numerics_class: str = ""  # its ggml build's numerics class (swarm.node.numclass); "": not said
+    numerics_class: str = ""  # its ggml build's numerics class (swarm.compute.numclass); "": not said
 
     @property
     def identity(self) -> ModelIdentity:

@@ -20,9 +20,9 @@ from swarm.sharding.errors import UserError
 from swarm.sharding.ranges import format_slabs
 
 if TYPE_CHECKING:  # the fetch machinery (grpc, torch) loads when a fetch starts, not when the parser is built
+    from swarm.compute.slabs import LoadedSlabs
     from swarm.node.auth import SwarmKey
     from swarm.node.fetch import Fetcher, FetchJob, FetchResult
-    from swarm.node.source import LoadedSlabs
     from swarm.sharding.manifest import Manifest, SlabEntry
 
 DEFAULT_PARALLEL = 4  # slabs downloaded at once
@@ -119,6 +119,7 @@ class NodeFetch:
             raise UserError("--fetch-parallel must be at least 1")
         if not args.peer and args.no_mdns:
             raise UserError("--fetch needs sources: give --peer HOST:PORT, or leave out --no-mdns")
+        from swarm.compute.slabs import wanted_slabs
         from swarm.node.fetch import (
             Sources,
             choose_model,
@@ -128,7 +129,6 @@ class NodeFetch:
             plan_fetch,
             wait_for_holders,
         )
-        from swarm.node.source import wanted_slabs
 
         self.directory = Path(args.source)
         self._exit = contextlib.ExitStack()
@@ -162,7 +162,7 @@ class NodeFetch:
 
     def loaded(self) -> LoadedSlabs:
         """The slabs already here and verified, opened (what the node serves from the start)."""
-        from swarm.node.source import LoadedSlabs
+        from swarm.compute.slabs import LoadedSlabs
         from swarm.sharding.slabs import read_slab_file
 
         m = self.manifest

@@ -14,8 +14,8 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from swarm.compute.store import ExpertStore
 from swarm.node.server import CallStats
-from swarm.node.store import ExpertStore
 
 
 class NodeCollector(Collector):

@@ -20,10 +20,10 @@ import torch
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from swarm.compute.numclass import numerics_class
+from swarm.compute.store import BadCall, ExpertStore, MissingSlabs
 from swarm.node.auth import AUTH_METADATA, SwarmKey, Verifier
 from swarm.node.files import BadPath, NotOffered, ShardFiles, chunks
-from swarm.node.numclass import numerics_class
-from swarm.node.store import BadCall, ExpertStore, MissingSlabs
 from swarm.node.streams import StreamServer, tls_context
 from swarm.proto import expert_pb2 as pb
 from swarm.proto import expert_pb2_grpc as pb_grpc

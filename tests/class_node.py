@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-import swarm.node.numclass as numclass
+import swarm.compute.numclass as numclass
 import swarm.node.server as server
 from swarm.coordinator.cli import main
 

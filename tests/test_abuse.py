@@ -16,9 +16,9 @@ import pytest
 import torch
 from conftest import FIXTURES
 
+from swarm.coordinator.spawn import start_nodes
 from swarm.node.auth import AUTH_METADATA, KEY_ENV, Signer, SwarmKey, generate_key_text
 from swarm.node.client import NodeClient
-from swarm.node.launch import start_nodes
 from swarm.proto import expert_pb2 as pb
 from swarm.proto.channel import CHANNEL_OPTIONS, SERVICE_NAME
 

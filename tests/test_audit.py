@@ -14,13 +14,13 @@ import pytest
 import torch
 from conftest import FIXTURES, flip_bytes
 
+from swarm.compute import weights
 from swarm.coordinator.audit import DEFAULT_RATE, Auditor, Verdict
 from swarm.coordinator.cli import main
 from swarm.coordinator.engine import open_engine
 from swarm.coordinator.generate import GenerationStats, SamplingParams, checked_logits, forward_one, generate
-from swarm.node import kernels
+from swarm.coordinator.spawn import start_nodes, stop_nodes
 from swarm.node.auth import KEY_ENV, SwarmKey, generate_key_text
-from swarm.node.launch import start_nodes, stop_nodes
 from swarm.sharding.gguf_io import open_gguf
 from swarm.sharding.shard import shard_model
 from swarm.sharding.slabs import read_manifest
@@ -72,7 +72,7 @@ def read_in_place(layer: int) -> bool:
     without a repacked layout on this CPU: Q6_K on x86), so that damaging the files under a running node
     changes its answers; a repacked type is copied at start-up and the files are not read again."""
     t = _tensor(f"blk.{layer}.ffn_down_exps.weight")
-    return not kernels.repackable(int(t.tensor_type), int(t.shape[1]))
+    return not weights.repackable(int(t.tensor_type), int(t.shape[1]))
 
 
 def _swarm(shard_dir, rate: float, seed: int = 7, peers: tuple[str, ...] = ()):
@@ -242,8 +242,8 @@ def test_status_reports_a_node_whose_answers_differ(tmp_path, capsys):
 
 def test_settling_holds_open_work_and_catches(tmp_path):
     """The books alone: an answer counts as checked only once a later audit of its node passed."""
-    from swarm.node.source import load_slabs
-    from swarm.node.store import ExpertStore
+    from swarm.compute.slabs import load_slabs
+    from swarm.compute.store import ExpertStore
 
     loaded = load_slabs(MODEL)
     auditor = Auditor(ExpertStore(loaded.slabs), "native", torch.float32, rate=0.0, seed=1)
@@ -263,8 +263,8 @@ def test_settling_holds_open_work_and_catches(tmp_path):
 def test_audits_run_beside_the_model_and_settle_waits_for_their_verdict():
     """An audited answer is handed back at once (its check runs on the auditor's own thread); a forced settle
     waits for the verdicts, and a caught node is reported to the placement (`on_ban`) as soon as it is caught."""
-    from swarm.node.source import load_slabs
-    from swarm.node.store import ExpertStore
+    from swarm.compute.slabs import load_slabs
+    from swarm.compute.store import ExpertStore
 
     loaded = load_slabs(MODEL)
     auditor = Auditor(ExpertStore(loaded.slabs), "native", torch.float32, rate=1.0, seed=1)
@@ -297,8 +297,8 @@ def test_an_agreeing_answer_needs_no_hashing_and_a_damaged_slab_of_ours_bans_nob
     """From a shard directory the coordinator hashes its own slab files only when an answer differs from
     its own: agreeing answers cost no SHA-256; a difference that comes from a damaged file of ours is no
     ban (and that slab checks nothing more); one from the node, against files that hold, is."""
-    from swarm.node.source import load_slabs
-    from swarm.node.store import ExpertStore
+    from swarm.compute.slabs import load_slabs
+    from swarm.compute.store import ExpertStore
     from swarm.sharding import slabs
 
     shard_dir = tmp_path / "m.swarm"
@@ -338,9 +338,9 @@ def test_a_call_of_many_experts_is_checked_on_a_random_few_and_forced_audits_sha
     audit thread (which may or may not get to them first: it runs at idle priority), each audit once."""
     import threading
 
+    from swarm.compute.slabs import load_slabs
+    from swarm.compute.store import ExpertStore
     from swarm.coordinator import audit
-    from swarm.node.source import load_slabs
-    from swarm.node.store import ExpertStore
 
     monkeypatch.setattr(audit, "AUDIT_EXPERTS", 2)  # the fixture has 8 experts a layer
     auditor = Auditor(ExpertStore(load_slabs(MODEL).slabs), "native", torch.float32, rate=1.0, seed=3,
@@ -393,9 +393,9 @@ def test_the_audit_thread_takes_idle_time_and_a_forced_settle_never_waits_on_it(
     import threading
     import time
 
+    from swarm.compute.slabs import load_slabs
+    from swarm.compute.store import ExpertStore
     from swarm.coordinator import audit
-    from swarm.node.source import load_slabs
-    from swarm.node.store import ExpertStore
 
     auditor = Auditor(ExpertStore(load_slabs(MODEL).slabs), "native", torch.float32, rate=1.0, seed=2)
     expected = auditor.expected
@@ -437,8 +437,8 @@ def test_a_forced_settle_checks_the_ready_experts_of_each_open_node_or_one(monke
     each expert whose repacked copy is here already, or of one expert when none is, rather than copy several
     cold slabs while the model waits. A node wrong on every answer is still caught by it, before anything
     it shaped is settled."""
-    from swarm.node.source import load_slabs
-    from swarm.node.store import ExpertStore
+    from swarm.compute.slabs import load_slabs
+    from swarm.compute.store import ExpertStore
 
     auditor = Auditor(ExpertStore(load_slabs(MODEL).slabs, stacked=False), "native", torch.float32, rate=0.0,
                       seed=5, background=False)  # fmt: skip
@@ -482,8 +482,8 @@ def test_a_call_checked_twice_is_caught_by_either_check():
     when the thread's late check finds a wrong row that the settle's did not, the node is still banned."""
     import threading
 
-    from swarm.node.source import load_slabs
-    from swarm.node.store import ExpertStore
+    from swarm.compute.slabs import load_slabs
+    from swarm.compute.store import ExpertStore
 
     auditor = Auditor(ExpertStore(load_slabs(MODEL).slabs), "native", torch.float32, rate=1.0, seed=4)
     running, release = threading.Event(), threading.Event()

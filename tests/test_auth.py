@@ -19,9 +19,9 @@ from conftest import FIXTURES
 from tcp_proxy import TcpProxy
 
 from swarm.coordinator.cli import main
+from swarm.coordinator.spawn import start_nodes, stop_nodes
 from swarm.node.auth import AUTH_METADATA, KEY_ENV, Signer, SwarmKey, Verifier, generate_key_text
 from swarm.node.client import NodeCallError, NodeClient
-from swarm.node.launch import start_nodes, stop_nodes
 from swarm.proto import expert_pb2 as pb
 from swarm.proto.channel import CHANNEL_OPTIONS, PROTOCOL_VERSION, SERVICE_NAME
 from swarm.proto.codec import compute_request

@@ -12,8 +12,8 @@ from conftest import FIXTURES
 
 from swarm.coordinator.engine import open_engine
 from swarm.coordinator.generate import GenerationStats, SamplingParams, generate
+from swarm.coordinator.spawn import spawn_node, start_nodes, stop_nodes
 from swarm.node.auth import KEY_ENV, SwarmKey, generate_key_text
-from swarm.node.launch import spawn_node, start_nodes, stop_nodes
 from swarm.sharding.shard import shard_model
 
 KEY_TEXT = generate_key_text()

@@ -147,8 +147,8 @@ def test_demo_end_to_end_leaves_no_process_behind(tmp_path):
 
 
 def test_a_peer_with_another_key_is_a_one_line_error(tmp_path, capsys):
+    from swarm.coordinator.spawn import start_nodes
     from swarm.node.auth import generate_key_text
-    from swarm.node.launch import start_nodes
 
     (node,) = start_nodes([(QWEN3MOE, ["--no-mdns"])], tmp_path, env={"SWARM_KEY": generate_key_text()})
     ours = tmp_path / "our.key"

@@ -1,4 +1,4 @@
-"""swarm.node.dequant against gguf-py's own numpy dequantizer, bit for bit.
+"""swarm.compute.dequant against gguf-py's own numpy dequantizer, bit for bit.
 
 Bit-identity is checked on the float32 bit patterns (int32 views), so -0.0 vs 0.0 counts as a difference.
 Inputs: random blocks (every byte random, the float16 scale fields kept finite: random subnormal scales
@@ -17,9 +17,9 @@ from conftest import FIXTURES
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize as gguf_dequantize
 
-import swarm.node.dequant as dq
-from swarm.node.dequant import TORCH_TYPES, dequantize
-from swarm.node.store import dequantize_expert
+import swarm.compute.dequant as dq
+from swarm.compute.dequant import TORCH_TYPES, dequantize
+from swarm.compute.store import dequantize_expert
 from swarm.sharding import gguf_io
 from swarm.sharding.gguf_io import torch_shape
 from swarm.sharding.slabs import SlabTensor, slabs_from_gguf

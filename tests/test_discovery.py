@@ -8,6 +8,7 @@ import time
 import pytest
 from conftest import FIXTURES
 
+from swarm.coordinator.spawn import start_nodes
 from swarm.node.client import NodeClient
 from swarm.node.discovery import (
     Advertiser,
@@ -17,7 +18,6 @@ from swarm.node.discovery import (
     pack_slabs,
     unpack_slabs,
 )
-from swarm.node.launch import start_nodes
 from swarm.proto.channel import PROTOCOL_VERSION
 
 LOOPBACK = ["127.0.0.1"]

@@ -23,9 +23,9 @@ import torch
 from tcp_proxy import TcpProxy
 
 from swarm.coordinator.cli import main
+from swarm.coordinator.spawn import LocalNode, spawn_node, start_nodes, stop_nodes
 from swarm.node.auth import AUTH_METADATA, SwarmKey, generate_key_text
 from swarm.node.client import NodeCallError, NodeClient
-from swarm.node.launch import LocalNode, spawn_node, start_nodes, stop_nodes
 from swarm.proto import expert_pb2 as pb
 from swarm.proto.channel import CHANNEL_OPTIONS, PROTOCOL_VERSION, SERVICE_NAME
 from swarm.sharding.manifest import read_manifest, slab_relpath

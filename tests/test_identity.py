@@ -22,13 +22,13 @@ from reference import assert_logits_close
 
 from swarm.coordinator.engine import model_identity, open_engine
 from swarm.coordinator.generate import forward_one
+from swarm.coordinator.spawn import start_nodes, stop_nodes
 from swarm.coordinator.swarm import connect
 from swarm.node.client import NodeCallError, NodeClient
 from swarm.node.discovery import Advertiser, browse, node_properties
-from swarm.node.identity import Match, ModelIdentity, identity_of
-from swarm.node.launch import start_nodes, stop_nodes
 from swarm.sharding.errors import UserError
 from swarm.sharding.gguf_io import open_gguf
+from swarm.sharding.identity import Match, ModelIdentity, identity_of
 from swarm.sharding.shard import shard_model
 from swarm.sharding.slabs import read_manifest
 

@@ -1,4 +1,4 @@
-"""ggml's kernels as swarm.node.kernels drives them: every GGUF type we meet, both numerics, row independence.
+"""ggml's kernels as swarm.compute drives them: every GGUF type we meet, both numerics, row independence.
 
 References are float64 products of gguf-py's dequantization (independent of ggml). The native numerics
 rounds each activation row to the type its kernel pairs with (8-bit blocks for the quant types, BF16 or F16
@@ -18,7 +18,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from test_dequant import random_blocks, reference
 
-from swarm.node import kernels
+from swarm.compute import deltanet, dense, ffn, ggml, graph, probes, weights
 
 Q = GGMLQuantizationType
 # every type `swarm synth` writes and real Qwen files use
@@ -29,7 +29,7 @@ TYPES = [
 ROWS, COLS = 48, 512  # COLS: whole 256-value super-blocks
 
 
-def weights(qtype: GGMLQuantizationType, seed: int = 0) -> np.ndarray:
+def random_weights(qtype: GGMLQuantizationType, seed: int = 0) -> np.ndarray:
     if qtype == Q.F32:
         return np.random.default_rng(seed).standard_normal((ROWS, COLS)).astype(np.float32)
     if qtype == Q.F16:
@@ -55,23 +55,23 @@ def rel_err(got: torch.Tensor, want: np.ndarray) -> float:
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
 def test_every_type_is_multiplied_as_stored_in_both_numerics(qtype: GGMLQuantizationType) -> None:
-    assert kernels.has_kernel(qtype)
-    raw = weights(qtype)
-    dense = reference(raw, qtype, (ROWS, COLS)).astype(np.float64)  # [O, I]
+    assert probes.has_kernel(qtype)
+    raw = random_weights(qtype)
+    ref = reference(raw, qtype, (ROWS, COLS)).astype(np.float64)  # [O, I]
     x = torch.randn(7, COLS, generator=torch.Generator().manual_seed(int(qtype)))
-    want = x.double().numpy() @ dense.T
-    native = kernels.stored_weight(raw, qtype, (ROWS, COLS), "native")
+    want = x.double().numpy() @ ref.T
+    native = weights.stored_weight(raw, qtype, (ROWS, COLS), "native")
     assert native.qtype == int(qtype)
     if native.repack is None:  # the stored bytes, in place
         assert native.ptr == raw.ctypes.data
     else:  # or ggml's repacked copy of them (Q4_0, Q4_K, IQ4_NL on x86), which still knows the file's bytes
         assert native.ptr != raw.ctypes.data and native.stored is raw
-    (got,) = kernels.linear([native], x)
+    (got,) = dense.linear([native], x)
     tol = 1e-6 if qtype == Q.F32 else 4e-2  # the activations are rounded to 8 bits (or bf16/f16)
     assert rel_err(got, want) <= tol
-    exact = kernels.stored_weight(raw, qtype, (ROWS, COLS), "exact")
+    exact = weights.stored_weight(raw, qtype, (ROWS, COLS), "exact")
     assert exact.qtype == int(Q.F32)
-    (got_exact,) = kernels.linear([exact], x)
+    (got_exact,) = dense.linear([exact], x)
     assert rel_err(got_exact, want) <= 1e-6
     if qtype not in (Q.F32,):
         assert not torch.equal(got, got_exact), "the native numerics really rounds the activations"
@@ -82,13 +82,13 @@ def test_every_type_is_multiplied_as_stored_in_both_numerics(qtype: GGMLQuantiza
 def test_a_row_is_the_same_alone_or_in_any_batch(qtype: GGMLQuantizationType, numerics: str) -> None:
     """Whichever kernel ggml picks for a batch (tinyBLAS GEMM for 2+ rows of the types where it sums as
     vec_dot does, vec_dot row by row for the rest), each row's bits are its bits alone."""
-    w = kernels.stored_weight(weights(qtype), qtype, (ROWS, COLS), numerics)  # type: ignore[arg-type]
+    w = weights.stored_weight(random_weights(qtype), qtype, (ROWS, COLS), numerics)  # type: ignore[arg-type]
     x = torch.randn(37, COLS, generator=torch.Generator().manual_seed(1))
-    (full,) = kernels.linear([w], x)
+    (full,) = dense.linear([w], x)
     for n in (1, 2, 3, 8, 16, 17):
-        (part,) = kernels.linear([w], x[:n].clone())
+        (part,) = dense.linear([w], x[:n].clone())
         assert torch.equal(part, full[:n]), f"{n} rows"
-    alone = torch.cat([kernels.linear([w], x[i : i + 1].clone())[0] for i in range(37)])
+    alone = torch.cat([dense.linear([w], x[i : i + 1].clone())[0] for i in range(37)])
     assert torch.equal(alone, full)
 
 
@@ -103,13 +103,13 @@ def test_the_first_batched_product_of_a_process_is_right() -> None:
         """
         import torch
         from gguf import GGMLQuantizationType as Q
-        from test_kernels import COLS, ROWS, weights
-        from swarm.node import kernels
-        ws = [kernels.stored_weight(weights(q), q, (ROWS, COLS), "native") for q in (Q.Q8_0, Q.F16, Q.Q5_0)]
+        from test_kernels import COLS, ROWS, random_weights
+        from swarm.compute import deltanet, dense, ffn, ggml, graph, probes, weights
+        ws = [weights.stored_weight(random_weights(q), q, (ROWS, COLS), "native") for q in (Q.Q8_0, Q.F16, Q.Q5_0)]
         x = torch.randn(9, COLS, generator=torch.Generator().manual_seed(0))
-        together = kernels.linear(ws, x)  # the first batched product: probes run mid-build
+        together = dense.linear(ws, x)  # the first batched product: probes run mid-build
         for w, t in zip(ws, together):
-            alone = torch.cat([kernels.linear([w], x[i : i + 1].clone())[0] for i in range(9)])
+            alone = torch.cat([dense.linear([w], x[i : i + 1].clone())[0] for i in range(9)])
             assert torch.equal(t, alone), w.qtype
         print("ok")
         """
@@ -121,33 +121,33 @@ def test_the_first_batched_product_of_a_process_is_right() -> None:
 
 
 def test_several_projections_of_one_input_equal_each_alone() -> None:
-    ws = [kernels.stored_weight(weights(q), q, (ROWS, COLS), "native") for q in (Q.Q4_K, Q.Q6_K, Q.Q8_0)]
+    ws = [weights.stored_weight(random_weights(q), q, (ROWS, COLS), "native") for q in (Q.Q4_K, Q.Q6_K, Q.Q8_0)]
     x = torch.randn(3, COLS)
-    together = kernels.linear(ws, x)
+    together = dense.linear(ws, x)
     for w, t in zip(ws, together, strict=True):
-        assert torch.equal(kernels.linear([w], x)[0], t)
+        assert torch.equal(dense.linear([w], x)[0], t)
 
 
 def test_an_ffn_graph_equals_its_parts() -> None:
     """down(silu(gate x) * up x), one graph for several FFNs, each block of rows its own."""
     d, f = COLS, ROWS
 
-    def w(q: GGMLQuantizationType, shape: tuple[int, int], seed: int) -> kernels.Weight:
+    def w(q: GGMLQuantizationType, shape: tuple[int, int], seed: int) -> weights.Weight:
         block, _ = GGML_QUANT_SIZES[q]
         raw = random_blocks(q, shape[0] * shape[1] // block, seed=seed).reshape(shape[0], -1)
-        return kernels.stored_weight(raw, q, shape, "exact")
+        return weights.stored_weight(raw, q, shape, "exact")
 
-    ffns = [kernels.FFN(down=w(Q.Q8_0, (d, f * 4), s), gate=w(Q.Q4_K, (f * 4, d), s + 1),
+    ffns = [ffn.FFN(down=w(Q.Q8_0, (d, f * 4), s), gate=w(Q.Q4_K, (f * 4, d), s + 1),
                         up=w(Q.Q4_K, (f * 4, d), s + 2)) for s in (0, 10)]  # fmt: skip
     x = torch.randn(5, d)
     out = torch.empty_like(x)
-    kernels.ffn_rows([(ffns[0], 0, 2), (ffns[1], 2, 3)], x, out)
+    ffn.ffn_rows([(ffns[0], 0, 2), (ffns[1], 2, 3)], x, out)
     for f_, rows in ((ffns[0], slice(0, 2)), (ffns[1], slice(2, 5))):
-        g, u = (kernels.linear([m], x[rows])[0] for m in (f_.gate, f_.up))
+        g, u = (dense.linear([m], x[rows])[0] for m in (f_.gate, f_.up))
         h = torch.nn.functional.silu(g.double()) * u.double()
-        ref = kernels.linear([f_.down], h.float())[0]
+        ref = dense.linear([f_.down], h.float())[0]
         torch.testing.assert_close(out[rows], ref, rtol=1e-5, atol=1e-5)
-        assert torch.equal(kernels.ffn(f_, x[rows]), out[rows])
+        assert torch.equal(ffn.ffn(f_, x[rows]), out[rows])
 
 
 @pytest.mark.parametrize("gated, normed, bias", [(True, True, False), (False, True, False), (False, False, True)],
@@ -163,15 +163,15 @@ def test_attention_heads_equal_their_definition_and_each_row_alone(
     shapes = [("q", ((2 if gated else 1) * h * hd, d)), ("k", (hkv * hd, d)), ("v", (hkv * hd, d))]
     mats = {name: np.random.default_rng(s).standard_normal(shape).astype(np.float32) * 0.05
             for s, (name, shape) in enumerate(shapes)}  # fmt: skip
-    ws = [kernels.stored_weight(mats[m], Q.F32, mats[m].shape, "native") for m in "qkv"]
+    ws = [weights.stored_weight(mats[m], Q.F32, mats[m].shape, "native") for m in "qkv"]
     biases = {m: torch.randn(mats[m].shape[0]) * 0.1 for m in "qkv"}
     posts = [(("add", biases[m]),) if bias else None for m in "qkv"]
     nw, qw, kw = torch.rand(d) + 0.5, torch.rand(hd) + 0.5, torch.rand(hd) + 0.5
-    heads = kernels.Heads(h, hkv, hd, n_rot, base, kernels.Norm(qw, eps) if normed else None,
-                          kernels.Norm(kw, eps) if normed else None, gated)  # fmt: skip
+    heads = dense.Heads(h, hkv, hd, n_rot, base, dense.Norm(qw, eps) if normed else None,
+                          dense.Norm(kw, eps) if normed else None, gated)  # fmt: skip
     x = torch.randn(7, d)
     pos = torch.tensor([0, 1, 2, 3, 63, 64, 200])
-    got = kernels.attention_heads(x, kernels.Norm(nw, eps), ws, posts, heads, pos)
+    got = dense.attention_heads(x, dense.Norm(nw, eps), ws, posts, heads, pos)
 
     xn = rms_norm(x.double(), nw.double(), eps)
     qx, kx, vx = (
@@ -189,7 +189,7 @@ def test_attention_heads_equal_their_definition_and_each_row_alone(
         else:
             torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-5)
     for i in range(7):
-        alone = kernels.attention_heads(x[i : i + 1], kernels.Norm(nw, eps), ws, posts, heads, pos[i : i + 1])
+        alone = dense.attention_heads(x[i : i + 1], dense.Norm(nw, eps), ws, posts, heads, pos[i : i + 1])
         for a, full in zip(alone, got, strict=True):
             assert (a is None and full is None) or torch.equal(a[0], full[i])
 
@@ -197,12 +197,12 @@ def test_attention_heads_equal_their_definition_and_each_row_alone(
 @pytest.mark.parametrize("op", ["sigmoid", "silu", "softplus", "exp"])
 def test_unary_rows_do_not_depend_on_the_batch(op: str) -> None:
     x = torch.randn(61, 5)  # an odd width: torch's vectorized tail would round some positions apart
-    full = kernels.unary(op, x)
+    full = dense.unary(op, x)
     ref = {"sigmoid": torch.sigmoid, "silu": torch.nn.functional.silu, "softplus": torch.nn.functional.softplus,
            "exp": torch.exp}[op](x.double())  # fmt: skip
     torch.testing.assert_close(full.double(), ref, rtol=1e-6, atol=1e-7)
     for n in (1, 2, 7, 33):
-        assert torch.equal(kernels.unary(op, x[-n:].clone()), full[-n:])
+        assert torch.equal(dense.unary(op, x[-n:].clone()), full[-n:])
 
 
 @pytest.mark.parametrize("grouped", [False, True], ids=["tiled", "grouped"])
@@ -222,8 +222,8 @@ def test_the_delta_net_step_equals_the_definition(grouped: bool) -> None:
         [window[i, :, : kc - 1].contiguous() for i in range(b)],
         window[:, :, kc - 1 :].transpose(1, 2),
     )
-    rule = kernels.DeltaRule(w, hk, grouped, L2_EPS)
-    o, new_convs, new = kernels.delta_net_step(mixed, convs, g, beta, list(state), rule)
+    rule = deltanet.DeltaRule(w, hk, grouped, L2_EPS)
+    o, new_convs, new = deltanet.delta_net_step(mixed, convs, g, beta, list(state), rule)
     key_of = [h // (hv // hk) if grouped else h % hk for h in range(hv)]
     for i in range(b):
         conv, _ = causal_conv(window[i, :, kc - 1 :].T.double(), window[i, :, : kc - 1].double(), w.double())
@@ -236,7 +236,7 @@ def test_the_delta_net_step_equals_the_definition(grouped: bool) -> None:
         torch.testing.assert_close(o[i].transpose(0, 1).double(), ro, rtol=1e-4, atol=1e-4)  # o[i] [T, Hv, S]
         torch.testing.assert_close(new[i].transpose(-1, -2).double(), rs, rtol=1e-4, atol=1e-4)
         assert torch.equal(new_convs[i], window[i, :, t:])  # the last Kc-1 inputs
-        alone = kernels.delta_net_step(mixed[i : i + 1], convs[i : i + 1], g[i : i + 1], beta[i : i + 1],
+        alone = deltanet.delta_net_step(mixed[i : i + 1], convs[i : i + 1], g[i : i + 1], beta[i : i + 1],
                                        [state[i]], rule)  # fmt: skip
         assert torch.equal(alone[0][0], o[i]) and torch.equal(alone[2][0], new[i])
         assert torch.equal(alone[1][0], new_convs[i])
@@ -246,31 +246,31 @@ def test_a_type_without_a_kernel_falls_back_to_the_exact_path_once(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Every type gguf-py can read has a ggml kernel today; pretend Q4_K had none.
-    assert not kernels.has_kernel(Q.Q8_K)  # an activation-only type
+    assert not probes.has_kernel(Q.Q8_K)  # an activation-only type
     qtype = Q.Q4_K
-    monkeypatch.setattr(kernels, "has_kernel", lambda q: int(q) != int(Q.Q4_K))
-    monkeypatch.setattr(kernels, "_warned", set())
+    monkeypatch.setattr(probes, "has_kernel", lambda q: int(q) != int(Q.Q4_K))
+    monkeypatch.setattr(probes, "_warned", set())
     block, size = GGML_QUANT_SIZES[qtype]
     raw = random_blocks(qtype, 4 * COLS // block, seed=5).reshape(4, -1)
-    with caplog.at_level(logging.WARNING, logger="swarm.node.kernels"):
-        w1 = kernels.stored_weight(raw, qtype, (4, COLS), "native", "test weight")
-        w2 = kernels.stored_weight(raw, qtype, (4, COLS), "native", "test weight")
+    with caplog.at_level(logging.WARNING, logger="swarm.compute.probes"):
+        w1 = weights.stored_weight(raw, qtype, (4, COLS), "native", "test weight")
+        w2 = weights.stored_weight(raw, qtype, (4, COLS), "native", "test weight")
     assert w1.qtype == w2.qtype == int(Q.F32)
     assert len([r for r in caplog.records if "Q4_K" in r.message]) == 1
     x = torch.randn(2, COLS)
     want = x.double().numpy() @ reference(raw, qtype, (4, COLS)).astype(np.float64).T
-    assert rel_err(kernels.linear([w1], x)[0], want) <= 1e-6
+    assert rel_err(dense.linear([w1], x)[0], want) <= 1e-6
 
 
 def test_threads_are_one_budget() -> None:
-    before = kernels.threads()
+    before = ggml.threads()
     try:
-        kernels.set_threads(1)
-        assert kernels.threads() == 1 and torch.get_num_threads() == 1
+        ggml.set_threads(1)
+        assert ggml.threads() == 1 and torch.get_num_threads() == 1
         with pytest.raises(ValueError):
-            kernels.set_threads(0)
+            ggml.set_threads(0)
     finally:
-        kernels.set_threads(before)
+        ggml.set_threads(before)
 
 
 def test_x86_kernels_are_built_for_the_avx2_baseline_with_tinyblas() -> None:
@@ -279,7 +279,7 @@ def test_x86_kernels_are_built_for_the_avx2_baseline_with_tinyblas() -> None:
     (the README's install command)."""
     import platform
 
-    from swarm.node.kernels import ggml_lib
+    from swarm.compute.ggml import ggml_lib
 
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip(f"the AVX2 baseline is an x86 build choice; this is {platform.machine()}")
@@ -291,18 +291,18 @@ def test_x86_kernels_are_built_for_the_avx2_baseline_with_tinyblas() -> None:
         "ggml-python was built without tinyBLAS: reinstall it with the README's CMAKE_ARGS"
     )
     # tinyBLAS sums Q8_0 products as vec_dot does on x86: batches of Q8_0 rows take the GEMM
-    assert kernels._tinyblas_exact(int(Q.Q8_0))
-    assert not kernels._tinyblas_exact(int(Q.F32)) and not kernels._tinyblas_exact(int(Q.BF16))
+    assert probes.tinyblas_exact(int(Q.Q8_0))
+    assert not probes.tinyblas_exact(int(Q.F32)) and not probes.tinyblas_exact(int(Q.BF16))
 
 
 def test_every_install_path_builds_the_same_kernels() -> None:
     """The README's install command, CI's and the container's build ggml with the flags the code names."""
     root = Path(__file__).resolve().parent.parent
-    flags = f'CMAKE_ARGS="{kernels.GGML_CMAKE_ARGS}"'
+    flags = f'CMAKE_ARGS="{ggml.GGML_CMAKE_ARGS}"'
     assert flags in (root / "README.md").read_text()
     assert flags in (root / ".ci" / "run").read_text()
     assert (
-        f'ARG GGML_CMAKE_ARGS="{kernels.GGML_CMAKE_ARGS}"'
+        f'ARG GGML_CMAKE_ARGS="{ggml.GGML_CMAKE_ARGS}"'
         in (root / "deploy/container/Dockerfile").read_text()
     )
 
@@ -313,17 +313,17 @@ def test_a_call_of_many_experts_fits_its_graph() -> None:
     expert's rows are its FFN of them alone."""
     d, f = 2048, 512
 
-    def matrix(rows: int, cols: int, seed: int) -> kernels.Weight:
+    def matrix(rows: int, cols: int, seed: int) -> weights.Weight:
         raw = random_blocks(Q.Q4_K, rows * cols // 256, seed=seed)
-        return kernels.stored_weight(raw.reshape(-1), Q.Q4_K, (rows, cols), "native")
+        return weights.stored_weight(raw.reshape(-1), Q.Q4_K, (rows, cols), "native")
 
-    ffns = [kernels.FFN(down=matrix(d, f, 3 * i), gate=matrix(f, d, 3 * i + 1), up=matrix(f, d, 3 * i + 2))
+    ffns = [ffn.FFN(down=matrix(d, f, 3 * i), gate=matrix(f, d, 3 * i + 1), up=matrix(f, d, 3 * i + 2))
             for i in range(32)]  # fmt: skip
     x = torch.randn(64, d, generator=torch.Generator().manual_seed(0))
     out = torch.empty_like(x)
-    kernels.ffn_rows([(fn, 2 * i, 2) for i, fn in enumerate(ffns)], x, out)
+    ffn.ffn_rows([(fn, 2 * i, 2) for i, fn in enumerate(ffns)], x, out)
     for i in (0, 31):
-        assert torch.equal(out[2 * i : 2 * i + 2], kernels.ffn(ffns[i], x[2 * i : 2 * i + 2]))
+        assert torch.equal(out[2 * i : 2 * i + 2], ffn.ffn(ffns[i], x[2 * i : 2 * i + 2]))
 
 
 def test_a_prompt_graphs_intermediates_share_memory() -> None:
@@ -331,7 +331,7 @@ def test_a_prompt_graphs_intermediates_share_memory() -> None:
     allocator gives an intermediate whose reader has run to the next, so the thread's buffer holds a few of
     them, not all twelve (48 MiB, which each prompt pass used to touch afresh), and the result is the chain's."""
     rows, cols, steps = 512, 2048, 12
-    gr = kernels.Graph(0, steps + 4)
+    gr = graph.Graph(0, steps + 4)
     g = gr.g
     t = gr.input(cols, rows)
     for i in range(steps):
@@ -348,9 +348,9 @@ def test_a_prompt_graphs_intermediates_share_memory() -> None:
         want = torch.nn.functional.silu(want) if i % 2 == 0 else want * 1.5
     torch.testing.assert_close(out, want.float(), rtol=1e-5, atol=1e-6)
     one = rows * cols * 4
-    held = g.ggml_gallocr_get_buffer_size(kernels._buffers.get_galloc(), 0)
+    held = g.ggml_gallocr_get_buffer_size(graph._buffers.get_galloc(), 0)
     assert held <= 3 * one, f"the allocator holds {held / one:.1f} intermediates"
-    assert kernels._buffers.ctx_mem.nbytes < one  # the context holds the tensors' headers only
+    assert graph._buffers.ctx_mem.nbytes < one  # the context holds the tensors' headers only
 
 
 def test_one_off_graphs_of_the_same_size_but_other_wiring_each_get_their_own_layout() -> None:
@@ -362,7 +362,7 @@ def test_one_off_graphs_of_the_same_size_but_other_wiring_each_get_their_own_lay
     x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(1))
 
     def run(wire: str) -> torch.Tensor:
-        gr = kernels.Graph(0, 8)
+        gr = graph.Graph(0, 8)
         g, ctx = gr.g, gr.ctx
         t = gr.input(cols, rows)
         a = g.ggml_silu(ctx, t)

@@ -1,4 +1,4 @@
-"""The heap policy of coordinators and nodes (swarm.node.malloc): memory a pass frees is found again by the
+"""The heap policy of coordinators and nodes (swarm.compute.malloc): memory a pass frees is found again by the
 next one, where glibc's defaults hand it back and fault its pages in again; and `swarm serve`'s warm-up pass
 (scheduler.warm_prompts) maps the memory of the largest prompt pass before the first request needs it."""
 
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="gl
 ROUNDS = r"""
 import ctypes, resource, sys
 if sys.argv[1] == "keep":
-    from swarm.node.malloc import keep_freed_memory
+    from swarm.compute.malloc import keep_freed_memory
     assert keep_freed_memory()
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
@@ -34,12 +34,12 @@ print(*faults)
 
 FIRST_PASS = r"""
 import resource, sys
-from swarm.node.malloc import keep_freed_memory
+from swarm.compute.malloc import keep_freed_memory
 assert keep_freed_memory()
 import torch
 from swarm.coordinator.engine import open_engine
 from swarm.coordinator.serve.scheduler import warm_prompts
-from swarm.node.kernels import set_threads
+from swarm.compute.ggml import set_threads
 
 set_threads(2)
 engine = open_engine(sys.argv[1], local=True, device="cpu")

@@ -17,11 +17,11 @@ from conftest import FIXTURES
 from gguf import GGUFReader, GGUFValueType, GGUFWriter, Keys
 from reference import assert_logits_close
 
+from swarm.compute.store import ExpertStore
 from swarm.coordinator.experts import LocalExperts
 from swarm.coordinator.loader import load_model
 from swarm.coordinator.models import ARCHS
 from swarm.coordinator.models.layers import DecoderModel, attention, rope, route
-from swarm.node.store import ExpertStore
 from swarm.sharding.errors import UserError
 from swarm.sharding.gguf_io import GGUFError, open_gguf
 from swarm.sharding.shard import shard_model

@@ -18,6 +18,7 @@ from conftest import FIXTURES
 from gguf import GGUFReader, GGUFWriter, Keys
 from reference import assert_logits_close
 
+from swarm.compute.store import ExpertStore
 from swarm.coordinator.experts import LocalExperts
 from swarm.coordinator.loader import load_model
 from swarm.coordinator.models.deltanet import (
@@ -28,7 +29,6 @@ from swarm.coordinator.models.deltanet import (
     gated_delta_recurrent,
 )
 from swarm.coordinator.models.layers import DecoderModel, MoE, PackedEmbedding
-from swarm.node.store import ExpertStore
 from swarm.sharding.gguf_io import GGUFError, open_gguf, read_metadata, tensor_to_numpy
 from swarm.sharding.shard import shard_model
 from swarm.sharding.slabs import slabs_from_gguf, slabs_from_shard

@@ -31,9 +31,9 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import dequantize as gguf_dequantize
 
 from swarm.coordinator.cli import main
+from swarm.coordinator.spawn import start_nodes, stop_nodes
 from swarm.node.auth import SwarmKey, generate_key_text
 from swarm.node.client import NodeCallError, NodeClient
-from swarm.node.launch import start_nodes, stop_nodes
 from swarm.proto import expert_pb2 as pb
 from swarm.proto import expert_pb2_grpc as pb_grpc
 from swarm.proto.channel import MAX_MESSAGE_BYTES, PROTOCOL_VERSION
@@ -434,7 +434,7 @@ def test_cli_user_errors_are_one_line(tmp_path, capsys):
 
 
 def test_store_lru_keeps_recent_experts_under_the_budget():
-    from swarm.node.store import ExpertStore
+    from swarm.compute.store import ExpertStore
     from swarm.sharding.slabs import slabs_from_gguf
 
     slabs = slabs_from_gguf(Q80_GGUF, layers=[0], experts=range(4))
@@ -455,7 +455,7 @@ def test_store_lru_keeps_recent_experts_under_the_budget():
 def test_repacked_copies_stay_under_the_budget_with_the_same_bits(caplog):
     """Native calls multiply Q4_K experts as repacked copies; the budget bounds them as it bounds float32
     copies (least recently used first out), an evicted expert is copied again, and its answers keep their bits."""
-    from swarm.node.store import ExpertStore, _copied_bytes
+    from swarm.compute.store import ExpertStore, _copied_bytes
     from swarm.sharding.slabs import slabs_from_gguf
 
     slabs = slabs_from_gguf(Q4KM_GGUF, layers=[0], experts=range(4))
@@ -472,7 +472,7 @@ def test_repacked_copies_stay_under_the_budget_with_the_same_bits(caplog):
     assert (s.resident_bytes, s.misses) == (0, 0)  # no float32 copies in the native numerics
     assert unlimited.cache_stats().repacked_experts == 4
     # at start-up as many as fit are copied, and the log says so
-    with caplog.at_level(logging.WARNING, logger="swarm.node.store"):
+    with caplog.at_level(logging.WARNING, logger="swarm.compute.store"):
         small = ExpertStore(slabs, memory_budget=3 * one, stacked=False)
         small.prepare()
     assert small.cache_stats().repacked_experts == 3
@@ -481,7 +481,7 @@ def test_repacked_copies_stay_under_the_budget_with_the_same_bits(caplog):
 
 
 def test_native_calls_keep_no_working_copies():
-    from swarm.node.store import ExpertStore
+    from swarm.compute.store import ExpertStore
     from swarm.sharding.slabs import slabs_from_gguf
 
     store = ExpertStore(slabs_from_gguf(Q4KM_GGUF, layers=[0, 2]))
@@ -496,8 +496,8 @@ def test_native_calls_keep_no_working_copies():
 def test_in_process_slots_equal_a_nodes_packed_call(tmp_path):
     """In process, a step's tokens go to mul_mat_id as they are (K slots each, no packing); a node gets the
     same pairs packed expert-major, from stacked tensors or from a shard directory's slab files: the same bits."""
-    from swarm.node.source import load_slabs
-    from swarm.node.store import ExpertStore
+    from swarm.compute.slabs import load_slabs
+    from swarm.compute.store import ExpertStore
     from swarm.sharding.slabs import slabs_from_gguf
 
     stacked = ExpertStore(slabs_from_gguf(Q4KM_GGUF))
@@ -522,7 +522,7 @@ def test_in_process_slots_equal_a_nodes_packed_call(tmp_path):
 def test_store_dequantizes_a_cold_expert_once_under_concurrency():
     from concurrent.futures import ThreadPoolExecutor
 
-    from swarm.node.store import ExpertStore
+    from swarm.compute.store import ExpertStore
     from swarm.sharding.slabs import slabs_from_gguf
 
     store = ExpertStore(slabs_from_gguf(Q4KM_GGUF, layers=[0], experts=[1]))
@@ -542,8 +542,8 @@ def test_unreachable_node_is_unavailable():
 def test_store_serves_other_experts_while_one_is_loading(monkeypatch):
     import threading
 
-    import swarm.node.store as store_mod
-    from swarm.node.store import ExpertStore
+    import swarm.compute.store as store_mod
+    from swarm.compute.store import ExpertStore
     from swarm.sharding.slabs import slabs_from_gguf
 
     slabs = slabs_from_gguf(Q4KM_GGUF, layers=[0], experts=[0, 1])
@@ -580,7 +580,7 @@ def test_nodes_do_not_outlive_a_launcher_that_was_killed(tmp_path):
     code = (
         "import json, sys, time\n"
         "from pathlib import Path\n"
-        "from swarm.node.launch import start_nodes\n"
+        "from swarm.coordinator.spawn import start_nodes\n"
         f"nodes = start_nodes([({str(F32_GGUF)!r}, ['--no-mdns', '--experts', '0-3'])], Path({str(tmp_path)!r}))\n"
         "print(json.dumps([n.pid for n in nodes]), flush=True)\n"
         "time.sleep(600)\n"
@@ -622,7 +622,7 @@ def test_a_node_holding_more_slabs_than_the_soft_file_limit_raises_it_or_says_wh
     shard = tmp_path / "m.swarm"
     shard_model(FIXTURES / "qwen3moe-tiny" / "model-f32.gguf", shard)  # 4 layers x 32 experts
     node_loads = (
-        "from swarm.node.source import load_slabs\n"
+        "from swarm.compute.slabs import load_slabs\n"
         f"got = load_slabs({str(shard)!r}, verify=False)\n"
         "print(len(got.slabs), len(got.problems))\n"
     )

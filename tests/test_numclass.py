@@ -17,14 +17,14 @@ import pytest
 import torch
 from conftest import FIXTURES, flip_bytes
 
+from swarm.compute.numclass import class_of, numerics_class, same_class
 from swarm.coordinator.audit import Auditor
 from swarm.coordinator.cli import main
 from swarm.coordinator.engine import open_engine
 from swarm.coordinator.generate import checked_logits, forward_one
+from swarm.coordinator.spawn import start_nodes, stop_nodes
 from swarm.node.auth import KEY_ENV, SwarmKey, generate_key_text
 from swarm.node.client import NodeClient
-from swarm.node.launch import start_nodes, stop_nodes
-from swarm.node.numclass import class_of, numerics_class, same_class
 from swarm.sharding.gguf_io import open_gguf
 from swarm.sharding.shard import shard_model
 
@@ -158,8 +158,8 @@ def test_another_class_is_checked_within_the_bound_and_caught_when_damaged(rig, 
 def test_a_same_class_answer_one_ulp_off_is_caught_and_another_class_keeps_it(rig):
     """Bit for bit within a class: one unit in the last place of one element bans a node of this class; a
     node of another class is allowed that (its sums run in another order)."""
-    from swarm.node.source import load_slabs
-    from swarm.node.store import ExpertStore
+    from swarm.compute.slabs import load_slabs
+    from swarm.compute.store import ExpertStore
 
     auditor = Auditor(
         ExpertStore(load_slabs(MODEL).slabs), "native", torch.float32, rate=0.0, background=False
@@ -209,8 +209,8 @@ def test_arm_answers_pass_the_bound_and_damaged_ones_never_do(path):
     cls = class_of(meta["machine"], {k: bool(v) for k, v in feats.items()}, "ggml-python " + meta["ggml_python"],
                    int(feats.get("sve_cnt", 0)))  # fmt: skip
     assert cls.startswith("aarch64 ") and not same_class(cls, numerics_class())
-    from swarm.node.source import load_slabs
-    from swarm.node.store import ExpertStore
+    from swarm.compute.slabs import load_slabs
+    from swarm.compute.store import ExpertStore
 
     auditor = Auditor(
         ExpertStore(load_slabs(_their_gguf(meta)).slabs), "native", torch.float32, rate=0.0, background=False

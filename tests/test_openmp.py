@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from swarm.node.openmp import BRIEF_SPIN, OURS, SPIN_COUNT, WAIT_POLICY, set_wait_policy, wait_policy_env
+from swarm.compute.openmp import BRIEF_SPIN, OURS, SPIN_COUNT, WAIT_POLICY, set_wait_policy, wait_policy_env
 
 
 @pytest.fixture
@@ -35,7 +35,7 @@ def test_a_users_own_setting_wins(clean_env: pytest.MonkeyPatch, var: str, value
 
 PROBE = (
     "import os, sys\n"
-    "from swarm.node.openmp import set_wait_policy\n"
+    "from swarm.compute.openmp import set_wait_policy\n"
     "set_wait_policy(experts_remote=True, node=sys.argv[1] == 'node')\n"
     "print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))\n"
 )

@@ -56,8 +56,8 @@ def test_heterogeneous_capacities_replicas_two(shard_dir, capsys):
 
 @pytest.mark.slow
 def test_a_node_started_from_the_plan_holds_exactly_its_slabs(shard_dir, tmp_path, capsys):
+    from swarm.coordinator.spawn import start_nodes
     from swarm.node.client import NodeClient
-    from swarm.node.launch import start_nodes
 
     total = sum(s.size for s in read_manifest(shard_dir).slabs)
     caps = ",".join(str(total // 2 + 50_000) for _ in range(4))

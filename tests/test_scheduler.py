@@ -75,7 +75,7 @@ def test_every_batch_size_is_built_at_start_and_a_real_step_builds_nothing() -> 
     """warm_batches (what `swarm serve` runs before it listens) steps 1..n new sequences once: a decode step of
     sequences that have read prompts then finds every graph it needs kept (it builds none), for each batch
     size up to n; one size beyond n does build its own."""
-    from swarm.node import kernels
+    from swarm.compute import graph
 
     engine = open_engine(Path(MODEL), local=True, device="cpu")
     try:
@@ -86,9 +86,9 @@ def test_every_batch_size_is_built_at_start_and_a_real_step_builds_nothing() -> 
                 states = [m.new_state() for _ in range(b)]
                 # prompts first (their graphs are their own)
                 m(torch.arange(5, 5 + 6 * b), states, [6] * b, last_only=True)
-                kept = set(kernels._cache._graphs)
+                kept = set(graph._cache._graphs)
                 m(torch.arange(40, 40 + b), states, [1] * b, last_only=True)  # a decode step
-                new = set(kernels._cache._graphs) - kept
+                new = set(graph._cache._graphs) - kept
                 assert (not new) if b <= 3 else new, (b, new)
     finally:
         engine.close()

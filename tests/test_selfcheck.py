@@ -20,14 +20,14 @@ import pytest
 import torch
 from conftest import FIXTURES, flip_bytes
 
+from swarm.compute.slabs import load_slabs
+from swarm.compute.store import ExpertStore, MissingSlabs
 from swarm.coordinator.cli import main
+from swarm.coordinator.spawn import start_nodes, stop_nodes
 from swarm.node.auth import SwarmKey, generate_key_text
 from swarm.node.client import NodeCallError, NodeClient
 from swarm.node.discovery import browse
-from swarm.node.launch import start_nodes, stop_nodes
 from swarm.node.selfcheck import SlabSelfCheck
-from swarm.node.source import load_slabs
-from swarm.node.store import ExpertStore, MissingSlabs
 from swarm.sharding.manifest import SlabEntry, read_manifest
 from swarm.sharding.shard import shard_model
 

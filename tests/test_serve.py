@@ -18,7 +18,7 @@ import pytest
 from conftest import FIXTURES
 
 from swarm.coordinator.serve.launch import spawn_server
-from swarm.node.launch import start_nodes, stop_nodes
+from swarm.coordinator.spawn import start_nodes, stop_nodes
 from swarm.sharding.shard import shard_model
 
 MODEL = (

@@ -230,7 +230,7 @@ def test_lazy_slabs_read_each_file_once_when_drawn_and_pass_over_unreadable_ones
 
     import torch
 
-    from swarm.node.store import ExpertStore, slab_dims
+    from swarm.compute.store import ExpertStore, slab_dims
     from swarm.sharding.slabs import LazySlabs
 
     src = FIXTURES / "qwen35moe-quant/model-q4_k_m.gguf"

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
+from swarm.compute.slabs import load_slabs
+from swarm.compute.store import ExpertStore
 from swarm.coordinator.experts import LocalExperts
 from swarm.coordinator.loader import load_model
-from swarm.node.source import load_slabs
-from swarm.node.store import ExpertStore
 
 FIXTURES = Path(__file__).parent / "fixtures"
 MODELS = [

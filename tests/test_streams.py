@@ -20,9 +20,9 @@ import torch
 from conftest import FIXTURES
 from tcp_proxy import TcpProxy
 
+from swarm.coordinator.spawn import start_nodes, stop_nodes
 from swarm.node.auth import Signer, SwarmKey, generate_key_text
 from swarm.node.client import NodeCallError, NodeClient
-from swarm.node.launch import start_nodes, stop_nodes
 from swarm.proto import expert_pb2 as pb
 from swarm.proto.channel import PROTOCOL_VERSION
 from swarm.proto.codec import compute_request, decode_tensor, encode_tensor

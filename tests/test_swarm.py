@@ -13,13 +13,13 @@ import torch
 from conftest import FIXTURES
 from reference import assert_logits_close
 
+from swarm.compute.store import ROWS_PER_MATMUL, ExpertStore
 from swarm.coordinator.engine import open_engine
 from swarm.coordinator.experts import LocalExperts, WithoutExperts
 from swarm.coordinator.generate import forward_one
+from swarm.coordinator.spawn import start_nodes
 from swarm.coordinator.swarm import Part, Placement, connect, split_parts
 from swarm.node.auth import KEY_ENV, SwarmKey, generate_key_text
-from swarm.node.launch import start_nodes
-from swarm.node.store import ROWS_PER_MATMUL, ExpertStore
 from swarm.sharding.errors import UserError
 from swarm.sharding.shard import shard_model
 from swarm.sharding.slabs import read_manifest, slabs_from_gguf, slabs_from_shard

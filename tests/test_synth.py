@@ -284,9 +284,9 @@ def test_forward_pass_is_finite_and_not_degenerate(tmp_path, name):
     # only read a synthetic file, so a layout they cannot load or a scale that blows up shows.
     import torch
 
+    from swarm.compute.store import ExpertStore
     from swarm.coordinator.experts import LocalExperts
     from swarm.coordinator.loader import load_model
-    from swarm.node.store import ExpertStore
     from swarm.sharding.slabs import slabs_from_gguf
 
     path = synthesize(tmp_path / "s.gguf", preset(name, experts_type="IQ4_XS"))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from swarm.compute.openmp import set_wait_policy
 from swarm.coordinator.session import (
     add_numerics_args,
     add_sampling_args,
@@ -17,7 +18,6 @@ from swarm.coordinator.session import (
     sampling_from_args,
     stream_answer,
 )
-from swarm.node.openmp import set_wait_policy
 from swarm.sharding.errors import UserError
 
 

@@ -93,9 +93,9 @@ def run_demo(
     from swarm.coordinator.engine import open_engine
     from swarm.coordinator.generate import SamplingParams
     from swarm.coordinator.session import prompt_ids, report, stream_answer
+    from swarm.coordinator.spawn import start_nodes
     from swarm.node.auth import KEY_ENV, SwarmKey, generate_key_text
     from swarm.node.client import NodeClient
-    from swarm.node.launch import start_nodes
     from swarm.sharding.shard import shard_model
     from swarm.sharding.slabs import read_manifest
     from swarm.sharding.synth import preset, synthesize

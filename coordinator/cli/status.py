@@ -18,11 +18,11 @@ import sys
 from collections import Counter
 from typing import Any
 
+from swarm.compute.numclass import numerics_class, same_class
 from swarm.coordinator.session import add_discovery_args
-from swarm.node.cli import describe_held, swarm_key
-from swarm.node.numclass import numerics_class, same_class
+from swarm.node.auth import swarm_key
 from swarm.sharding.errors import UserError
-from swarm.sharding.ranges import format_ranges
+from swarm.sharding.ranges import format_ranges, format_slabs
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -124,10 +124,10 @@ def _node_record(address: str, info: Any, stats: Any, checked: str) -> dict[str,
         "answering": True,
         "name": info.name,
         "fingerprint": info.fingerprint,
-        "held": describe_held(info.held),
+        "held": format_slabs(info.held),
         "slabs": len(info.held),
         "device": info.device,
-        "numerics_class": info.numerics_class,  # its ggml build's (swarm.node.numclass); "" from an older node
+        "numerics_class": info.numerics_class,  # its ggml build's (swarm.compute.numclass); "" from an older node
         "memory_budget_bytes": info.memory_budget_bytes,
         "calls": stats.calls,
         "rows": stats.rows,
@@ -140,7 +140,7 @@ def _node_record(address: str, info: Any, stats: Any, checked: str) -> dict[str,
         "uptime_seconds": stats.uptime_seconds,
         "answers": checked.split(":")[0],
         "banned_because": checked.split(": ", 1)[1] if checked.startswith("BANNED") else None,
-        "dropped": describe_held(stats.dropped),  # slabs whose files failed the node's own check
+        "dropped": format_slabs(stats.dropped),  # slabs whose files failed the node's own check
         "dropped_slabs": len(stats.dropped),
     }
 

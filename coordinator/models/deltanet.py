@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from gguf import Keys
 from torch import nn
 
+from swarm.compute import deltanet, dense
 from swarm.coordinator.experts import ExpertBackend
 from swarm.coordinator.models.layers import (
     Batch,
@@ -47,7 +48,6 @@ from swarm.coordinator.models.layers import (
     project,
     rope,
 )
-from swarm.node import kernels
 from swarm.sharding.gguf_io import GGUFError
 
 logger = logging.getLogger(__name__)
@@ -266,7 +266,7 @@ class GatedAttention(nn.Module):
             qg, kx, vx = project(x, self.attn_q, self.attn_k, self.attn_v, norm=norm)
             qg = qg.view(n, c.n_head, 2, c.head_dim)
             q = self.attn_q_norm(qg[:, :, 0])  # [N, H, Dh]
-            gate = kernels.unary("sigmoid", qg[:, :, 1].reshape(n, c.n_head * c.head_dim))  # [N, H*Dh]
+            gate = dense.unary("sigmoid", qg[:, :, 1].reshape(n, c.n_head * c.head_dim))  # [N, H*Dh]
             k = self.attn_k_norm(kx.view(n, c.n_head_kv, c.head_dim))  # [N, Hkv, Dh]
             q = rope(q, batch.positions, c.n_rot, c.rope_base)
             k = rope(k, batch.positions, c.n_rot, c.rope_base)
@@ -339,13 +339,13 @@ class GatedDeltaNet(nn.Module):
     def new_state(self) -> DeltaNetState:
         return DeltaNetState()
 
-    def _inputs(self) -> tuple[list[Linear], list[kernels.Post | None]]:
+    def _inputs(self) -> tuple[list[Linear], list[dense.Post | None]]:
         """Every projection of x, and each output's activation where the output is whole: silu(z),
         beta = sigmoid(b), g = softplus(a + dt_bias) * ssm_a."""
         c = self.cfg
         qkvz = [self.ssm_in] if c.fused_qkvz else [self.attn_qkv, self.attn_gate]
         ba = [self.ssm_ba] if c.fused_ba else [self.ssm_beta, self.ssm_alpha]
-        post: list[kernels.Post | None] = [None] if c.fused_qkvz else [None, ("silu",)]
+        post: list[dense.Post | None] = [None] if c.fused_qkvz else [None, ("silu",)]
         post += (
             [None]
             if c.fused_ba
@@ -368,14 +368,14 @@ class GatedDeltaNet(nn.Module):
             per = outs[0].view(n, hk, 2 * ds + 2 * r * ds)
             q, k, v, z = per.split([ds, ds, r * ds, r * ds], dim=-1)
             mixed = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
-            z = kernels.unary("silu", z.reshape(n, hv * ds))
+            z = dense.unary("silu", z.reshape(n, hv * ds))
         else:
             mixed, z = outs[0], outs[1]
         if c.fused_ba:
             ba_out = outs[-1].view(n, hk, 2, r)  # per key head [b (r), a (r)]
             b, a = ba_out[:, :, 0].reshape(n, hv), ba_out[:, :, 1].reshape(n, hv)
-            beta = kernels.unary("sigmoid", b)
-            g = kernels.unary("softplus", a + self.ssm_dt.bias) * self.ssm_a
+            beta = dense.unary("sigmoid", b)
+            g = dense.unary("softplus", a + self.ssm_dt.bias) * self.ssm_a
         else:
             beta, g = outs[-2], outs[-1]
         return mixed, z, beta, g
@@ -398,7 +398,7 @@ class GatedDeltaNet(nn.Module):
         parts = list(zip(batch.split(mixed), batch.split(g), batch.split(beta), states, strict=True))
         outs: list[torch.Tensor | None] = [None] * len(parts)
         # Sequences bringing one token (decode) step together, each longer one on its own; a token's values
-        # come out the same either way (kernels.delta_net_step), so a sequence's bits do not depend on the
+        # come out the same either way (deltanet.delta_net_step), so a sequence's bits do not depend on the
         # others in the call nor on how its tokens were split into calls.
         ones = [i for i, p in enumerate(parts) if p[0].shape[0] == 1]
         if ones:
@@ -430,14 +430,14 @@ class GatedDeltaNet(nn.Module):
         # ssm_out(ssm_norm(o) * z) per value head, and the residual, in one graph
         return project(o, self.ssm_out, norm=self.ssm_norm, gate=z, residual=x)[0]
 
-    def _rule(self) -> kernels.DeltaRule:
+    def _rule(self) -> deltanet.DeltaRule:
         c = self.cfg
-        return kernels.DeltaRule(self.ssm_conv1d.weight, c.n_k_heads, not c.v_heads_tiled, L2_EPS)
+        return deltanet.DeltaRule(self.ssm_conv1d.weight, c.n_k_heads, not c.v_heads_tiled, L2_EPS)
 
     def _whole(
         self, x: torch.Tensor, norm: RMSNorm, batch: Batch, states: list[DeltaNetState]
     ) -> torch.Tensor | None:
-        """The layer as one ggml graph (kernels.delta_net_layer: the ops of the path below, so the same
+        """The layer as one ggml graph (deltanet.delta_net_layer: the ops of the path below, so the same
         bits) when every matrix is on ggml, the file has separate q/k/v/z and beta/alpha matrices, and no
         sequence is long enough for the chunked form; else None."""
         c = self.cfg
@@ -448,7 +448,7 @@ class GatedDeltaNet(nn.Module):
         out = ggml_form([self.ssm_out], [None])
         if inputs is None or out is None:
             return None
-        y, convs, ssms, marked = kernels.delta_net_layer(
+        y, convs, ssms, marked = deltanet.delta_net_layer(
             x,
             batch.lengths,
             *inputs,
@@ -474,7 +474,7 @@ class GatedDeltaNet(nn.Module):
         that sequence's own tensor, never a copy of a batch's)."""
         convs = [st.conv for st in states if st.conv is not None]
         ssms = [st.ssm for st in states if st.ssm is not None]
-        o, convs, ssms = kernels.delta_net_step(mixed, convs, g, beta, ssms, self._rule())
+        o, convs, ssms = deltanet.delta_net_step(mixed, convs, g, beta, ssms, self._rule())
         for st, conv, ssm in zip(states, convs, ssms, strict=True):
             st.conv, st.ssm = conv, ssm
         return o
@@ -486,7 +486,7 @@ class GatedDeltaNet(nn.Module):
         o [T, Hv, Dv] by the chunked form in torch; st advanced."""
         assert st.conv is not None and st.ssm is not None
         conv, st.conv = causal_conv(mixed, st.conv, self.ssm_conv1d.weight)
-        q, k, v = self._qkv(kernels.unary("silu", conv))  # [T, Hv, D], q unscaled
+        q, k, v = self._qkv(dense.unary("silu", conv))  # [T, Hv, D], q unscaled
         scale = 1.0 / math.sqrt(self.cfg.d_state)
         o, s = gated_delta_chunked(
             (q * scale).transpose(0, 1),
@@ -561,13 +561,13 @@ def gated_delta_recurrent(
     state: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule one step at a time: the definition, which tests hold ggml's op and the chunked
-    form to (the model runs ggml's op, kernels.delta_net_step).
+    form to (the model runs ggml's op, deltanet.delta_net_step).
 
     q, k [..., T, Dk] (q already scaled), v [..., T, Dv], g, beta [..., T], state S [..., Dk, Dv].
     Per step: S <- S * exp(g_t); delta = (v_t - S^T k_t) * beta_t; S <- S + k_t delta^T; o_t = S^T q_t.
     Returns (o [..., T, Dv], final S).
     """
-    decay = kernels.unary("exp", g)[..., None, None]  # [..., T, 1, 1]; ggml's: the same for B rows or one
+    decay = dense.unary("exp", g)[..., None, None]  # [..., T, 1, 1]; ggml's: the same for B rows or one
     s = state * decay[..., 0, :, :]  # a private copy: later steps update it in place
     outs = []
     for t in range(q.shape[-2]):

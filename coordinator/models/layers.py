@@ -28,9 +28,10 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType, Keys
 from torch import nn
 
+from swarm.compute import dense, ffn, ggml
+from swarm.compute.dequant import dequantize
+from swarm.compute.weights import Weight
 from swarm.coordinator.experts import ExpertBackend, LocalExperts
-from swarm.node import kernels
-from swarm.node.dequant import dequantize
 from swarm.sharding.gguf_io import GGUFError
 
 # llama.cpp clamps the sum of the selected routing weights before renormalising (build_moe_ffn).
@@ -48,9 +49,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
 
-    def on_ggml(self) -> kernels.Norm:
+    def on_ggml(self) -> dense.Norm:
         """This norm as a ggml graph applies it."""
-        return kernels.Norm(self.weight, self.eps)
+        return dense.Norm(self.weight, self.eps)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -72,13 +73,13 @@ class TorchMatrix:
 
 class GGMLMatrix:
     """A weight [out, in] multiplied by ggml's CPU kernels where it lies (a view of the GGUF's memory map in
-    its file type for the native numerics; a float32 copy for exact). See swarm.node.kernels."""
+    its file type for the native numerics; a float32 copy for exact). See swarm.compute.weights."""
 
-    def __init__(self, weight: kernels.Weight) -> None:
+    def __init__(self, weight: Weight) -> None:
         self.weight = weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.linear([self.weight], x.reshape(-1, x.shape[-1]))[0].view(*x.shape[:-1], -1)
+        return dense.linear([self.weight], x.reshape(-1, x.shape[-1]))[0].view(*x.shape[:-1], -1)
 
     def dense(self) -> torch.Tensor:
         w = self.weight
@@ -92,7 +93,7 @@ Matrix = TorchMatrix | GGMLMatrix
 
 class Linear(nn.Module):
     """A GGUF matrix {in, out}: weight [out, in] as the loader sets it (a Matrix: multiplied as the file
-    stores it, see swarm.node.kernels), optional bias [out] (float32)."""
+    stores it, see swarm.compute.weights), optional bias [out] (float32)."""
 
     def __init__(self, d_in: int, d_out: int, bias: bool = False) -> None:
         super().__init__()
@@ -109,7 +110,7 @@ class Linear(nn.Module):
 def project(
     x: torch.Tensor,
     *linears: Linear,
-    post: Sequence[kernels.Post | None] | None = None,
+    post: Sequence[dense.Post | None] | None = None,
     norm: RMSNorm | None = None,
     gate: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
@@ -117,7 +118,7 @@ def project(
 ) -> list[torch.Tensor]:
     """x [N, I] through several Linears of the same input, with what comes just before and after them:
     `norm` first (per group of its width: a row, or each head of a row), then times `gate` [N, I], the
-    products, `post[j]` on output j (kernels.Post: an activation), `residual` [N, O_0] added to the first.
+    products, `post[j]` on output j (dense.Post: an activation), `residual` [N, O_0] added to the first.
     `normed`: the input as multiplied (after norm and gate) comes first in the list.
 
     One ggml graph when every matrix is on ggml (a decode step's pieces are small, and each graph and each
@@ -126,7 +127,7 @@ def project(
     on_ggml = ggml_form(linears, posts)
     if on_ggml is not None:
         weights, steps = on_ggml
-        return kernels.linear(
+        return dense.linear(
             weights,
             x,
             steps,
@@ -138,15 +139,15 @@ def project(
     xn = x if norm is None else norm(x.view(*x.shape[:-1], -1, norm.weight.numel())).view(x.shape)
     if gate is not None:
         xn = xn * gate
-    outs = [kernels.apply_post(lin(xn), p) for lin, p in zip(linears, posts, strict=True)]
+    outs = [dense.apply_post(lin(xn), p) for lin, p in zip(linears, posts, strict=True)]
     if residual is not None:
         outs[0] = outs[0] + residual
     return [xn, *outs] if normed else outs
 
 
 def ggml_form(
-    linears: Sequence[Linear], posts: Sequence[kernels.Post | None]
-) -> tuple[list[kernels.Weight], list[kernels.Post | None]] | None:
+    linears: Sequence[Linear], posts: Sequence[dense.Post | None]
+) -> tuple[list[Weight], list[dense.Post | None]] | None:
     """The matrices and steps ggml multiplies these Linears as (a bias is the first step after its
     product), or None when one of them is not on ggml (a GPU)."""
     mats = [lin.matrix for lin in linears]
@@ -170,18 +171,18 @@ def heads_on_ggml(
     positions: torch.Tensor,
     gated: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
-    """An attention layer's front in one ggml graph (kernels.attention_heads: norm, the q/k/v `linears`, the q/k
+    """An attention layer's front in one ggml graph (dense.attention_heads: norm, the q/k/v `linears`, the q/k
     norms, RoPE, a gate's sigmoid) for the native numerics; None where the layer computes it in torch (exact
     numerics, or a matrix not on ggml). `cfg` has n_head, n_head_kv, head_dim, n_rot and rope_base."""
     on_ggml = ggml_form(linears, [None] * len(linears)) if native else None
     if on_ggml is None:
         return None
-    heads = kernels.Heads(
+    heads = dense.Heads(
         cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_rot, cfg.rope_base,
         q_norm.on_ggml() if q_norm is not None else None, k_norm.on_ggml() if k_norm is not None else None,
         gated,
     )  # fmt: skip
-    return kernels.attention_heads(x, norm.on_ggml(), *on_ggml, heads, positions)
+    return dense.attention_heads(x, norm.on_ggml(), *on_ggml, heads, positions)
 
 
 @dataclass(frozen=True)
@@ -254,7 +255,7 @@ class MoE(nn.Module):
         # thread, the wait hides it, and the other cores are the nodes' (on this machine) or the network
         # stack's meanwhile. Experts already computed (in process): it takes every thread.
         in_flight = getattr(pending, "in_flight", False)
-        with kernels.one_thread() if in_flight else contextlib.nullcontext():
+        with ggml.one_thread() if in_flight else contextlib.nullcontext():
             shared = self._shared(x, gate_value)
         out = pending.wait()  # [T, K, D]
         dropped = getattr(pending, "dropped", None)  # [T, K] bool: degraded mode left these pairs out
@@ -265,7 +266,7 @@ class MoE(nn.Module):
             )
         # Summed over K in slot order: the result does not depend on which holder answered first.
         if h.device.type == "cpu":
-            return kernels.moe_combine(h, out, weights, shared)  # the ops of _whole's graph
+            return ffn.moe_combine(h, out, weights, shared)  # the ops of _whole's graph
         routed = (out * weights.unsqueeze(-1)).sum(dim=1)
         return h + (routed if shared is None else routed + shared)
 
@@ -277,7 +278,7 @@ class MoE(nn.Module):
         ids: torch.Tensor,
         gate_value: torch.Tensor | None,
     ) -> torch.Tensor | None:
-        """The experts, the shared expert and the sum in one graph (kernels.moe_layer: the ops of the path
+        """The experts, the shared expert and the sum in one graph (ffn.moe_layer: the ops of the path
         below, the same bits) when the experts are this process's own, stacked where they lie in the
         file, and every shared matrix is on ggml; else None."""
         if not isinstance(self.experts, LocalExperts) or h.device.type != "cpu":
@@ -286,9 +287,9 @@ class MoE(nn.Module):
         shared = self._shared_ffn()
         if stack is None or (self.ffn_gate_shexp is not None and shared is None):
             return None
-        return kernels.moe_layer(h, x, ids, weights, stack, shared, gate_value)
+        return ffn.moe_layer(h, x, ids, weights, stack, shared, gate_value)
 
-    def _shared_ffn(self) -> kernels.FFN | None:
+    def _shared_ffn(self) -> ffn.FFN | None:
         """The shared expert as ggml multiplies it; None without one or off ggml."""
         gate, up, down = self.ffn_gate_shexp, self.ffn_up_shexp, self.ffn_down_shexp
         if gate is None or up is None or down is None:
@@ -297,14 +298,14 @@ class MoE(nn.Module):
         if not all(isinstance(m, GGMLMatrix) for m in mats):
             return None
         g, u, d = (m.weight for m in mats)  # type: ignore[union-attr]
-        return kernels.FFN(down=d, gate=g, up=u)
+        return ffn.FFN(down=d, gate=g, up=u)
 
     def _shared(self, x: torch.Tensor, gate_value: torch.Tensor | None) -> torch.Tensor | None:
         gate, up, down = self.ffn_gate_shexp, self.ffn_up_shexp, self.ffn_down_shexp
         if gate is None or up is None or down is None:
             return None
         on_ggml = self._shared_ffn()  # the same SwiGLU graph as a routed expert on a node
-        y = kernels.ffn(on_ggml, x) if on_ggml is not None else down(F.silu(gate(x)) * up(x))
+        y = ffn.ffn(on_ggml, x) if on_ggml is not None else down(F.silu(gate(x)) * up(x))
         if gate_value is not None:
             y = y * gate_value
         return y

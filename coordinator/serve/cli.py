@@ -138,7 +138,7 @@ def _off_main_thread(work: Callable[[], T]) -> T:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from swarm.node.openmp import set_wait_policy
+    from swarm.compute.openmp import set_wait_policy
 
     set_wait_policy(experts_remote=not args.local)  # before torch loads: it is read once, then
     import uvicorn

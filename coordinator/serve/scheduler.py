@@ -60,7 +60,7 @@ def warm_batches(model: Any, n: int, device: torch.device) -> None:
     built now, at start, rather than in the first step that meets it (a step of 8 sequences took 3x its time
     then, on the Qwen3.6-35B layer shape). A real step of b sequences finds them whatever its sequences hold.
     Steps of more sequences than kernels.KEEP_ROWS build their graphs every time: not warmed."""
-    from swarm.node.kernels import KEEP_ROWS
+    from swarm.compute.graph import KEEP_ROWS
 
     with torch.inference_mode():
         for b in range(1, min(n, KEEP_ROWS) + 1):
@@ -71,7 +71,7 @@ def warm_batches(model: Any, n: int, device: torch.device) -> None:
 def warm_prompts(model: Any, n: int, device: torch.device) -> None:
     """One pass reading the most prompt tokens a pass takes (PASS_PROMPT_TOKENS_ALONE, over up to n new
     prompts of at most CHUNK tokens each), thrown away: the memory of the largest pass is then mapped, and
-    with swarm.node.malloc's policy kept, so the first burst of prompts finds it, where it faulted tens of
+    with swarm.compute.malloc's policy kept, so the first burst of prompts finds it, where it faulted tens of
     thousands of pages in (8 prompts of 64 tokens of the Qwen3.6-35B layer shape: 45,000 faults in a first
     pass, a few in a second). Run it on the thread that will run the passes: ggml's graph allocator buffer
     is that thread's."""

@@ -8,7 +8,7 @@ Model fingerprint: a shard directory's is the manifest's. A whole GGUF would nee
 get that same value, so a node started on one reports the SHA-256 of the GGUF's header bytes (all
 metadata and tensor infos) instead, the value a manifest records as `source.header_sha256`. Either way the
 node also reports that source header hash, so a coordinator started on the other form of the same model
-recognises it (see swarm.node.identity).
+recognises it (see swarm.sharding.identity).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from swarm.node.identity import ModelIdentity, gguf_header_fingerprint
 from swarm.sharding.errors import UserError
 from swarm.sharding.gguf_io import expert_tensors, open_gguf
+from swarm.sharding.identity import ModelIdentity, gguf_header_fingerprint
 from swarm.sharding.slabs import SlabKey, SlabTensor, slabs_from_gguf
 
 log = logging.getLogger(__name__)

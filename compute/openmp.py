@@ -1,6 +1,6 @@
 """How a process's compute threads wait between parallel regions, decided before torch is loaded.
 
-torch and ggml share one GNU OpenMP runtime (the libgomp torch ships; see swarm.node.kernels). ggml runs a
+torch and ggml share one GNU OpenMP runtime (the libgomp torch ships; see swarm.compute.ggml). ggml runs a
 graph as one parallel region and meets at an OpenMP barrier after every op; torch runs a region per op.
 How long a thread that arrives first spins before it sleeps is libgomp's spin count (GOMP_SPINCOUNT;
 OMP_WAIT_POLICY=PASSIVE makes it 0, the default is 300000 spins, ~ms).

@@ -2,7 +2,7 @@
 
 Dimension letters: N rows, D model width, F expert width.
 The quantized slab bytes stay memory-mapped. In the native numerics (the default) ggml multiplies them as
-they are (swarm.node.kernels), or, for the types this CPU has ggml's repacked kernels for (Q4_0, Q4_K, IQ4_NL
+they are (swarm.compute), or, for the types this CPU has ggml's repacked kernels for (Q4_0, Q4_K, IQ4_NL
 on x86), a repacked copy that replaces the slab's pages in memory (`prepare` makes them at start-up): what is
 resident is the slab pages in use and those copies, no float32. The
 exact numerics multiplies float32 working copies, dequantized on first use; so does a slab type that ggml
@@ -28,9 +28,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from swarm.node import kernels, pages
-from swarm.node.dequant import dequantize
-from swarm.node.kernels import EXACT, FFN, NATIVE, NUMERICS, Numerics, Weight
+from swarm.compute import ffn, pages, probes, weights
+from swarm.compute.dequant import dequantize
+from swarm.compute.ffn import FFN
+from swarm.compute.numerics import Numerics
+from swarm.compute.weights import Weight
 from swarm.sharding.ranges import format_ranges
 from swarm.sharding.slabs import LazySlabs, SlabKey, SlabTensor
 
@@ -139,13 +141,13 @@ def dequantize_expert(parts: dict[str, SlabTensor], device: torch.device | str =
 def native_ffn(parts: dict[str, SlabTensor]) -> FFN | None:
     """One expert's slabs as ggml multiplies them in place; None when a part's type has no ggml kernel."""
     for s in parts.values():
-        if not s.kind.endswith(".bias") and not kernels.has_kernel(s.qtype):
-            kernels.warn_no_kernel(int(s.qtype), f"expert slab {s.kind}")
+        if not s.kind.endswith(".bias") and not probes.has_kernel(s.qtype):
+            probes.warn_no_kernel(int(s.qtype), f"expert slab {s.kind}")
             return None
 
     def w(kind: str) -> Weight | None:
         s = parts.get(kind)
-        return kernels.repacked(Weight.of_bytes(s.data, s.qtype, s.shape)) if s is not None else None
+        return weights.repacked(Weight.of_bytes(s.data, s.qtype, s.shape)) if s is not None else None
 
     def bias(kind: str) -> torch.Tensor | None:
         s = parts.get(kind + ".bias")
@@ -167,10 +169,10 @@ def _copied_bytes(parts: dict[str, SlabTensor]) -> int:
 
 def _in_place(s: SlabTensor) -> bool:
     rows = int(np.prod(s.shape[:-1])) if len(s.shape) > 1 else 1
-    return s.kind.endswith(".bias") or not kernels.repackable(int(s.qtype), rows)
+    return s.kind.endswith(".bias") or not weights.repackable(int(s.qtype), rows)
 
 
-def _find_stack(layer: int, experts: dict[int, dict[str, SlabTensor]]) -> kernels.ExpertStack | None:
+def _find_stack(layer: int, experts: dict[int, dict[str, SlabTensor]]) -> ffn.ExpertStack | None:
     """The ExpertStack of one layer's held experts, or None when their slabs are not back to back in one
     mapping (slab files), carry biases, or have a type without a ggml kernel."""
     first = next(iter(experts.values()))
@@ -182,7 +184,7 @@ def _find_stack(layer: int, experts: dict[int, dict[str, SlabTensor]]) -> kernel
     stacks: dict[str, Weight] = {}
     for kind in kinds:
         ref = first[kind]
-        if not kernels.has_kernel(ref.qtype):
+        if not probes.has_kernel(ref.qtype):
             return None
         w = Weight.of_bytes(ref.data, ref.qtype, ref.shape)
         base, owner = w.ptr - e0 * w.nbytes, ref.data.base
@@ -203,9 +205,9 @@ def _find_stack(layer: int, experts: dict[int, dict[str, SlabTensor]]) -> kernel
         stacks[kind] = Weight(w.qtype, w.rows, w.cols, base + lo * w.nbytes, (n_stack - lo) * w.nbytes, owner,
                               n_stack - lo)  # fmt: skip
     # the held experts lo.. in ggml's repacked layout where it has one, indexed from expert 0 as in the file
-    stacks = {k: kernels.repacked(h).stacked(n_stack, lo) for k, h in stacks.items()}
+    stacks = {k: weights.repacked(h).stacked(n_stack, lo) for k, h in stacks.items()}
     log.debug("layer %d: %d experts multiplied as stacks", layer, len(experts))
-    return kernels.ExpertStack(
+    return ffn.ExpertStack(
         down=stacks[DOWN], gate=stacks.get(GATE), up=stacks.get(UP), gate_up=stacks.get(GATE_UP)
     )
 
@@ -310,7 +312,7 @@ class ExpertStore:
         self._native: dict[SlabKey, FFN | None] = {}  # views of the slab bytes, or repacked copies
         self._packed: OrderedDict[SlabKey, int] = OrderedDict()  # the repacked ones: bytes, LRU order
         self._packed_bytes = self._repacks = 0
-        self._stacks: dict[int, kernels.ExpertStack | None] = {}  # per layer, where the GGUF stacks them
+        self._stacks: dict[int, ffn.ExpertStack | None] = {}  # per layer, where the GGUF stacks them
         self._stack_lock = threading.Lock()
         # the slab pages are mapped in while the process starts up, not one fault at a time in the first calls
         # (not those that native calls multiply as a repacked copy: they are read once, by `prepare`)
@@ -463,13 +465,13 @@ class ExpertStore:
         if missing:
             raise MissingSlabs(layer, missing, self.layers())
 
-    def ffn(self, layer: int, expert: int, numerics: Numerics = NATIVE) -> FFN:
+    def ffn(self, layer: int, expert: int, numerics: Numerics = Numerics.NATIVE) -> FFN:
         """One expert as ggml multiplies it: its slab bytes (native) or its float32 working copy (exact,
         or a slab type without a ggml kernel)."""
         key = (layer, expert)
         if key not in self.slabs:
             raise MissingSlabs(layer, [expert], self.layers())
-        if numerics == NATIVE:
+        if numerics == Numerics.NATIVE:
             f = self._native_ffn(key)
             if f is not None:
                 return f
@@ -506,7 +508,7 @@ class ExpertStore:
         evicted, or its bytes in place), with nothing to copy first."""
         return (layer, expert) in self._native
 
-    def stack(self, layer: int) -> kernels.ExpertStack | None:
+    def stack(self, layer: int) -> ffn.ExpertStack | None:
         """This layer's experts as one stack per matrix, when they lie back to back as a whole GGUF's stacked
         tensors do (a shard directory's slab files do not): then one mul_mat_id multiplies them all."""
         if not self.stacked:
@@ -541,7 +543,7 @@ class ExpertStore:
                     and self._bytes + self._packed_bytes + size > self.memory_budget
                 ):
                     continue
-                self.ffn(layer, expert, NATIVE)
+                self.ffn(layer, expert, Numerics.NATIVE)
                 made += 1
         if made < total:
             log.warning(
@@ -556,30 +558,30 @@ class ExpertStore:
         expert_ids: Sequence[int],
         counts: Sequence[int],
         rows: torch.Tensor,
-        numerics: Numerics = NATIVE,
+        numerics: Numerics = Numerics.NATIVE,
     ) -> torch.Tensor:
         """Rows packed expert-major (counts[i] rows for expert_ids[i]) -> outputs [N, D] float32 in the same order."""
         self.check(layer, expert_ids, counts, rows)
-        if numerics not in NUMERICS:
-            raise BadCall(f"unknown numerics {numerics!r}; use one of {', '.join(NUMERICS)}")
-        if numerics == EXACT and self.device.type != "cpu":
+        if numerics not in tuple(Numerics):
+            raise BadCall(f"unknown numerics {numerics!r}; use one of {', '.join(tuple(Numerics))}")
+        if numerics == Numerics.EXACT and self.device.type != "cpu":
             return self._compute_torch(layer, expert_ids, counts, rows)
         x = rows.to("cpu", torch.float32).contiguous()
         out = torch.empty_like(x)
-        stack = self.stack(layer) if numerics == NATIVE else None
+        stack = self.stack(layer) if numerics == Numerics.NATIVE else None
         if stack is not None:
             ids = torch.repeat_interleave(torch.tensor(expert_ids), torch.tensor(counts))
-            kernels.moe_rows(stack, ids[:, None], x, out)
+            ffn.moe_rows(stack, ids[:, None], x, out)
             return out
         blocks, start = [], 0
         for expert, n in zip(expert_ids, counts, strict=True):
             if n:
                 blocks.append((self.ffn(layer, expert, numerics), start, n))
             start += n
-        kernels.ffn_rows(blocks, x, out)
+        ffn.ffn_rows(blocks, x, out)
         return out
 
-    def held_stack(self, layer: int, ids: torch.Tensor) -> kernels.ExpertStack | None:
+    def held_stack(self, layer: int, ids: torch.Tensor) -> ffn.ExpertStack | None:
         """This layer's experts as one stack (None when they do not lie stacked), after checking that every
         expert of ids is held here."""
         stack = self.stack(layer)
@@ -596,7 +598,7 @@ class ExpertStore:
             return None
         x = x.to(torch.float32).contiguous()
         out = torch.empty(x.shape[0], ids.shape[1], x.shape[1], dtype=torch.float32)
-        kernels.moe_rows(stack, ids, x, out)
+        ffn.moe_rows(stack, ids, x, out)
         return out
 
     def _compute_torch(

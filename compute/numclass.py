@@ -36,7 +36,7 @@ def _ggml_version() -> str:
 @functools.cache
 def numerics_class() -> str:
     """This process's class, e.g. 'x86_64 avx+avx2 / ggml-python 0.0.45' or 'aarch64 neon+dotprod / ...'."""
-    from swarm.node.kernels import ggml_lib
+    from swarm.compute.ggml import ggml_lib
 
     g = ggml_lib()
     flags = {}

@@ -1,0 +1,27 @@
+"""The two numerics a product can be computed in: one type, from the command line to the kernels and the wire.
+
+- `native` (the default): every weight stays in its file type (Q4_K, Q8_0, BF16, ...) and ggml multiplies
+  the stored blocks, quantizing each activation row to the type its kernel pairs with (Q8_K for K-quants,
+  Q8_0/Q8_1 for the legacy quants, BF16 for BF16, ...). These are llama.cpp's numerics.
+- `exact`: float32 weights (dequantized once, bit-identical to gguf-py) times float32 activations with
+  ggml's F32 kernel: the oracle that matches transformers.
+
+Each activation row is quantized on its own, and every output element is computed by one kernel whatever the
+batch: a row's result does not depend on how many rows share the matmul, which other sequences are in the
+step, or which process on the same CPU computes it (compute/probes.py: tinyBLAS is used only where it sums as
+`vec_dot` does). A different SIMD level rounds differently: see numclass.py.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class Numerics(enum.StrEnum):
+    NATIVE = "native"
+    EXACT = "exact"
+
+    @classmethod
+    def of(cls, exact: bool) -> Numerics:
+        """The numerics a command's `--exact` flag asks for."""
+        return cls.EXACT if exact else cls.NATIVE
