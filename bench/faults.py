@@ -1,4 +1,4 @@
-"""Decode under node churn, and what degraded mode costs (issue 11).
+"""Decode under node churn, and what degraded mode costs.
 
 Churn: 4 loopback nodes with replication 2 (nodes i and i+2 hold the same half of the experts); while a
 128-token greedy generation runs, a node is SIGKILLed and restarted on its port every 2 s. Decode tokens/s
@@ -24,6 +24,8 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -32,11 +34,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _doc import publish  # noqa: E402
-from decode import LOOPBACK, MODELS, prepare, prompt_tokens  # noqa: E402
+from _loopback import LOOPBACK  # noqa: E402
+from _models import MODELS, prepare, prompt_tokens  # noqa: E402
 
 from swarm.compute.ggml import set_threads  # noqa: E402
 from swarm.compute.openmp import set_wait_policy  # noqa: E402
-from swarm.coordinator.engine import open_engine  # noqa: E402
+from swarm.coordinator.engine import Engine, open_engine  # noqa: E402
 from swarm.coordinator.experts import WithoutExperts  # noqa: E402
 from swarm.coordinator.generate import GenerationStats, SamplingParams, forward_one, generate  # noqa: E402
 from swarm.coordinator.spawn import LocalNode, spawn_node, start_nodes, stop_nodes  # noqa: E402
@@ -102,7 +105,10 @@ def kl_top1(full: torch.Tensor, other: torch.Tensor) -> tuple[float, float]:
     return kl, top1
 
 
-def main(argv: list[str] | None = None) -> int:
+Quality = list[tuple[str, float, float]]  # (experts gone, mean KL vs full, top-1 agreement)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", choices=sorted(MODELS), default="qwen35moe")
     ap.add_argument("--layers", type=int, default=4)
@@ -111,84 +117,93 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--workdir", type=Path, required=True)
     ap.add_argument("--no-write", action="store_true")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    logging.getLogger("swarm").setLevel(logging.ERROR)  # the churn's failovers would flood the output
-    set_wait_policy(experts_remote=True)
-    set_threads(args.threads)
-    gguf, shard_dir = prepare(args.model, args.layers, args.workdir)
-    n_expert = read_manifest(shard_dir).n_expert
-    halves = [format_ranges(range(0, n_expert // 2)), format_ranges(range(n_expert // 2, n_expert))]
-    specs = [["--experts", halves[i % 2], "--threads", "1", "--no-verify"] for i in range(4)]
-    key_text = generate_key_text()
-    env = {KEY_ENV: key_text}
-    work = args.workdir / "faults-nodes"
-    nodes = start_nodes([(shard_dir, s) for s in specs], work, timeout=180, env=env)
+    return ap.parse_args(argv)
+
+
+def churn_runs(
+    args: argparse.Namespace, engine: Any, ids: list[int], expect: list[int], churn: Callable[[], Churn]
+) -> tuple[dict[str, list[float]], list[int], list[float]]:
+    """Decode tok/s of each repetition without faults and under `churn`, in alternating order; the kills per
+    churned generation and the nodes' restart times. Every text must equal the fault-free one, `expect`."""
     runs: dict[str, list[float]] = {"fault-free": [], "churn": []}
     kills: list[int] = []
     restarts: list[float] = []
-    try:
-        engine = open_engine(
-            shard_dir, mdns_interfaces=[LOOPBACK], wait=20.0, device="cpu", key=SwarmKey.from_text(key_text)
-        )
-        ids = prompt_tokens(engine, 64)
-        expect, _ = timed_generation(engine, ids, args.tokens)  # also admits (probes) every node once
-        for rep in range(args.reps):
-            for name in ["fault-free", "churn"] if rep % 2 == 0 else ["churn", "fault-free"]:
-                if name == "churn":
-                    with Churn(nodes, specs, shard_dir, work, env) as churn:
-                        tokens, tps = timed_generation(engine, ids, args.tokens)
-                    kills.append(churn.kills)
-                    restarts += churn.restart_s
-                else:
+    for rep in range(args.reps):
+        for name in ["fault-free", "churn"] if rep % 2 == 0 else ["churn", "fault-free"]:
+            if name == "churn":
+                with churn() as churned:
                     tokens, tps = timed_generation(engine, ids, args.tokens)
-                if tokens != expect:
-                    raise SystemExit(f"rep {rep} {name}: the text differs from the fault-free one")
-                runs[name].append(tps)
-                log.info("rep %d %-10s decode %6.2f tok/s", rep + 1, name, tps)
-        failovers = engine.experts.failovers
+                kills.append(churned.kills)
+                restarts += churned.restart_s
+            else:
+                tokens, tps = timed_generation(engine, ids, args.tokens)
+            if tokens != expect:
+                raise SystemExit(f"rep {rep} {name}: the text differs from the fault-free one")
+            runs[name].append(tps)
+            log.info("rep %d %-10s decode %6.2f tok/s", rep + 1, name, tps)
+    return runs, kills, restarts
 
-        # degraded: both holders of the second half stopped (mDNS goodbyes), the rest answers
-        full_local = open_engine(gguf, local=True, device="cpu")
-        full = forward_one(full_local.model, ids, full_local.model.new_state(), "cpu")
-        engine.close()
-        degraded = open_engine(
-            shard_dir,
-            mdns_interfaces=[LOOPBACK],
-            wait=20.0,
-            device="cpu",
-            key=SwarmKey.from_text(key_text),
-            degraded=True,
-        )
-        for i in (1, 3):
-            nodes[i].stop()
-        time.sleep(1.0)
-        half = forward_one(degraded.model, ids, degraded.model.new_state(), "cpu")
-        quality = [
-            ("1/2 (both holders of experts " + halves[1] + " gone; through the swarm)", *kl_top1(full, half))
-        ]
-        degraded.close()
-        base = full_local.experts
-        for share, label in ((8, "1/8"), (4, "1/4")):
-            gone = set(range(n_expert - n_expert // share, n_expert))
-            full_local.model.set_experts(WithoutExperts(base, gone))
-            out = forward_one(full_local.model, ids, full_local.model.new_state(), "cpu")
-            quality.append(
-                (
-                    f"{label} (experts {format_ranges(sorted(gone))} gone; in process, same renormalization)",
-                    *kl_top1(full, out),
-                )
+
+def degraded_quality(
+    full_local: Engine,
+    full: torch.Tensor,
+    shard_dir: Path,
+    ids: list[int],
+    nodes: list[LocalNode],
+    key: SwarmKey,
+    halves: list[str],
+    n_expert: int,
+) -> Quality:
+    """Logits with a share of the experts gone against the full model's (`full`, from `full_local`, which
+    this closes): half of them through the swarm (both holders of the second half stopped: mDNS goodbyes,
+    the rest answers), smaller shares in process."""
+    degraded = open_engine(
+        shard_dir,
+        mdns_interfaces=[LOOPBACK],
+        wait=20.0,
+        device="cpu",
+        key=key,
+        degraded=True,
+    )
+    for i in (1, 3):
+        nodes[i].stop()
+    time.sleep(1.0)
+    half = forward_one(degraded.model, ids, degraded.model.new_state(), "cpu")
+    quality = [
+        ("1/2 (both holders of experts " + halves[1] + " gone; through the swarm)", *kl_top1(full, half))
+    ]
+    degraded.close()
+    base = full_local.experts
+    for share, label in ((8, "1/8"), (4, "1/4")):
+        gone = set(range(n_expert - n_expert // share, n_expert))
+        full_local.model.set_experts(WithoutExperts(base, gone))
+        out = forward_one(full_local.model, ids, full_local.model.new_state(), "cpu")
+        quality.append(
+            (
+                f"{label} (experts {format_ranges(sorted(gone))} gone; in process, same renormalization)",
+                *kl_top1(full, out),
             )
-        full_local.model.set_experts(base)
-        full_local.close()
-    finally:
-        stop_nodes(nodes)
+        )
+    full_local.model.set_experts(base)
+    full_local.close()
+    return quality
 
+
+def render(
+    args: argparse.Namespace,
+    argv: list[str] | None,
+    runs: dict[str, list[float]],
+    kills: list[int],
+    restarts: list[float],
+    failovers: int,
+    halves: list[str],
+    quality: Quality,
+) -> str:
     med = {k: statistics.median(v) for k, v in runs.items()}
     cmd = "python bench/faults.py " + " ".join(argv if argv is not None else sys.argv[1:])
     lines = [
         "<!-- bench:faults -->",
-        "## Decode under node churn, and the cost of degraded mode (issue 11; `bench/faults.py`)",
+        "## Decode under node churn, and the cost of degraded mode (`bench/faults.py`)",
         "",
         f"Command: `{cmd}`  ",
         f"Machine: {platform.machine()}, 2 cores shared with other work (read the ratios), torch {torch.__version__}, "
@@ -221,7 +236,43 @@ def main(argv: list[str] | None = None) -> int:
     for label, kl, top1 in quality:
         lines.append(f"| {label} | {kl:.3g} | {top1:.3f} |")
     lines.append("<!-- /bench:faults -->")
-    publish("faults", "\n".join(lines), not args.no_write)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("swarm").setLevel(logging.ERROR)  # the churn's failovers would flood the output
+    set_wait_policy(experts_remote=True)
+    set_threads(args.threads)
+    gguf, shard_dir = prepare(args.model, args.layers, args.workdir)
+    n_expert = read_manifest(shard_dir).n_expert
+    halves = [format_ranges(range(0, n_expert // 2)), format_ranges(range(n_expert // 2, n_expert))]
+    specs = [["--experts", halves[i % 2], "--threads", "1", "--no-verify"] for i in range(4)]
+    key_text = generate_key_text()
+    env = {KEY_ENV: key_text}
+    work = args.workdir / "faults-nodes"
+    nodes = start_nodes([(shard_dir, s) for s in specs], work, timeout=180, env=env)
+    try:
+        engine = open_engine(
+            shard_dir, mdns_interfaces=[LOOPBACK], wait=20.0, device="cpu", key=SwarmKey.from_text(key_text)
+        )
+        ids = prompt_tokens(engine, 64)
+        expect, _ = timed_generation(engine, ids, args.tokens)  # also admits (probes) every node once
+        churn = partial(Churn, nodes, specs, shard_dir, work, env)
+        runs, kills, restarts = churn_runs(args, engine, ids, expect, churn)
+        failovers = engine.experts.failovers
+
+        full_local = open_engine(gguf, local=True, device="cpu")
+        full = forward_one(full_local.model, ids, full_local.model.new_state(), "cpu")
+        engine.close()
+        key = SwarmKey.from_text(key_text)
+        quality = degraded_quality(full_local, full, shard_dir, ids, nodes, key, halves, n_expert)
+    finally:
+        stop_nodes(nodes)
+    publish(
+        "faults", render(args, argv, runs, kills, restarts, failovers, halves, quality), not args.no_write
+    )
     return 0
 
 

@@ -1,4 +1,4 @@
-"""The native numerics against llama.cpp on every fixture and llama-refs GGUF (issue 9): KL, top-1, greedy.
+"""The native numerics against llama.cpp on every fixture and llama-refs GGUF: KL, top-1, greedy.
 
     .venv/bin/python bench/fidelity.py [--no-write]
 
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         return format(a[key], fmt) if a else "-"
 
     lines = [
-        "## Native numerics vs llama.cpp's kernels (issue 9; `bench/fidelity.py`)",
+        "## Native numerics vs llama.cpp's kernels (`bench/fidelity.py`)",
         "",
         f"Command: `python bench/fidelity.py`; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.  ",
         "KL = mean over rows of KL(p_llama.cpp || p_ours), float64. Prompt: every position of the 4 fixture "

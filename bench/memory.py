@@ -1,4 +1,4 @@
-"""Peak resident memory of a node and of `swarm run --local`, native numerics vs --exact (issue 9).
+"""Peak resident memory of a node and of `swarm run --local`, native numerics vs --exact.
 
     .venv/bin/python bench/memory.py [--workdir DIR] [--no-write]
 
@@ -27,7 +27,8 @@ from swarm.coordinator.generate import forward_one  # noqa: E402
 from swarm.coordinator.spawn import start_nodes, stop_nodes  # noqa: E402
 from swarm.sharding.shard import shard_model  # noqa: E402
 from swarm.sharding.slabs import read_manifest  # noqa: E402
-from swarm.sharding.synth import preset, synthesize  # noqa: E402
+from swarm.sharding.synth import synthesize  # noqa: E402
+from swarm.sharding.synth_spec import preset  # noqa: E402
 
 MiB = 1 << 20
 PROMPT = (
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             tmp.cleanup()
     cmd = command("memory.py", argv)
     lines = [
-        "## Peak memory: node and `swarm run --local` (issue 9; `bench/memory.py`)",
+        "## Peak memory: node and `swarm run --local` (`bench/memory.py`)",
         "",
         f"Command: `{cmd}`  ",
         f"Machine: {machine()}. "

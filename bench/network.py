@@ -28,7 +28,8 @@ import torch
 from _doc import replace_section
 
 from swarm.sharding.shard import shard_model
-from swarm.sharding.synth import preset, synthesize
+from swarm.sharding.synth import synthesize
+from swarm.sharding.synth_spec import preset
 
 ROOT = Path(__file__).resolve().parent.parent
 RIG = ROOT / "deploy" / "netns_swarm.py"

@@ -32,12 +32,14 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import quantize
 
 from swarm.compute.dequant import dequantize
-from swarm.compute.store import DOWN, GATE, UP, ExpertStore, dequantize_expert
+from swarm.compute.expert_weights import dequantize_expert
+from swarm.compute.store import ExpertStore
 from swarm.coordinator.spawn import start_nodes, stop_nodes
 from swarm.node.client import NodeClient
 from swarm.sharding import gguf_io
-from swarm.sharding.slabs import SlabTensor, slabs_from_gguf
-from swarm.sharding.synth import preset, synthesize
+from swarm.sharding.slabs import ExpertSlab, SlabTensor, slabs_from_gguf
+from swarm.sharding.synth import synthesize
+from swarm.sharding.synth_spec import preset
 
 log = logging.getLogger("bench.node")
 
@@ -147,13 +149,14 @@ def bench_layout(store: ExpertStore, reps: int) -> list[dict[str, float]]:
     return out
 
 
-def numpy_expert(parts: dict[str, SlabTensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def numpy_expert(slab: ExpertSlab) -> tuple[torch.Tensor, torch.Tensor]:
     """The store's dequantization before swarm.compute.dequant: gguf-py numpy per slab, gate and up joined by cat."""
 
-    def load(s: SlabTensor) -> torch.Tensor:
+    def load(s: SlabTensor | None) -> torch.Tensor:
+        assert s is not None
         return torch.from_numpy(gguf_io.dequantize(s.data, s.qtype, s.shape))
 
-    return torch.cat([load(parts[GATE]), load(parts[UP])]), load(parts[DOWN])
+    return torch.cat([load(slab.gate), load(slab.up)]), load(slab.down)
 
 
 def bench_dequant(store: ExpertStore, reps: int) -> dict[str, float]:

@@ -1,4 +1,4 @@
-"""`swarm plan` at Qwen3.5-122B size (issue 12): 48 layers x 256 experts of real slab size over 200 devices.
+"""`swarm plan` at Qwen3.5-122B size: 48 layers x 256 experts of real slab size over 200 devices.
 
 Times the planner (as `swarm plan` runs it, minus reading a manifest) and simulates the per-token load it
 leads to: tokens are routed by synthetic skewed statistics (per layer, expert popularity ~ Zipf), each pair
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     cmd = "python bench/plan.py " + " ".join(argv if argv is not None else sys.argv[1:])
     lines = [
         "<!-- bench:plan -->",
-        "## Planning a Qwen3.5-122B-sized swarm (issue 12; `bench/plan.py`)",
+        "## Planning a Qwen3.5-122B-sized swarm (`bench/plan.py`)",
         "",
         f"Command: `{cmd}`  ",
         f"Machine: {platform.machine()}, 2 cores, Python {platform.python_version()}; "

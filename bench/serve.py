@@ -12,7 +12,7 @@ and given one short warm-up request:
   - the same llama-server with its layers on 4 loopback `ggml-rpc-server`s of one thread each (`--rpc ... -ngl
     99`, beside it in the same build directory): llama.cpp's own way across processes, as bench/decode's RPC row,
   - and, where it is built (`--llama-server-avx2`), the same llama-server built for the AVX2 baseline that
-    swarm's ggml is built for (bench/decode.py's AVX2_CMAKE): what of the gap is the instruction set.
+    swarm's ggml is built for (bench/_llama.py's AVX2_CMAKE): what of the gap is the instruction set.
 For each concurrency N, N streamed requests (each its own prompt of --prompt-tokens random token ids, the same
 ids for every server) are sent at once through the official `openai` client; aggregate tokens/s = completion
 tokens of all N / wall time from the first send to the last token, and time to first token per request.
@@ -30,17 +30,14 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
-import contextlib
 import logging
 import multiprocessing
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from concurrent.futures import ProcessPoolExecutor
 from functools import partial
 from pathlib import Path
@@ -49,123 +46,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import openai  # noqa: E402
 from _doc import publish  # noqa: E402
-from decode import LOOPBACK, free_port, llama_version, prepare, rpc_servers, split  # noqa: E402
+from _engines import split  # noqa: E402
+from _llama import AVX2_BUILD, DEFAULT_BUILD, batched_bench, llama_version  # noqa: E402
+from _loopback import LOOPBACK  # noqa: E402
+from _models import prepare  # noqa: E402
+from _servers import N_NODES, LlamaServer, SwarmServe, Target  # noqa: E402
 from gguf import Keys  # noqa: E402
 
-from swarm.coordinator.serve.launch import spawn_server  # noqa: E402
-from swarm.coordinator.spawn import LocalNode, start_nodes, stop_nodes  # noqa: E402
 from swarm.sharding.gguf_io import open_gguf  # noqa: E402
 from swarm.sharding.ranges import format_ranges  # noqa: E402
 from swarm.sharding.slabs import read_manifest  # noqa: E402
 
 log = logging.getLogger("bench.serve")
 CONCURRENCY = (1, 2, 4, 8)
-DEFAULT_LLAMA = Path("/work/llamacpp-build/build/bin/llama-server")  # the build docs/BENCHMARKS.md describes
-AVX2_LLAMA = Path(
-    "/work/llamacpp-avx2/build/bin/llama-server"
-)  # the same, built for the AVX2 baseline (bench/decode)
-N_NODES = 4
+DEFAULT_LLAMA = DEFAULT_BUILD / "llama-server"  # the build docs/BENCHMARKS.md describes
+AVX2_LLAMA = AVX2_BUILD / "llama-server"  # the same, built for the AVX2 baseline
 DECODE_STEPS = 16  # decode steps timed in the model-level figures (after 2 that build the graphs)
-
-
-class Target:
-    """A server under test: start() -> base URL of its OpenAI API; stop()."""
-
-    name = ""
-    model = ""  # the id its API serves the model under
-
-    def start(self) -> str:
-        raise NotImplementedError
-
-    def stop(self) -> None:
-        raise NotImplementedError
-
-
-class SwarmServe(Target):
-    def __init__(
-        self,
-        source: Path,
-        args: list[str],
-        work: Path,
-        name: str,
-        nodes: list[tuple[Path, list[str]]] | None = None,
-    ) -> None:
-        self.source, self.args, self.work, self.name, self.node_specs = source, args, work, name, nodes or []
-        self.proc: LocalNode | None = None
-        self.nodes: list[LocalNode] = []
-
-    def start(self) -> str:
-        peers: list[str] = []
-        if self.node_specs:
-            self.nodes = start_nodes(self.node_specs, self.work / "nodes", timeout=180.0)
-            peers = [a for n in self.nodes for a in ("--peer", n.address)]
-        self.proc = spawn_server(self.source, [*self.args, *peers], self.work, "serve").wait_ready(300)
-        self.model = self.proc.ready["model_id"]
-        return self.proc.ready["url"]
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.stop()
-        stop_nodes(self.nodes)
-        self.nodes = []
-
-
-class LlamaServer(Target):
-    """llama.cpp's server on the GGUF; with `rpc` (the rpc-server binary), its layers on N_NODES loopback
-    rpc-servers of one thread each (`--rpc ... -ngl 99`: llama.cpp splits by layer), as bench/decode's RPC row."""
-
-    def __init__(
-        self,
-        binary: Path,
-        gguf: Path,
-        threads: int,
-        parallel: int,
-        ctx: int,
-        work: Path,
-        build: str = "",
-        rpc: Path | None = None,
-    ) -> None:
-        self.binary, self.gguf, self.threads = binary, gguf, threads
-        self.parallel, self.ctx, self.work, self.rpc = parallel, ctx, work, rpc
-        self.name = f"llama-server -np {parallel}" + (f", {build}" if build else "")
-        self.proc: subprocess.Popen | None = None
-        self.model = gguf.stem
-        self.servers = contextlib.ExitStack()
-
-    def start(self) -> str:
-        port = free_port()
-        cmd = [str(self.binary), "-m", str(self.gguf), "-t", str(self.threads), "-np", str(self.parallel),
-               "-c", str(self.ctx * self.parallel), "--host", LOOPBACK, "--port", str(port), "-a", self.model]  # fmt: skip
-        if self.rpc is not None:
-            endpoints = self.servers.enter_context(rpc_servers(self.rpc, N_NODES, 1, self.work))
-            cmd += ["--rpc", ",".join(endpoints), "-ngl", "99"]
-        self.log = open(self.work / f"{self.name.replace(' ', '_').replace(',', '')}.log", "wb")  # noqa: SIM115 (closed in stop)
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://{LOOPBACK}:{port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()  # the server and its rpc-servers: nothing left behind
-                raise RuntimeError(f"llama-server did not come up; see {self.log.name}")
-            time.sleep(0.2)
-        return f"http://{LOOPBACK}:{port}/v1"
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-            self.proc = None
-            self.log.close()
-        self.servers.close()
 
 
 def one_request(
@@ -220,7 +116,7 @@ def model_level(gguf: Path, threads: int, prompts: list[list[int]]) -> dict[str,
 
     from swarm.compute.ggml import set_threads
     from swarm.coordinator.engine import open_engine
-    from swarm.coordinator.serve.scheduler import warm_prompts
+    from swarm.coordinator.serve.startup import warm_prompts
 
     set_threads(threads)
     engine = open_engine(gguf, local=True, device="cpu")
@@ -245,33 +141,6 @@ def model_level(gguf: Path, threads: int, prompts: list[list[int]]) -> dict[str,
     return out
 
 
-BATCHED_COLUMNS = ("PP", "TG", "B", "N_KV", "T_PP s", "S_PP t/s", "T_TG s", "S_TG t/s", "T s", "S t/s")
-
-
-def batched_bench(
-    binary: Path, gguf: Path, threads: int, prompt_tokens: int, max_tokens: int
-) -> dict[str, float]:
-    """llama.cpp's model alone (`llama-batched-bench`): tok/s reading 1 and 8 prompts of prompt_tokens in one
-    batch (prefill1, prefill8), and of generating max_tokens for 1 and 8 sequences (decode1, decode8: every
-    step of them, averaged, as it reports)."""
-    ctx = 8 * (prompt_tokens + max_tokens) + 64
-    cmd = [str(binary), "-m", str(gguf), "-c", str(ctx), "-b", "2048", "-ub", "512", "-npp", str(prompt_tokens),
-           "-ntg", str(max_tokens), "-npl", "1,8", "-t", str(threads)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    out: dict[str, float] = {}
-    for line in proc.stdout.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) != len(BATCHED_COLUMNS) or not cells[2].isdigit():
-            continue
-        row = dict(zip(BATCHED_COLUMNS, cells, strict=True))
-        b = int(row["B"])
-        out[f"prefill{b}"] = float(row["S_PP t/s"])
-        out[f"decode{b}"] = float(row["S_TG t/s"])
-    if set(out) != {"prefill1", "prefill8", "decode1", "decode8"}:
-        raise RuntimeError(f"{binary}: no figures in its output (rc {proc.returncode}): {proc.stderr[-500:]}")
-    return out
-
-
 def vocab_size(gguf: Path) -> int:
     reader = open_gguf(gguf)
     field = reader.fields["tokenizer.ggml.tokens"]
@@ -289,21 +158,16 @@ def expert_counts(gguf: Path) -> tuple[int, int]:
     )
 
 
-def render(
-    args: argparse.Namespace,
-    names: list[str],
-    runs: dict[str, list[dict[int, dict[str, float]]]],
-    llama: str,
-    levels: list[dict[str, float]],
-    experts: tuple[int, int],
-    batched: dict[str, list[dict[str, float]]],
-) -> str:
-    def med(name: str, n: int, key: str) -> float:
-        return statistics.median(r[n][key] for r in runs[name])
+ServerRuns = dict[str, list[dict[int, dict[str, float]]]]  # server -> per repetition: concurrency -> figures
 
+
+def _med(runs: ServerRuns, name: str, n: int, key: str) -> float:
+    return statistics.median(r[n][key] for r in runs[name])
+
+
+def _servers_table(args: argparse.Namespace, names: list[str], runs: ServerRuns, llama: str) -> list[str]:
     lines = [
-        f"<!-- bench:{args.section} -->",
-        f"## bench/serve: several users at once (issue 10), {args.prompt_tokens}-token prompts, {args.max_tokens} tokens each",
+        f"## bench/serve: several users at once, {args.prompt_tokens}-token prompts, {args.max_tokens} tokens each",
         "",
         f"`.venv/bin/python bench/serve.py --reps {args.reps} --prompt-tokens {args.prompt_tokens} "
         f"--max-tokens {args.max_tokens}{'' if args.section == 'serve' else ' --section ' + args.section}` on {platform.machine()} ({args.cpu}), {args.threads} threads per server; "
@@ -315,10 +179,17 @@ def render(
         "| --- | " + " | ".join("---:" for _ in CONCURRENCY) + " | ---: |",
     ]
     for name in names:
-        cells = [f"{med(name, n, 'tps'):.1f}, {med(name, n, 'ttft'):.2f}" for n in CONCURRENCY]
+        cells = [f"{_med(runs, name, n, 'tps'):.1f}, {_med(runs, name, n, 'ttft'):.2f}" for n in CONCURRENCY]
         lines.append(
-            f"| {name} | " + " | ".join(cells) + f" | {med(name, 8, 'tps') / med(name, 1, 'tps'):.2f}x |"
+            f"| {name} | "
+            + " | ".join(cells)
+            + f" | {_med(runs, name, 8, 'tps') / _med(runs, name, 1, 'tps'):.2f}x |"
         )
+    return lines
+
+
+def _against_llama(names: list[str], runs: ServerRuns) -> list[str]:
+    lines: list[str] = []
     for llama_name in (n for n in names if n.startswith("llama")):
         lines += [
             "",
@@ -330,55 +201,83 @@ def render(
                 continue
             ratios = [a[8]["tps"] / b[8]["tps"] for a, b in zip(runs[name], runs[llama_name], strict=True)]
             lines.append(f"- {name}: {statistics.median(ratios):.2f}x")
+    return lines
+
+
+def _model_alone(
+    args: argparse.Namespace, levels: list[dict[str, float]], experts: tuple[int, int]
+) -> list[str]:
+    """The in-process model without HTTP, and the ceiling batching puts on its decode."""
+    lv = {k: statistics.median(x[k] for x in levels) for k in levels[0]}
+    e, k = experts
+    distinct = e * (1 - (1 - k / e) ** 8)
+    return [
+        "",
+        f"The in-process model without HTTP (the same {args.threads} threads; medians): reading 1 prompt of "
+        f"{args.prompt_tokens} tokens in one pass {lv['prefill1']:.0f} tok/s, 8 prompts in one pass "
+        f"{lv['prefill8']:.0f} tok/s; decode steps of 1 sequence {lv['decode1']:.1f} tok/s, of 8 sequences "
+        f"{lv['decode8']:.1f} tok/s ({lv['decode8'] / lv['decode1']:.2f}x; medians of {DECODE_STEPS} steps).",
+        "",
+        f"That last ratio is the ceiling of what batching gives this model's decode on these cores: a step of 8 "
+        f"sequences costs {8 * lv['decode1'] / lv['decode8']:.1f}x a step of one, because 8 tokens each routed "
+        f"to {k} of {e} experts touch about {distinct:.0f} distinct experts per layer (uniform routing, as "
+        f"random weights give) against {k}, and every one of them is read and multiplied. An aggregate "
+        f"over whole requests (prompts read, then decode) cannot exceed it by much (prompts read together "
+        f"gain little, and a lone request pays the same per-request costs); llama-server's own 8-vs-1 in the "
+        f"table is under it too.",
+    ]
+
+
+def _models_side_by_side(
+    args: argparse.Namespace, levels: list[dict[str, float]], batched: dict[str, list[dict[str, float]]]
+) -> list[str]:
+    keys = ("prefill1", "prefill8", "decode1", "decode8")
+    lines = [
+        "",
+        f"The models alone, side by side in each repetition (tok/s, medians; {args.prompt_tokens}-token prompts, "
+        f"{args.max_tokens} tokens generated): swarm's in-process model as above, llama.cpp's "
+        f"`llama-batched-bench -npp {args.prompt_tokens} -ntg {args.max_tokens} -npl 1,8 -t {args.threads}` "
+        "(its decode figure averages every step, the first ones too; ours is the median step).",
+        "",
+        "| model | 1 prompt read | 8 prompts read | decode, 1 sequence | decode, 8 sequences |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    rows = [("swarm, in process", levels)] + list(batched.items())
+    for name, figures in rows:
+        cells = [f"{statistics.median(f[k] for f in figures):.1f}" for k in keys]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    for name, figures in batched.items():
+        ratios = [
+            f"{k} {statistics.median(a[k] / b[k] for a, b in zip(levels, figures, strict=True)):.2f}x"
+            for k in keys
+        ]
+        lines += [
+            "",
+            f"swarm against {name}, run by run (median of the ratios): " + ", ".join(ratios) + ".",
+        ]
+    return lines
+
+
+def render(
+    args: argparse.Namespace,
+    names: list[str],
+    runs: ServerRuns,
+    llama: str,
+    levels: list[dict[str, float]],
+    experts: tuple[int, int],
+    batched: dict[str, list[dict[str, float]]],
+) -> str:
+    lines = [f"<!-- bench:{args.section} -->", *_servers_table(args, names, runs, llama)]
+    lines += _against_llama(names, runs)
     if levels:
-        lv = {k: statistics.median(x[k] for x in levels) for k in levels[0]}
-        e, k = experts
-        distinct = e * (1 - (1 - k / e) ** 8)
-        lines += [
-            "",
-            f"The in-process model without HTTP (the same {args.threads} threads; medians): reading 1 prompt of "
-            f"{args.prompt_tokens} tokens in one pass {lv['prefill1']:.0f} tok/s, 8 prompts in one pass "
-            f"{lv['prefill8']:.0f} tok/s; decode steps of 1 sequence {lv['decode1']:.1f} tok/s, of 8 sequences "
-            f"{lv['decode8']:.1f} tok/s ({lv['decode8'] / lv['decode1']:.2f}x; medians of {DECODE_STEPS} steps).",
-            "",
-            f"That last ratio is the ceiling of what batching gives this model's decode on these cores: a step of 8 "
-            f"sequences costs {8 * lv['decode1'] / lv['decode8']:.1f}x a step of one, because 8 tokens each routed "
-            f"to {k} of {e} experts touch about {distinct:.0f} distinct experts per layer (uniform routing, as "
-            f"random weights give) against {k}, and every one of them is read and multiplied. An aggregate "
-            f"over whole requests (prompts read, then decode) cannot exceed it by much (prompts read together "
-            f"gain little, and a lone request pays the same per-request costs); llama-server's own 8-vs-1 in the "
-            f"table is under it too.",
-        ]
+        lines += _model_alone(args, levels, experts)
     if levels and batched:
-        keys = ("prefill1", "prefill8", "decode1", "decode8")
-        lines += [
-            "",
-            f"The models alone, side by side in each repetition (tok/s, medians; {args.prompt_tokens}-token prompts, "
-            f"{args.max_tokens} tokens generated): swarm's in-process model as above, llama.cpp's "
-            f"`llama-batched-bench -npp {args.prompt_tokens} -ntg {args.max_tokens} -npl 1,8 -t {args.threads}` "
-            "(its decode figure averages every step, the first ones too; ours is the median step).",
-            "",
-            "| model | 1 prompt read | 8 prompts read | decode, 1 sequence | decode, 8 sequences |",
-            "| --- | ---: | ---: | ---: | ---: |",
-        ]
-        rows = [("swarm, in process", levels)] + list(batched.items())
-        for name, figures in rows:
-            cells = [f"{statistics.median(f[k] for f in figures):.1f}" for k in keys]
-            lines.append(f"| {name} | " + " | ".join(cells) + " |")
-        for name, figures in batched.items():
-            ratios = [
-                f"{k} {statistics.median(a[k] / b[k] for a, b in zip(levels, figures, strict=True)):.2f}x"
-                for k in keys
-            ]
-            lines += [
-                "",
-                f"swarm against {name}, run by run (median of the ratios): " + ", ".join(ratios) + ".",
-            ]
+        lines += _models_side_by_side(args, levels, batched)
     lines += ["", f"<!-- /bench:{args.section} -->"]
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--prompt-tokens", type=int, default=64)
@@ -394,22 +293,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--section", default="serve", help="the docs/BENCHMARKS.md section to write (one per workload)"
     )
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    args.workdir.mkdir(parents=True, exist_ok=True)
-    gguf, shard_dir = prepare("qwen35moe", 4, args.workdir)
-    args.gguf_gb = gguf.stat().st_size / 1e9
-    args.cpu = next(
-        (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-        "?",
-    )
-    rng = random.Random(0)
-    vocab = vocab_size(gguf)
-    prompts = [
-        [rng.randrange(256, vocab - 256) for _ in range(args.prompt_tokens)] for _ in range(max(CONCURRENCY))
-    ]
-    ctx = args.prompt_tokens + args.max_tokens + 64
-    work = Path(tempfile.mkdtemp(prefix="bench-serve-"))
+    return p.parse_args(argv)
+
+
+def make_targets(
+    args: argparse.Namespace, gguf: Path, shard_dir: Path, ctx: int, work: Path
+) -> tuple[list[Target], str]:
+    """The servers to run (--only), and which llama-server they include."""
     common = [
         "--parallel",
         "8",
@@ -452,9 +342,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.only:
         keep = set(args.only.split(","))
         targets = [t for t in targets if t.name in keep]
-    runs: dict[str, list[dict[int, dict[str, float]]]] = {t.name: [] for t in targets}
-    levels: list[dict[str, float]] = []
-    benches = {
+    return targets, llama
+
+
+def batched_benches(args: argparse.Namespace) -> dict[str, Path]:
+    """The llama-batched-bench binaries built beside the llama-servers, by row name."""
+    return {
         name: path.parent / "llama-batched-bench"
         for name, path in (
             ("llama.cpp (llama-batched-bench)", args.llama_server),
@@ -462,6 +355,19 @@ def main(argv: list[str] | None = None) -> int:
         )
         if (path.parent / "llama-batched-bench").exists()
     }
+
+
+def run_reps(
+    args: argparse.Namespace,
+    gguf: Path,
+    prompts: list[list[int]],
+    targets: list[Target],
+    benches: dict[str, Path],
+    work: Path,
+) -> tuple[ServerRuns, list[dict[str, float]], dict[str, list[dict[str, float]]]]:
+    """Each repetition: the models alone, then every server (started cold) in rotating order."""
+    runs: ServerRuns = {t.name: [] for t in targets}
+    levels: list[dict[str, float]] = []
     batched: dict[str, list[dict[str, float]]] = {name: [] for name in benches}
     for rep in range(args.reps):
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
@@ -481,6 +387,29 @@ def main(argv: list[str] | None = None) -> int:
                 runs[t.name].append(measure(url, t.model, prompts, args.max_tokens))
             finally:
                 t.stop()
+    return runs, levels, batched
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    gguf, shard_dir = prepare("qwen35moe", 4, args.workdir)
+    args.gguf_gb = gguf.stat().st_size / 1e9
+    args.cpu = next(
+        (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+        "?",
+    )
+    rng = random.Random(0)
+    vocab = vocab_size(gguf)
+    prompts = [
+        [rng.randrange(256, vocab - 256) for _ in range(args.prompt_tokens)] for _ in range(max(CONCURRENCY))
+    ]
+    ctx = args.prompt_tokens + args.max_tokens + 64
+    work = Path(tempfile.mkdtemp(prefix="bench-serve-"))
+    targets, llama = make_targets(args, gguf, shard_dir, ctx, work)
+    benches = batched_benches(args)
+    runs, levels, batched = run_reps(args, gguf, prompts, targets, benches, work)
     text = render(args, [t.name for t in targets], runs, llama, levels, expert_counts(gguf), batched)
     publish(args.section, text, not args.no_write)
     return 0

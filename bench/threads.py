@@ -1,4 +1,4 @@
-"""One thread budget: torch and ggml share one OpenMP pool; how its threads should wait (issue 9).
+"""One thread budget: torch and ggml share one OpenMP pool; how its threads should wait.
 
     .venv/bin/python bench/threads.py [--gguf FILE] [--reps 3] [--no-write]
 
@@ -122,57 +122,58 @@ def steps_child(shard_dir: Path, peers: list[str]) -> None:
     print(json.dumps(out))
 
 
-def swarm_waits(shard_dir: Path, reps: int, write: bool) -> None:
-    """Decode through 4 loopback nodes under each coordinator wait of SWARM_WAITS, side by side."""
-    from swarm.coordinator.spawn import start_nodes, stop_nodes
-    from swarm.sharding.slabs import read_manifest
-
-    n_expert = read_manifest(shard_dir).n_expert
-    quarter = n_expert // 4
-    specs = [(shard_dir, ["--host", "127.0.0.1", "--experts", f"{i * quarter}-{(i + 1) * quarter - 1}",
-                          "--threads", "1", "--no-verify", "--no-mdns"]) for i in range(4)]  # fmt: skip
+def _cold_runs(
+    shard_dir: Path, peers: list[str], reps: int
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """(decode, prefill) tok/s of cold `swarm run`s through the peers, per wait, in rotating order."""
     results: dict[str, list[float]] = {name: [] for name, _ in SWARM_WAITS}
     prefills: dict[str, list[float]] = {name: [] for name, _ in SWARM_WAITS}
+    for rep in range(reps):
+        turn = rep % len(SWARM_WAITS)
+        order = SWARM_WAITS[turn:] + SWARM_WAITS[:turn]
+        for name, extra in order:
+            env = _env_without_waits()
+            cmd = [sys.executable, "-m", "swarm.coordinator.cli", "run", str(shard_dir), "--no-mdns",
+                   *peers, "--audit", "0", "--prompt", PROMPT, "--max-tokens", "48"]  # fmt: skip
+            proc = subprocess.run(cmd, env={**env, **extra}, capture_output=True, text=True, timeout=300)
+            m = _TPS.search(proc.stderr)
+            if proc.returncode != 0 or m is None:
+                raise RuntimeError(f"swarm run failed ({proc.returncode}): {proc.stderr[-1500:]}")
+            results[name].append(float(m.group(2)))
+            prefills[name].append(float(m.group(1)))
+            print(name, prefills[name][-1], results[name][-1], flush=True)
+    return results, prefills
+
+
+def _step_blocks(shard_dir: Path, addresses: list[str], reps: int) -> dict[str, dict[int, list[float]]]:
+    """ms per decode step of each wait, in blocks alternating the coordinator's 1 and 2 threads (steps_child)."""
     steps: dict[str, dict[int, list[float]]] = {name: {1: [], 2: []} for name, _ in SWARM_WAITS}
-    with tempfile.TemporaryDirectory(prefix="bench-threads-swarm-") as work:
-        nodes = start_nodes(specs, Path(work), timeout=120.0)
-        try:
-            peers = [a for n in nodes for a in ("--peer", n.address)]
-            for rep in range(reps):
-                turn = rep % len(SWARM_WAITS)
-                order = SWARM_WAITS[turn:] + SWARM_WAITS[:turn]
-                for name, extra in order:
-                    env = _env_without_waits()
-                    cmd = [sys.executable, "-m", "swarm.coordinator.cli", "run", str(shard_dir), "--no-mdns",
-                           *peers, "--audit", "0", "--prompt", PROMPT, "--max-tokens", "48"]  # fmt: skip
-                    proc = subprocess.run(
-                        cmd, env={**env, **extra}, capture_output=True, text=True, timeout=300
-                    )
-                    m = _TPS.search(proc.stderr)
-                    if proc.returncode != 0 or m is None:
-                        raise RuntimeError(f"swarm run failed ({proc.returncode}): {proc.stderr[-1500:]}")
-                    results[name].append(float(m.group(2)))
-                    prefills[name].append(float(m.group(1)))
-                    print(name, prefills[name][-1], results[name][-1], flush=True)
-            for rep in range(max(1, reps // 2)):
-                turn = rep % len(SWARM_WAITS)
-                for name, extra in SWARM_WAITS[turn:] + SWARM_WAITS[:turn]:
-                    env = _env_without_waits()
-                    proc = subprocess.run(
-                        [sys.executable, __file__, "--steps-child", str(shard_dir), *(n.address for n in nodes)],
-                        env={**env, **extra}, capture_output=True, text=True, timeout=600,
-                    )  # fmt: skip
-                    if proc.returncode != 0:
-                        raise RuntimeError(f"decode blocks failed ({proc.returncode}): {proc.stderr[-1500:]}")
-                    blocks = json.loads(proc.stdout.strip().splitlines()[-1])
-                    for threads in ("1", "2"):
-                        steps[name][int(threads)] += blocks[threads]
-                    print(name, {t: statistics.median(v) for t, v in blocks.items()}, flush=True)
-        finally:
-            stop_nodes(nodes)
+    for rep in range(max(1, reps // 2)):
+        turn = rep % len(SWARM_WAITS)
+        for name, extra in SWARM_WAITS[turn:] + SWARM_WAITS[:turn]:
+            env = _env_without_waits()
+            proc = subprocess.run(
+                [sys.executable, __file__, "--steps-child", str(shard_dir), *addresses],
+                env={**env, **extra}, capture_output=True, text=True, timeout=600,
+            )  # fmt: skip
+            if proc.returncode != 0:
+                raise RuntimeError(f"decode blocks failed ({proc.returncode}): {proc.stderr[-1500:]}")
+            blocks = json.loads(proc.stdout.strip().splitlines()[-1])
+            for threads in ("1", "2"):
+                steps[name][int(threads)] += blocks[threads]
+            print(name, {t: statistics.median(v) for t, v in blocks.items()}, flush=True)
+    return steps
+
+
+def _render_waits(
+    reps: int,
+    results: dict[str, list[float]],
+    prefills: dict[str, list[float]],
+    steps: dict[str, dict[int, list[float]]],
+) -> str:
     cmd = command("threads.py", None)
     lines = [
-        "## How a coordinator of remote experts should wait (issue 9; `bench/threads.py --swarm`)",
+        "## How a coordinator of remote experts should wait (`bench/threads.py --swarm`)",
         "",
         f"Command: `{cmd}`  ",
         f"Machine: {machine()}. "
@@ -202,7 +203,27 @@ def swarm_waits(shard_dir: Path, reps: int, write: bool) -> None:
     for name, _ in SWARM_WAITS:
         one, two = statistics.median(steps[name][1]), statistics.median(steps[name][2])
         lines.append(f"| {name} | {one:.1f} | {two:.1f} | {two / one:.2f}x |")
-    publish("threads-swarm", "\n".join(lines), write=write)
+    return "\n".join(lines)
+
+
+def swarm_waits(shard_dir: Path, reps: int, write: bool) -> None:
+    """Decode through 4 loopback nodes under each coordinator wait of SWARM_WAITS, side by side."""
+    from swarm.coordinator.spawn import start_nodes, stop_nodes
+    from swarm.sharding.slabs import read_manifest
+
+    n_expert = read_manifest(shard_dir).n_expert
+    quarter = n_expert // 4
+    specs = [(shard_dir, ["--host", "127.0.0.1", "--experts", f"{i * quarter}-{(i + 1) * quarter - 1}",
+                          "--threads", "1", "--no-verify", "--no-mdns"]) for i in range(4)]  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="bench-threads-swarm-") as work:
+        nodes = start_nodes(specs, Path(work), timeout=120.0)
+        try:
+            peers = [a for n in nodes for a in ("--peer", n.address)]
+            results, prefills = _cold_runs(shard_dir, peers, reps)
+            steps = _step_blocks(shard_dir, [n.address for n in nodes], reps)
+        finally:
+            stop_nodes(nodes)
+    publish("threads-swarm", _render_waits(reps, results, prefills, steps), write=write)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -223,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     tmp = None
     gguf = args.gguf
     if gguf is None:
-        from swarm.sharding.synth import preset, synthesize
+        from swarm.sharding.synth import synthesize
+        from swarm.sharding.synth_spec import preset
 
         tmp = tempfile.TemporaryDirectory(prefix="bench-threads-")
         gguf = Path(tmp.name) / "q36-4l.gguf"
@@ -255,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
             tmp.cleanup()
     cmd = command("threads.py", argv)
     lines = [
-        "## One thread budget: torch and ggml, and how their threads wait (issue 9; `bench/threads.py`)",
+        "## One thread budget: torch and ggml, and how their threads wait (`bench/threads.py`)",
         "",
         f"Command: `{cmd}`  ",
         f"Machine: {machine()}. "

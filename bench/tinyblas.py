@@ -1,4 +1,4 @@
-"""Batched products with and without llamafile's tinyBLAS, and whether each row keeps its bits (issue 9).
+"""Batched products with and without llamafile's tinyBLAS, and whether each row keeps its bits.
 
     .venv/bin/python bench/tinyblas.py [--plain DIR] [--reps 5] [--no-write]
 
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         runs["plain"] = json.loads(child.stdout.strip().splitlines()[-1])
     cmd = command("tinyblas.py", argv)
     lines = [
-        "## Batched products: tinyBLAS and row bits (issue 9; `bench/tinyblas.py`)",
+        "## Batched products: tinyBLAS and row bits (`bench/tinyblas.py`)",
         "",
         f"Command: `{cmd}`  ",
         f"Machine: {machine()}, 2 ggml threads. A random {ROWS} x {COLS} matrix of each type "

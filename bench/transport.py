@@ -26,7 +26,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _doc import command, machine, publish  # noqa: E402
-from decode import LOOPBACK, ZERO_NODE, prepare  # noqa: E402
+from _engines import ZERO_NODE  # noqa: E402
+from _loopback import LOOPBACK  # noqa: E402
+from _models import prepare  # noqa: E402
 
 from swarm.coordinator.spawn import start_nodes, stop_nodes  # noqa: E402
 from swarm.node.client import NodeClient  # noqa: E402

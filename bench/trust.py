@@ -41,7 +41,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from _doc import command, machine, publish  # noqa: E402
-from decode import LOOPBACK, prepare, run_engine  # noqa: E402
+from _loopback import LOOPBACK  # noqa: E402
+from _models import prepare  # noqa: E402
+from _timing import run_engine  # noqa: E402
 from test_trust import MODEL, ROT_LAYER, other_weights, rot  # noqa: E402
 
 from swarm.compute.ggml import set_threads  # noqa: E402

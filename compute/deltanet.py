@@ -19,6 +19,7 @@ from swarm.compute.weights import Weight
 
 log = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True)
 class DeltaRule:
     """What a Gated DeltaNet layer's conv and delta rule are, for a graph: conv_weight [C, Kc]; Hk key
@@ -137,9 +138,9 @@ def _rule_results(
     """Where each sequence's gated_delta_net result goes: [T*Hv*S outputs, then the new Hv*S*S state]. A state
     that lies at the end of such a buffer of this T (the one before came from a call of the same shape: a
     decode step after a decode step) is updated where it lies: ggml's op copies each head's state into its
-    output and updates it there, reading nothing else of the input state, so the copy is onto itself. A
-    new buffer each step was 2 MiB a sequence per layer of the real shape, every page of it zeroed by the
-    kernel first. Whoever keeps an older state keeps a copy (DeltaNetState.checkpoint)."""
+    output and updates it there, reading nothing else of the input state, so the copy is onto itself. A new
+    buffer each step would be megabytes a sequence per layer at a real model's shape, every page of it zeroed
+    by the kernel first. Whoever keeps an older state keeps a copy (DeltaNetState.checkpoint)."""
     out = []
     for st, t in zip(states, lengths, strict=True):
         n_attn, n = t * hv * s, t * hv * s + hv * s * s
@@ -184,9 +185,7 @@ def delta_net_step(
     n_attn = t * hv * s
     spans = [(i * t, t) for i in range(b)]
     ins = (
-        [f32_rows(a) for a in (mixed, g, beta)]
-        + [f32_rows(x) for x in convs]
-        + [f32_rows(x) for x in states]
+        [f32_rows(a) for a in (mixed, g, beta)] + [f32_rows(x) for x in convs] + [f32_rows(x) for x in states]
     )
     outs = _rule_results(states, [t] * b, hv, s) + [torch.empty(c, kc - 1) for _ in range(b)]
     w = f32_rows(rule.conv_weight)
@@ -255,36 +254,14 @@ def delta_net_layer(
 
     def build(keep: bool) -> Graph:
         b = len(spans)
-        scratch = (
-            dense_scratch(n, d, inputs, posts)
-            + _delta_rule_scratch(spans, c, kc, hv, s)
-            + dense_scratch(n, hv * s, [out], [None])
-            + 4 * 2 * n * hv * s
-            + sum(
-                4 * (t * hv * s + 2 * hv * s * s + (kc - 1) * c)
-                for m, t in zip(marks, lengths, strict=False)
-                if m
-            )
-        )
+        scratch = _layer_scratch(n, d, inputs, posts, out, spans, lengths, marks, c, kc, hv, s)
         gr = Graph(scratch, dense_tensors(inputs, posts) + 40 * b + 24 + 24 * sum(map(bool, marks)), keep)
-        gm, ctx = gr.g, gr.ctx
         xt = gr.input(d, n)
         tconv = [gr.input(kc - 1, c) for _ in range(b)]
         tstate = [gr.input(s, s, hv) for _ in range(b)]
         _, (tm, tz, tb, tg) = dense_ops(gr, xt, inputs, posts, norm)
         res, ncs, pieces = _delta_rule_ops(gr, tm, tg, tb, spans, tconv, tstate, rule, gr.constant(w), marks)
-        parts = []  # (o of rows start..start+T, start, T)
-        for i, (r, p, (start, t)) in enumerate(zip(res, pieces, spans, strict=True)):
-            m = marks[i] if p is not None else 0
-            if p is not None:
-                parts.append((p[0], start, m))
-            parts.append((r, start + m, t - m))
-        views = [gm.ggml_view_2d(ctx, r, hv * s, t, hv * s * 4, 0) for r, _, t in parts]
-        o = views[0]
-        if len(views) > 1:  # each part's rows copied into place (a chain of concats copied O(B^2) rows)
-            o = gm.ggml_new_tensor_2d(ctx, F32, hv * s, n)
-            for view, (_, start, _) in zip(views, parts, strict=True):
-                o = gm.ggml_set_2d_inplace(ctx, o, view, hv * s * 4, start * hv * s * 4)  # [Hv*S, N]
+        o = _rows_in_place(gr, res, pieces, spans, marks, hv * s, n)  # [Hv*S, N]
         (yt,) = dense_ops(gr, o, [out], [None], out_norm, tz, xt)[1]
         gr.output(yt)
         for r in res + ncs:
@@ -307,3 +284,51 @@ def delta_net_layer(
         [r[t * hv * s :].view(hv, s, s) for r, t in zip(results, tails, strict=True)],
         [next(got) if m else None for m in marks] if marks else [None] * len(lengths),
     )
+
+
+def _layer_scratch(
+    n: int, d: int, inputs: Sequence[Weight], posts: Sequence[Post | None], out: Weight,
+    spans: Sequence[tuple[int, int]], lengths: Sequence[int], marks: Sequence[int], c: int, kc: int, hv: int,
+    s: int,
+) -> int:  # fmt: skip
+    """Scratch bytes of delta_net_layer's graph: the input products, each sequence's rule, the out product,
+    o and its gated norm, and each mark's pieces."""
+    return (
+        dense_scratch(n, d, inputs, posts)
+        + _delta_rule_scratch(spans, c, kc, hv, s)
+        + dense_scratch(n, hv * s, [out], [None])
+        + 4 * 2 * n * hv * s
+        + sum(
+            4 * (t * hv * s + 2 * hv * s * s + (kc - 1) * c)
+            for m, t in zip(marks, lengths, strict=False)
+            if m
+        )
+    )
+
+
+def _rows_in_place(
+    gr: Graph,
+    res: Sequence[object],
+    pieces: Sequence[tuple[object, object, object] | None],
+    spans: Sequence[tuple[int, int]],
+    marks: Sequence[int],
+    width: int,
+    n: int,
+) -> object:
+    """o [width, N] (width = Hv*S): the rule outputs of _delta_rule_ops (a marked sequence's two ops) each at
+    its rows of the call. Each part's rows are copied into place: a chain of concats would copy O(B^2) rows
+    for B sequences."""
+    gm, ctx = gr.g, gr.ctx
+    parts = []  # (o of rows start..start+T, start, T)
+    for i, (r, p, (start, t)) in enumerate(zip(res, pieces, spans, strict=True)):
+        m = marks[i] if p is not None else 0
+        if p is not None:
+            parts.append((p[0], start, m))
+        parts.append((r, start + m, t - m))
+    views = [gm.ggml_view_2d(ctx, r, width, t, width * 4, 0) for r, _, t in parts]
+    o = views[0]
+    if len(views) > 1:
+        o = gm.ggml_new_tensor_2d(ctx, F32, width, n)
+        for view, (_, start, _) in zip(views, parts, strict=True):
+            o = gm.ggml_set_2d_inplace(ctx, o, view, width * 4, start * width * 4)
+    return o

@@ -49,9 +49,8 @@ class _Buffers(threading.local):
 class _GraphAllocator:
     """ggml's graph allocator (ggml-alloc, as llama.cpp lays out its graphs) and its CPU buffer: it lays a
     graph's intermediates out so that one whose last reader has run lends its memory to the next, and keeps
-    its buffer (grown to the largest graph so far) for the graphs after it. A 512-token prompt's graphs of the
-    Qwen3.6-35B layer shape take 56 MiB of it, where every intermediate of its own took a 302 MiB scratch pool
-    (604 MiB once it grew again)."""
+    its buffer (grown to the largest graph so far) for the graphs after it: a prompt's graphs take a fraction
+    of what a pool holding every intermediate at once would."""
 
     def __init__(self) -> None:
         self.g = ggml_lib()

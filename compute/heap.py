@@ -2,8 +2,8 @@
 
 A node or a coordinator builds hundreds of thousands of objects while it starts (the GGUF reader's
 fields, slab tables, model modules, kept graphs) and keeps them for its whole life. Python's
-collector of the oldest generation walks every one of them each time it runs: 100-150 ms on a node
-holding a quarter of a 4-layer model, a stall of every call in flight. Moved to the permanent
+collector of the oldest generation walks every one of them each time it runs: a stall of every call in
+flight, the longer the more the process holds. Moved to the permanent
 generation once start-up is over (`gc.freeze`), they are never walked again; objects made afterwards
 are collected as before.
 """

@@ -3,13 +3,11 @@
 A forward pass allocates and frees its activations, a node's call its rows: torch's CPU tensors and numpy's
 arrays come from malloc. glibc's defaults hand big freed blocks back to the kernel (blocks over its adaptive
 mmap threshold are unmapped; a heap top over the trim threshold is cut), so the next pass of the same size
-maps them afresh and faults every page in again: 13,000-28,000 minor faults in each prompt pass of 8 x 64 tokens of the
-Qwen3.6-35B layer shape on 2 cores, 36,000-72,000 in the first. With blocks of up to MMAP_THRESHOLD taken
-from the heap and up to TRIM_THRESHOLD of a freed heap top kept, a pass finds the memory the pass before
-it freed: later passes fault a few times and run 3-5 % faster (scratch A/B in session 20's note). Resident
-memory then stays at the largest pass's high-water mark instead of falling back between passes; the peak
-is the same. Nodes: a prompt's pass through 4 loopback nodes read 256 tokens 2-7 % faster with the policy on
-the nodes (scratch A/B, session 21's note).
+maps them afresh and faults every page in again, tens of thousands of minor faults per prompt pass. With
+blocks of up to MMAP_THRESHOLD taken from the heap and up to TRIM_THRESHOLD of a freed heap top kept, a pass
+finds the memory the pass before it freed: later passes fault a few times and run a few percent faster, on
+the coordinator and on the nodes alike. Resident memory then stays at the largest pass's high-water mark
+instead of falling back between passes; the peak is the same.
 
 A user's own GLIBC_TUNABLES malloc settings win.
 """

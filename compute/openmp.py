@@ -10,16 +10,13 @@ OMP_WAIT_POLICY=PASSIVE makes it 0, the default is 300000 spins, ~ms).
   threads catch every barrier of a graph while spinning (ops end microseconds apart: a sleeping thread
   would be woken through the kernel at each one) and sleep soon while the step waits on the nodes, whose
   cores they would take where nodes share the machine (a laptop that is coordinator and node at once,
-  `swarm demo`, loopback benchmarks). Measured on 2 cores through 4 loopback nodes (bench/threads.py
-  --swarm): passive waiting made the coordinator's 2 threads 1.13x slower per decode step than 1 thread
-  and cold `swarm run` decode 0.80x of the brief spin's; OpenMP's default spin did as well in cold runs
-  but took 1.06x per step, and keeps a core busy for milliseconds after each region. (Passive
-  waiting was this case's choice while Compute calls went over gRPC, whose threads needed the cores: it
-  then gave 0.91x of in-process decode against 0.70x spinning.)
+  `swarm demo`, loopback benchmarks). Passive waiting makes the coordinator's threads slower per decode
+  step than one thread; OpenMP's default spin keeps a core busy for milliseconds after each region
+  (bench/threads.py --swarm, docs/BENCHMARKS.md).
 - A node waits passively: it shares its device with whatever else runs there (apps on a phone, other
   nodes and the coordinator on a loopback rig), so a spinning thread whose partner was descheduled burns a
-  whole time slice per op: measured on 2 cores with one other busy process, a decode step of the 35B layer
-  shape took seconds instead of 20 ms when spinning, 56 ms waiting passively.
+  whole time slice per op: beside one other busy process a decode step takes seconds instead of
+  milliseconds when spinning.
 
 A user's own OMP_WAIT_POLICY or GOMP_SPINCOUNT always wins. libgomp reads its environment once, when torch
 loads it, so this must run before the first `import torch`.

@@ -23,14 +23,14 @@ from pathlib import Path
 from swarm.sharding.errors import UserError
 from swarm.sharding.gguf_io import expert_tensors, open_gguf
 from swarm.sharding.identity import ModelIdentity, gguf_header_fingerprint
-from swarm.sharding.slabs import SlabKey, SlabTensor, slabs_from_gguf
+from swarm.sharding.slabs import ExpertSlab, SlabKey, slabs_from_gguf
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class LoadedSlabs:
-    slabs: dict[SlabKey, dict[str, SlabTensor]]
+    slabs: dict[SlabKey, ExpertSlab]
     fingerprint: str
     problems: list[str] = field(default_factory=list)
     source: str = ""
@@ -95,7 +95,7 @@ def load_from_shard(
     manifest = read_manifest(directory)
     slab_keys = set(slab_keys)
     allow_open_files(len(manifest.moe_layers) * manifest.n_expert)  # at most every slab of the model
-    slabs: dict[SlabKey, dict[str, SlabTensor]] = {}
+    slabs: dict[SlabKey, ExpertSlab] = {}
     problems: list[str] = []
     if layers is not None or experts is not None or not slab_keys:
         got, bad = slabs_from_shard(directory, layers, experts, verify=verify, progress=progress)

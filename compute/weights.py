@@ -17,7 +17,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from swarm.compute import probes
 from swarm.compute.dequant import dequantize
 from swarm.compute.ggml import F32, ggml_lib
-from swarm.compute.numerics import Numerics
+from swarm.proto.numerics import Numerics
 
 log = logging.getLogger(__name__)
 

@@ -1,11 +1,7 @@
 """Checking the nodes' answers: probes on admission, sampled audits while they serve, bans, and what is settled.
 
-An honest node's answer equals, bit for bit, what the coordinator computes itself on the same slab bytes
-(the two numerics guarantee it), so a check is an equality, not a tolerance. The coordinator's own slabs
-come from the model it was started on: a GGUF it trusts, or a shard directory. From a shard directory, an
-answer that differs is a ban only once the coordinator's own slab files are checked against the manifest's
-SHA-256 (one that is not is never used to check again): an answer that agrees needs no hashing, since it
-agrees with bytes that only a damaged file of ours and an identically wrong node could both give.
+A check compares a node's answer with the coordinator's own on its own slabs (swarm.coordinator.recompute:
+the same bits, or within the kernels' error bound from a node of another numerics class).
 
 - Probe: before a node gets its first pair, rows of known values go through a few of the slabs it claims.
 - Audit: each answered call is checked here with probability `rate` (chosen after the answer arrived, so
@@ -14,7 +10,7 @@ agrees with bytes that only a damaged file of ours and an identically wrong node
   the run: it never gets another pair (`on_ban` tells the placement at once). Audits run on a thread of
   their own, one core, beside the model's next layers (a check of a cold expert copies its slab into
   ggml's repacked layout: milliseconds the model need not wait for), at the idle scheduling priority
-  (Linux SCHED_IDLE): they take the cores the model and the nodes leave free, rather than time slices from
+  (swarm.compute.priority): they take the cores the model and the nodes leave free, rather than time slices from
   them. A settle takes in the verdicts that are in; a forced one waits for all, and does here every
   audit the thread has not started (and one it has started but not finished within TAKE_OVER seconds,
   again: a busy machine may give an idle-priority thread almost nothing).
@@ -34,7 +30,6 @@ agrees with bytes that only a damaged file of ours and an identically wrong node
 from __future__ import annotations
 
 import logging
-import os
 import random
 import threading
 from collections.abc import Callable
@@ -48,10 +43,10 @@ from typing import Any
 import torch
 
 from swarm.compute.ggml import one_thread
-from swarm.compute.numclass import numerics_class, same_class
-from swarm.compute.numerics import Numerics
+from swarm.compute.priority import idle_priority
 from swarm.compute.store import ExpertStore
-from swarm.coordinator.tolerance import within_bound
+from swarm.coordinator.recompute import Recomputer
+from swarm.proto.numerics import Numerics
 from swarm.sharding.slabs import SlabKey
 
 log = logging.getLogger(__name__)
@@ -61,32 +56,10 @@ PROBE_SLABS = 4  # slabs of a new node sent known rows before it is used
 PROBE_ROWS = 2
 # Experts of one call an audit checks (one row each), drawn at random: a prompt's call holds a node's share of
 # every expert of a layer, and checking each of them (a cold one's three matrices are first copied into
-# ggml's repacked layout) made reading a 64-token prompt through 4 nodes 2.6x slower than trusting answers.
+# ggml's repacked layout) made reading a prompt far slower than trusting answers (docs/BENCHMARKS.md).
 AUDIT_EXPERTS = 8
 # Seconds a forced settle waits for an audit the audit thread is running before it does the audit itself.
 TAKE_OVER = 0.05
-
-
-_INT_OF = {4: torch.int32, 2: torch.int16, 1: torch.int8}
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two answers are the same bits: a NaN or an infinity an honest node computes (from rows a
-    damaged node shaped earlier in the pass, say) equals the coordinator's own, where torch.equal would
-    call NaN unequal to itself and ban every honest node that got such rows."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    as_int = _INT_OF[a.element_size()]
-    return torch.equal(a.contiguous().view(as_int), b.contiguous().view(as_int))
-
-
-def _idle_priority() -> None:
-    """The calling thread at the idle scheduling priority (Linux SCHED_IDLE; nothing elsewhere)."""
-    if hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE"):
-        try:
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-        except OSError as e:  # a sandbox may forbid it: audits then take time slices as before
-            log.debug("audit thread keeps its scheduling priority: %s", e)
 
 
 class Scope(Enum):
@@ -137,7 +110,7 @@ class AuditReport:
     banned: dict[str, str] = field(default_factory=dict)  # address -> why
 
 
-class Auditor:
+class Auditor(Recomputer):
     """Recomputes sampled calls on the coordinator's own slabs and keeps the books of what is checked."""
 
     def __init__(
@@ -153,79 +126,22 @@ class Auditor:
     ) -> None:
         if not 0.0 <= rate <= 1.0:
             raise ValueError(f"audit rate {rate} is not between 0 and 1")
-        self.numerics, self.wire_dtype, self.rate = numerics, wire_dtype, rate
-        self.store = store  # the coordinator's own slabs (a shard directory's read as audits draw them)
-        self.shard_dir = shard_dir
+        super().__init__(store, numerics, shard_dir)
+        self.wire_dtype, self.rate = wire_dtype, rate
         self._rng = random.Random(seed) if seed is not None else random.SystemRandom()
         self._books: dict[str, _NodeBook] = {}
-        self._verified: dict[SlabKey, bool] = {}
-        self._entries: dict[SlabKey, Any] | None = None  # the shard manifest's slab entries, read once
         self._caught = False
         self._lock = threading.Lock()
         self.report = AuditReport()
         self.on_ban: Callable[[str], None] | None = None  # told the address of every node banned
         self._worker = (
-            ThreadPoolExecutor(1, thread_name_prefix="swarm-audit", initializer=_idle_priority)
+            ThreadPoolExecutor(1, thread_name_prefix="swarm-audit", initializer=idle_priority)
             if background
             else None
         )
         self._pending: list[_Job] = []  # audits handed to the audit thread, not yet taken in
         self._cover = False  # the pass under way reads a prompt: each of its calls is checked (cover())
-        self.own_class = numerics_class()  # this coordinator's ggml build (swarm.compute.numclass)
-        self.classes: dict[str, str] = {}  # address -> the numerics class a node reported
         self.every_row = every_row  # --verify all: every answer is recomputed here, whole
-
-    # --- the coordinator's own answer ---------------------------------------------------------------
-
-    def holds(self, layer: int, expert_ids: list[int]) -> bool:
-        """Whether every slab is here (and none failed its check against the manifest)."""
-        return all(
-            (layer, e) in self.store.slabs and self._verified.get((layer, e), True) for e in expert_ids
-        )
-
-    def _ours_verify(self, layer: int, expert_ids: list[int]) -> bool:
-        """Whether these slabs of ours match the manifest (checked once each; a GGUF's always do): before an
-        answer that differs from ours bans its node."""
-        ok = True
-        for e in expert_ids:
-            key = (layer, e)
-            if key not in self._verified:
-                self._verified[key] = self._verify(key)
-            ok = ok and self._verified[key]
-        return ok
-
-    def _verify(self, key: SlabKey) -> bool:
-        if self.shard_dir is None:
-            return True  # the coordinator's own GGUF
-        from swarm.sharding.slabs import check_slab_file, read_manifest
-
-        if self._entries is None:
-            self._entries = {(s.layer, s.expert): s for s in read_manifest(self.shard_dir).slabs}
-        entry = self._entries.get(key)
-        problem = check_slab_file(self.shard_dir, entry) if entry is not None else "not in the manifest"
-        if problem:
-            log.warning("cannot audit with slab %d:%d of this coordinator: %s", key[0], key[1], problem)
-        return problem is None
-
-    def expected(
-        self, layer: int, expert_ids: list[int], counts: list[int], rows: torch.Tensor
-    ) -> torch.Tensor:
-        out = self.store.compute(layer, expert_ids, counts, rows, self.numerics)
-        return out.to(rows.dtype)
-
-    def _agrees(
-        self, address: str, layer: int, experts: list[int], rows: torch.Tensor, ours: torch.Tensor,
-        theirs: torch.Tensor,
-    ) -> bool:  # fmt: skip
-        """Whether a node's answer is an honest one: the same bits from a node of this coordinator's numerics
-        class, within the kernels' error bound (swarm.coordinator.tolerance) from one of another class."""
-        if same_bits(ours, theirs):
-            return True
-        if same_class(self.classes.get(address, self.own_class), self.own_class):
-            return False
-        exact = self.numerics != "native"
-        half = "fp16_va" in self.classes.get(address, "") or "fp16_va" in self.own_class
-        return within_bound(self.store, layer, experts, rows, ours, theirs, exact, half)
 
     # --- probes and audits ------------------------------------------------------------------------------
 
@@ -234,7 +150,7 @@ class Auditor:
     ) -> bool:
         """Known rows through `slabs` of the node's slabs at random (`compute(layer, ids, counts, rows)` calls
         it); False (and the node banned) when an answer differs."""
-        mine = [k for k in held if self.store.lists(*k)]  # (a slab file is read once drawn, not to list)
+        mine = [k for k in held if self.store.holds(*k)]  # (a slab file is read once drawn, not to list)
         for layer, expert in self._rng.sample(mine, min(slabs, len(mine))):
             if not self.holds(layer, [expert]):
                 continue
@@ -415,7 +331,7 @@ class Auditor:
         alone has the bits it had in the call; a damaged slab spoils every row of its expert, and a node
         cannot tell which of its experts a random check will take. Exact numerics (torch's float32 matmuls)
         check whole calls."""
-        if self.numerics != "native" or scope is Scope.EVERY_ROW:
+        if self.numerics != Numerics.NATIVE or scope is Scope.EVERY_ROW:
             return None
         blocks, start = [], 0  # (first row, rows, expert) of each expert with rows
         for expert, n in zip(call.expert_ids, call.counts, strict=True):

@@ -15,21 +15,24 @@ from typing import Any
 
 import torch
 
-from swarm.compute.numerics import Numerics
+from swarm.compute.expert_copies import default_memory_budget
+from swarm.compute.expert_weights import slab_dims
 from swarm.compute.slabs import allow_open_files, load_slabs, slab_progress
-from swarm.compute.store import ExpertStore, default_memory_budget, slab_dims
+from swarm.compute.store import ExpertStore
 from swarm.coordinator.audit import DEFAULT_RATE, Auditor
 from swarm.coordinator.experts import LocalExperts
 from swarm.coordinator.loader import default_device, load_model
-from swarm.coordinator.models.layers import DecoderModel
-from swarm.coordinator.swarm import SwarmExperts, connect
+from swarm.coordinator.models.base import DecoderModel
+from swarm.coordinator.remote.discovery import connect
+from swarm.coordinator.remote.dispatch import SwarmExperts
 from swarm.coordinator.tokenizer import GGUFTokenizer
 from swarm.node.auth import SwarmKey
+from swarm.proto.numerics import Numerics
 from swarm.sharding.errors import UserError
 from swarm.sharding.gguf_io import expert_tensors, open_gguf
 from swarm.sharding.identity import ModelIdentity, identity_of
 from swarm.sharding.manifest import EXPERTS_DIR
-from swarm.sharding.slabs import LazySlabs, SlabKey, SlabTensor, read_manifest
+from swarm.sharding.slabs import ExpertSlab, LazySlabs, SlabKey, read_manifest
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +103,7 @@ def _audit_store(path: str | Path) -> ExpertStore:
     audit that draws it (LazySlabs: none at start), a GGUF's experts as views of its map. Neither is hashed
     here: a slab whose bytes an audit finds different is checked against the manifest before it counts."""
     if Path(path).is_dir():
-        slabs: Mapping[SlabKey, dict[str, SlabTensor]] = LazySlabs(path, dims=slab_dims)
+        slabs: Mapping[SlabKey, ExpertSlab] = LazySlabs(path, dims=slab_dims)
         allow_open_files(len(slabs))  # a file read is a descriptor kept: a long run's audits draw them all
     else:
         slabs = load_slabs(path, verify=False).slabs
@@ -139,16 +142,7 @@ def open_engine(
     wire_dtype = WIRE_DTYPES[wire]
     experts: LocalExperts | SwarmExperts
     if local:
-        with slab_progress("checking slabs", enabled=progress) as on_slab:
-            loaded = load_slabs(path, progress=on_slab)
-        if loaded.problems:
-            raise UserError(f"{path}: some expert slabs cannot be used: " + "; ".join(loaded.problems[:5]))
-        budget = default_memory_budget() if memory_budget is None else memory_budget
-        store = ExpertStore(loaded.slabs, dev, budget)
-        if numerics == Numerics.NATIVE:
-            store.prepare()  # repacked copies now, as llama.cpp's load makes them, not in the first prompt
-        experts = LocalExperts(store, wire_dtype, numerics)
-        fingerprint = loaded.fingerprint
+        experts, fingerprint = _local_experts(path, dev, wire_dtype, numerics, memory_budget, progress)
     else:
         identity, needed = model_identity(path)
         fingerprint = identity.fingerprint
@@ -166,15 +160,7 @@ def open_engine(
             numerics=numerics,
             same_class_only=numerics_class == "same",
         )
-        experts.degraded = degraded
-        experts.pair = verify == "pair"
-        if audit > 0 or verify != "sample":  # (pair and all check every answer whatever the rate)
-            experts.auditor = make_auditor(path, numerics, wire_dtype, audit, audit_seed, verify == "all")
-            if experts.auditor is not None:
-                experts.auditor.classes = experts.classes  # (the same dict: nodes that join later too)
-            if experts.auditor is not None:
-                experts.auditor.on_ban = experts.placement.ban
-                experts.admit_known()  # beside the model's loading below
+        _check_answers(experts, path, numerics, wire_dtype, audit, audit_seed, degraded, verify)
     try:
         model, meta = load_model(path, experts, dev, progress=progress, numerics=numerics)
         tokenizer = GGUFTokenizer(meta)
@@ -189,3 +175,44 @@ def open_engine(
             experts.close()
         raise
     return Engine(model, meta, tokenizer, experts, dev, str(path), fingerprint, numerics)
+
+
+def _local_experts(
+    path: str | Path,
+    dev: torch.device,
+    wire_dtype: torch.dtype,
+    numerics: Numerics,
+    memory_budget: int | None,
+    progress: bool,
+) -> tuple[LocalExperts, str]:
+    """(the experts computed in this process, every slab checked as it loads; the model's fingerprint)."""
+    with slab_progress("checking slabs", enabled=progress) as on_slab:
+        loaded = load_slabs(path, progress=on_slab)
+    if loaded.problems:
+        raise UserError(f"{path}: some expert slabs cannot be used: " + "; ".join(loaded.problems[:5]))
+    budget = default_memory_budget() if memory_budget is None else memory_budget
+    store = ExpertStore(loaded.slabs, dev, budget)
+    if numerics == Numerics.NATIVE:
+        store.prepare()  # repacked copies now, as llama.cpp's load makes them, not in the first prompt
+    return LocalExperts(store, wire_dtype, numerics), loaded.fingerprint
+
+
+def _check_answers(
+    experts: SwarmExperts,
+    path: str | Path,
+    numerics: Numerics,
+    wire_dtype: torch.dtype,
+    audit: float,
+    audit_seed: int | None,
+    degraded: bool,
+    verify: str,
+) -> None:
+    """How the swarm's answers are checked (see open_engine), and what an expert with no holder does."""
+    experts.degraded = degraded
+    experts.pair = verify == "pair"
+    if audit > 0 or verify != "sample":  # (pair and all check every answer whatever the rate)
+        experts.auditor = make_auditor(path, numerics, wire_dtype, audit, audit_seed, verify == "all")
+        if experts.auditor is not None:
+            experts.auditor.classes = experts.classes  # (the same dict: nodes that join later too)
+            experts.auditor.on_ban = experts.placement.ban
+            experts.admit_known()  # beside the model's loading below

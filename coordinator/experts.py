@@ -4,7 +4,8 @@ Dimension letters: T tokens, K selected experts per token, D model width, N = T*
 A model's MoE block calls `backend.start(layer, x, ids)` right after routing, computes its shared
 expert while the work is in flight, then `pending.wait()` gives every pair's output as [T, K, D].
 The weighting and the sum over K stay in the model, in a fixed slot order, so the result is the
-same whichever backend (or node) computed the pairs.
+same whichever backend (or node) computed the pairs. A backend whose experts lie in this process may
+instead hand them over as one stack (`backend.stack`), and the MoE block runs the whole layer in one graph.
 """
 
 from __future__ import annotations
@@ -18,18 +19,36 @@ from typing import Any, Protocol
 import torch
 
 from swarm.compute.ffn import ExpertStack
-from swarm.compute.numerics import Numerics
 from swarm.compute.store import ExpertStore
+from swarm.proto.numerics import Numerics
 from swarm.sharding.errors import UserError
 
 
 class PendingExperts(Protocol):
+    @property
+    def in_flight(self) -> bool:
+        """True while the experts are computed elsewhere until wait() (the MoE block then runs its shared
+        expert on one thread meanwhile); False when start() has computed them already."""
+        ...
+
+    @property
+    def dropped(self) -> torch.Tensor | None:
+        """After wait(): [T, K] bool, True where degraded mode left a pair out (its output zeroed; the MoE
+        block renormalizes the weights over the rest); None when every pair was computed."""
+        ...
+
     def wait(self) -> torch.Tensor:
         """Outputs [T, K, D] for every (token, slot) pair, float32."""
         ...
 
 
 class ExpertBackend(Protocol):
+    def stack(self, layer: int, ids: torch.Tensor) -> ExpertStack | None:
+        """Experts ids [T, K] of MoE layer `layer` as one stack the MoE block's graph multiplies in this
+        process (ffn.moe_layer: the experts, the shared expert and the sum at once), or None where this
+        backend computes them itself in start()."""
+        ...
+
     def start(self, layer: int, x: torch.Tensor, ids: torch.Tensor) -> PendingExperts:
         """Begin computing experts ids [T, K] on rows x [T, D] of MoE layer `layer`."""
         ...
@@ -71,6 +90,9 @@ def group_expert_major(ids: torch.Tensor) -> ExpertMajor:
 
 
 class _Done:
+    in_flight = False  # computed in start()
+    dropped: torch.Tensor | None = None
+
     def __init__(self, out: torch.Tensor) -> None:
         self._out = out
 
@@ -114,6 +136,8 @@ class LocalExperts:
 
 
 class _Dropped:
+    in_flight = False  # computed in start()
+
     def __init__(self, out: torch.Tensor, dropped: torch.Tensor) -> None:
         self._out, self.dropped = out, dropped
 
@@ -128,6 +152,9 @@ class WithoutExperts:
 
     def __init__(self, inner: ExpertBackend, gone: set[int]) -> None:
         self.inner, self.gone = inner, torch.tensor(sorted(gone), dtype=torch.long)
+
+    def stack(self, layer: int, ids: torch.Tensor) -> ExpertStack | None:
+        return None  # start() zeroes the gone experts' pairs, which one graph would compute
 
     def start(self, layer: int, x: torch.Tensor, ids: torch.Tensor) -> PendingExperts:
         out = self.inner.start(layer, x, ids).wait()
@@ -144,6 +171,9 @@ class RoutingStats:
         self.counts: dict[tuple[int, int], int] = {}
         self.tokens = 0
         self._first_layer: int | None = None
+
+    def stack(self, layer: int, ids: torch.Tensor) -> ExpertStack | None:
+        return None  # start() counts the picks, which one graph would skip
 
     def start(self, layer: int, x: torch.Tensor, ids: torch.Tensor) -> PendingExperts:
         if self._first_layer is None or layer < self._first_layer:

@@ -106,8 +106,8 @@ class Checker(Protocol):
 
 # A pass whose answers are not all checked yet is held back; after this many, the checker is made to settle
 # (the model waits for the audits still open). Audits aside run at idle priority, in the time the model and
-# the nodes leave free: a window of 8 passes lets more of them end there (decode through 4 loopback nodes
-# ~10% faster than with 4, scratch A/B in session 19's note), at the cost of tokens streamed 8 at a time.
+# the nodes leave free: a window of 8 passes lets more of them end there than a window of 4, at the cost of
+# tokens streamed 8 at a time.
 SETTLE_EVERY = 8
 
 

@@ -28,18 +28,12 @@ from tqdm import tqdm
 
 from swarm.compute import pages, weights
 from swarm.compute.dequant import dequantize
-from swarm.compute.numerics import Numerics
 from swarm.coordinator.experts import ExpertBackend
 from swarm.coordinator.models import get_arch
-from swarm.coordinator.models.layers import (
-    DecoderModel,
-    GGMLMatrix,
-    Linear,
-    Matrix,
-    PackedEmbedding,
-    TorchMatrix,
-    n_main_layers,
-)
+from swarm.coordinator.models.base import DecoderModel, PackedEmbedding
+from swarm.coordinator.models.gguf_meta import n_main_layers
+from swarm.coordinator.models.linear import GGMLMatrix, Linear, Matrix, TorchMatrix
+from swarm.proto.numerics import Numerics
 from swarm.sharding.gguf_io import (
     EXPERT_TENSOR_RE,
     GGUFError,

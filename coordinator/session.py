@@ -9,6 +9,7 @@ import sys
 from typing import Any
 
 from swarm.node.auth import add_key_argument, swarm_key
+from swarm.proto.numerics import Numerics
 from swarm.sharding.errors import UserError
 
 
@@ -131,7 +132,7 @@ def open_from_args(args: argparse.Namespace) -> Any:
     from swarm.compute.malloc import keep_freed_memory
     from swarm.coordinator.audit import DEFAULT_RATE
     from swarm.coordinator.engine import open_engine
-    from swarm.coordinator.swarm import SwarmExperts
+    from swarm.coordinator.remote.dispatch import SwarmExperts
 
     keep_freed_memory()  # a pass finds the memory the pass before it freed (before the model allocates)
     where = "experts in this process" if args.local else "looking for nodes"
@@ -154,7 +155,7 @@ def open_from_args(args: argparse.Namespace) -> Any:
         verify=args.verify,
         numerics_class=args.numerics_class,
         progress=True,
-        numerics="exact" if args.exact else "native",
+        numerics=Numerics.of(args.exact),
     )
     if isinstance(engine.experts, SwarmExperts):
         n = len(engine.experts.clients)
@@ -221,7 +222,7 @@ def stream_answer(engine: Any, ids: list[int], params: Any, out: Any = None) -> 
 
 def report(engine: Any, stats: Any, err: Any = None) -> None:
     """Speed and where the experts went, to stderr by default."""
-    from swarm.coordinator.swarm import SwarmExperts
+    from swarm.coordinator.remote.dispatch import SwarmExperts
 
     err = err or sys.stderr
     print(

@@ -35,8 +35,8 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from swarm.compute import dense
-from swarm.compute.numerics import Numerics
 from swarm.compute.store import ExpertStore
+from swarm.proto.numerics import Numerics
 
 U = 2.0**-24  # float32 unit roundoff
 SAFETY = 2.0  # the bound's terms are estimated on float32 dequantized weights and unquantized rows

@@ -152,7 +152,8 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    """The rig's arguments, and those after `--` that go to `swarm run`."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="a `swarm shard` directory")
     p.add_argument("--nodes", type=int, default=3, help="nodes, each in a namespace of its own")
@@ -171,19 +172,82 @@ def main(argv: list[str] | None = None) -> int:
     p.epilog = "Everything after -- goes to `swarm run`."
     argv = list(sys.argv[1:] if argv is None else argv)
     cut = argv.index("--") if "--" in argv else len(argv)
-    args = p.parse_args(argv[:cut])
-    run_args = argv[cut + 1 :]
+    return p.parse_args(argv[:cut]), argv[cut + 1 :]
+
+
+def refusal(args: argparse.Namespace) -> str | None:
+    """Why the rig cannot run as asked (None: it can)."""
     if os.geteuid() != 0:
-        print("netns_swarm: needs root (network namespaces, veth, tc)", file=sys.stderr)
-        return 2
+        return "needs root (network namespaces, veth, tc)"
     if not 1 <= len(args.tag) <= 4 or not args.tag.isalnum():
-        print("netns_swarm: --tag must be 1-4 letters or digits", file=sys.stderr)
-        return 2
+        return "--tag must be 1-4 letters or digits"
     if not 1 <= args.replicas <= args.nodes:
-        print("netns_swarm: --replicas must be between 1 and --nodes", file=sys.stderr)
+        return "--replicas must be between 1 and --nodes"
+    return None
+
+
+def run_rig(
+    net: Net,
+    args: argparse.Namespace,
+    run_args: list[str],
+    workdir: Path,
+    key_args: list[str],
+    procs: list[subprocess.Popen[bytes]],
+) -> int:
+    """Build the network, fetch the slabs into the namespace nodes, then `swarm run` on the host: its exit
+    status. Every process it starts goes into `procs`, for the caller to stop."""
+    total = args.nodes
+    tear_down(net, total)  # leftovers of a run that was killed
+    build_network(net, total, args.rate)
+    plan = make_plan(args.model, total, args.replicas, workdir)
+    seed = start_seed(net, args.model, workdir, key_args)
+    procs.append(seed)
+    (seed_info,) = wait_ready(workdir, ["seed"], [seed], timeout=120)
+    nodes = [start_node(net, i, str(seed_info["address"]), plan, workdir, key_args) for i in range(total)]
+    procs += nodes
+    infos = wait_ready(workdir, [f"node{i}" for i in range(total)], nodes, timeout=300)
+    seed.terminate()  # from here on the swarm is the namespace nodes alone
+    seed.wait(timeout=10)
+    for i, info in enumerate(infos):
+        print(f"node {i}: namespace {net.ns(i)}, {net.ip(i)}, fetched slabs {info['held']}", file=sys.stderr)
+    cmd = [
+        *SWARM,
+        "run",
+        args.model,
+        "--mdns-interface",
+        net.host_ip,
+        "--wait",
+        "10",
+        *key_args,
+        *run_args,
+    ]
+    return subprocess.run(cmd).returncode
+
+
+def clean_up(net: Net, args: argparse.Namespace, workdir: Path, procs: list[subprocess.Popen[bytes]]) -> None:
+    """Stop the rig's processes, remove its network, keep the logs where asked."""
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    tear_down(net, args.nodes)
+    if args.keep_logs:
+        args.keep_logs.mkdir(parents=True, exist_ok=True)
+        for f in workdir.glob("*.log"):
+            shutil.copy(f, args.keep_logs / f.name)
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, run_args = parse_args(argv)
+    why = refusal(args)
+    if why is not None:
+        print(f"netns_swarm: {why}", file=sys.stderr)
         return 2
     net = Net(args.tag, args.subnet)
-    total = args.nodes
     workdir = Path(tempfile.mkdtemp(prefix="netns-swarm-"))
     key_file = args.key_file
     if key_file is None:
@@ -194,49 +258,11 @@ def main(argv: list[str] | None = None) -> int:
     procs: list[subprocess.Popen[bytes]] = []
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        tear_down(net, total)  # leftovers of a run that was killed
-        build_network(net, total, args.rate)
-        plan = make_plan(args.model, total, args.replicas, workdir)
-        seed = start_seed(net, args.model, workdir, key_args)
-        procs = [seed]
-        (seed_info,) = wait_ready(workdir, ["seed"], [seed], timeout=120)
-        nodes = [start_node(net, i, str(seed_info["address"]), plan, workdir, key_args) for i in range(total)]
-        procs += nodes
-        infos = wait_ready(workdir, [f"node{i}" for i in range(total)], nodes, timeout=300)
-        seed.terminate()  # from here on the swarm is the namespace nodes alone
-        seed.wait(timeout=10)
-        for i, info in enumerate(infos):
-            print(
-                f"node {i}: namespace {net.ns(i)}, {net.ip(i)}, fetched slabs {info['held']}", file=sys.stderr
-            )
-        cmd = [
-            *SWARM,
-            "run",
-            args.model,
-            "--mdns-interface",
-            net.host_ip,
-            "--wait",
-            "10",
-            *key_args,
-            *run_args,
-        ]
-        return subprocess.run(cmd).returncode
+        return run_rig(net, args, run_args, workdir, key_args, procs)
     except KeyboardInterrupt:
         return 130
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        tear_down(net, total)
-        if args.keep_logs:
-            args.keep_logs.mkdir(parents=True, exist_ok=True)
-            for f in workdir.glob("*.log"):
-                shutil.copy(f, args.keep_logs / f.name)
-        shutil.rmtree(workdir, ignore_errors=True)
+        clean_up(net, args, workdir, procs)
         signal.signal(signal.SIGTERM, previous)
 
 

@@ -23,6 +23,7 @@ import datetime
 import functools
 import hashlib
 import hmac
+import ipaddress
 import itertools
 import os
 import secrets
@@ -53,9 +54,15 @@ TLS_NAME = "swarm"  # the name in every swarm certificate; clients check it inst
 
 
 def is_loopback_host(host: str) -> bool:
-    """Whether a host name or address is this machine's loopback (where the wire needs no privacy)."""
+    """Whether a host name or address is this machine's loopback (where the wire needs no privacy):
+    "localhost", 127.0.0.0/8 or ::1 (bracketed or not). Other names are not resolved: they count as off it."""
     h = host.strip("[]").lower()
-    return h == "localhost" or h == "::1" or h.startswith("127.")
+    if h == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(h).is_loopback
+    except ValueError:
+        return False
 
 
 def generate_key_text() -> str:

@@ -5,25 +5,26 @@
     out = call.result()  # [sum(counts), D] torch tensor, rows in the order sent
 
 `compute_async` returns a ComputeCall at once, so a coordinator can start the calls to every node of a
-layer together and then collect them. With the node's stream port a call travels over its compute stream
-(swarm.node.streams: frames on kept connections, a third of a gRPC call's CPU for a decode step's calls);
-without one it runs as a
-blocking unary gRPC call on a small thread pool of the client's: measured on loopback, that costs the caller
-~10 us per call where grpc's own `.future()` costs ~300 us (a rendezvous object per call, woken through the
-channel's polling thread), which adds up at one call per node per layer per decoded token. Failures surface as NodeCallError with the
-grpc status code (NOT_FOUND, INVALID_ARGUMENT, FAILED_PRECONDITION, RESOURCE_EXHAUSTED,
-UNAUTHENTICATED, UNAVAILABLE, DEADLINE_EXCEEDED, ...) and the node's message.
+layer together and then collect them. The client chooses each call's transport, here alone: with the node's
+stream port a call travels over its compute stream (swarm.node.streams: frames on kept connections, much less
+CPU than gRPC for a decode step's calls); without one, or while no connection to the stream can be made (a
+firewall that lets only the gRPC port through), it runs as a blocking unary gRPC call on a small thread pool
+of the client's, which costs the caller far less than grpc's own `.future()` (a rendezvous object per call,
+woken through the channel's polling thread) at one call per node per layer per decoded token
+(bench/transport.py, docs/BENCHMARKS.md). Failures surface as NodeCallError with the grpc status code
+(NOT_FOUND, INVALID_ARGUMENT, FAILED_PRECONDITION, RESOURCE_EXHAUSTED, UNAUTHENTICATED, UNAVAILABLE,
+DEADLINE_EXCEEDED, ...) and the node's message.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, CancelledError, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from concurrent.futures import wait as futures_wait
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -32,71 +33,17 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from swarm.node.auth import AUTH_METADATA, TLS_NAME, Signer, SwarmKey, is_loopback_host
 from swarm.node.errors import NodeCallError, wrap_rpc_error
-from swarm.node.streams import StreamCall, StreamPool, tls_context
+from swarm.node.replies import FileStream, NodeInfo, NodeStats
+from swarm.node.stream_pool import RETRY_STREAM_SECONDS, StreamCall, StreamPool, StreamUnreachable
+from swarm.node.streams import tls_context
 from swarm.proto import expert_pb2 as pb
 from swarm.proto.channel import CHANNEL_OPTIONS, PROTOCOL_VERSION, SERVICE_NAME
-from swarm.proto.codec import SlabKey, compute_request, decode_tensor, held_from_proto
+from swarm.proto.codec import compute_request, decode_tensor
 from swarm.proto.frames import COMPUTE_METHOD
+from swarm.proto.numerics import Numerics
 from swarm.sharding.errors import UserError
-from swarm.sharding.identity import ModelIdentity
 
-
-@dataclass(frozen=True)
-class NodeInfo:
-    address: str
-    fingerprint: str
-    protocol_version: int
-    held: frozenset[SlabKey]
-    device: str
-    memory_budget_bytes: int
-    max_message_bytes: int
-    workers: int
-    hidden_size: int
-    name: str
-    version: str
-    source_sha256: str = ""  # the source GGUF's header hash; "" from an older node
-    serves_files: bool = False  # gives out manifest.json and its held slabs' files (Fetch)
-    stream_port: int = 0  # its compute stream's port (swarm.node.streams); 0: none
-    numerics_class: str = ""  # its ggml build's class (swarm.compute.numclass); "" from an older node
-
-    @property
-    def identity(self) -> ModelIdentity:
-        return ModelIdentity(self.fingerprint, self.source_sha256)
-
-
-@dataclass(frozen=True)
-class NodeStats:
-    calls: int
-    rows: int
-    errors: int
-    experts: dict[SlabKey, tuple[int, int]]  # (layer, expert) -> (calls, rows)
-    cache_hits: int
-    cache_misses: int
-    cache_evictions: int
-    cache_bytes: int
-    busy_seconds: float
-    uptime_seconds: float
-    in_flight: int
-    dropped: frozenset[SlabKey] = frozenset()  # slabs it stopped serving: their files failed its check
-
-
-class FileStream:
-    """One Fetch call: iterate for (offset, bytes, file size) pieces; `cancel()` ends it from another thread.
-    A failure surfaces as NodeCallError while iterating."""
-
-    def __init__(self, address: str, call: Any) -> None:
-        self.address = address
-        self._call = call
-
-    def __iter__(self) -> Iterator[tuple[int, bytes, int]]:
-        try:
-            for chunk in self._call:
-                yield chunk.offset, chunk.data, chunk.size
-        except grpc.RpcError as e:
-            raise wrap_rpc_error(self.address, "Fetch", e) from None
-
-    def cancel(self) -> None:
-        self._call.cancel()
+log = logging.getLogger(__name__)
 
 
 class ComputeCall:
@@ -173,6 +120,20 @@ class ComputeCall:
         return self._future.done()
 
 
+def _cancelled(address: str, why: str) -> NodeCallError:
+    return NodeCallError(address, "Compute", grpc.StatusCode.CANCELLED, why)
+
+
+def _pass_on(done: Future[pb.ComputeReply], to: Future[pb.ComputeReply], address: str) -> None:
+    """End `to` as `done` ended (a cancelled `done`: CANCELLED, as ComputeCall.result says it)."""
+    if done.cancelled():
+        to.set_exception(_cancelled(address, "the call was cancelled"))
+    elif (e := done.exception()) is not None:
+        to.set_exception(e)
+    else:
+        to.set_result(done.result())
+
+
 def wait_calls(calls: Iterable[ComputeCall], timeout: float | None = None) -> None:
     """Block until the first of `calls` ends (or `timeout` s pass)."""
     calls = list(calls)
@@ -193,8 +154,10 @@ class NodeClient:
     whenever there is a key) makes the channel TLS with the key's identity, as nodes off loopback serve it.
     `max_in_flight` bounds the Compute calls running at once to this node (more wait their turn here).
     With `stream_port` (the node's InfoReply.stream_port or mDNS record; `use_stream` sets it later) Compute
-    calls travel over the node's compute stream instead of gRPC (see swarm.node.streams); every other call is
-    gRPC.
+    calls travel over the node's compute stream instead of gRPC (see swarm.node.streams), but for those the
+    stream cannot take: while no connection to it can be made, they go over gRPC, and the first answer there
+    says that the stream is out of reach (when gRPC does not answer either, the node is down, and its callers'
+    failover says so). Every other call is gRPC.
     """
 
     def __init__(
@@ -226,6 +189,7 @@ class NodeClient:
         self._calls = ThreadPoolExecutor(max_in_flight, thread_name_prefix=f"swarm-call-{address}")
         self._key, self._max_in_flight = key, max_in_flight
         self._stream: StreamPool | None = None
+        self._stream_down: str | None = None  # why the stream could not be reached, until gRPC answers
         self.use_stream(stream_port)
 
     def use_stream(self, port: int) -> None:
@@ -235,17 +199,11 @@ class NodeClient:
         tls = tls_context(self._key, server=False) if self.tls and self._key is not None else None
         host = self.address.rsplit(":", 1)[0]
         self._stream = StreamPool(
-            self.address, host, port, self._sign_compute, self._compute_over_grpc, tls, self._max_in_flight
+            self.address, host, port, self._sign_compute, self._stream_unreachable, tls, self._max_in_flight
         )
 
     def _sign_compute(self, body: bytes) -> str:
         return self._signer.token(COMPUTE_METHOD, body) if self._signer else ""
-
-    def _compute_over_grpc(self, body: bytes, token: str, timeout: float | None) -> pb.ComputeReply:
-        try:
-            return self._send("Compute", body, token, pb.ComputeReply, timeout)
-        except grpc.RpcError as e:
-            raise wrap_rpc_error(self.address, "Compute", e) from None
 
     def _call(
         self, method: str, request: Any, reply: Any, timeout: float | None, stream: bool = False
@@ -277,7 +235,7 @@ class NodeClient:
         rows: torch.Tensor,
         timeout: float | None = None,
         out_dtype: torch.dtype | None = None,
-        numerics: str = "native",
+        numerics: Numerics = Numerics.NATIVE,
     ) -> ComputeCall:
         """Start computing rows [sum(counts), D] (packed expert-major) of `layer`; outputs come in rows' dtype
         unless `out_dtype` says otherwise. `numerics`: native (ggml on the stored quant types) or exact."""
@@ -291,11 +249,44 @@ class NodeClient:
             protocol_version=PROTOCOL_VERSION,
             numerics=numerics,
         )
-        if self._stream is not None:
-            sent = self._stream.submit(request.SerializeToString(), timeout)
+        if self._stream is None:
+            future = self._calls.submit(self._call, "Compute", request, pb.ComputeReply, timeout)
+            return ComputeCall(self.address, future)
+        body = request.SerializeToString()
+        if self._stream.reachable():
+            sent = self._stream.submit(body, timeout)
             return ComputeCall(self.address, sent.future, sent)
-        future = self._calls.submit(self._call, "Compute", request, pb.ComputeReply, timeout)
-        return ComputeCall(self.address, future)
+        return ComputeCall(self.address, self._calls.submit(self._instead_of_stream, body, timeout))
+
+    def _stream_unreachable(
+        self, body: bytes, future: Future[pb.ComputeReply], timeout: float | None, error: StreamUnreachable
+    ) -> None:
+        """The stream could not take this call (it was not sent): it goes over gRPC instead, ending `future`."""
+        if error.fresh:
+            self._stream_down = error.why
+        try:
+            retry = self._calls.submit(self._instead_of_stream, body, timeout)
+        except RuntimeError:  # the client was closed meanwhile
+            future.set_exception(_cancelled(self.address, "the client was closed"))
+            return
+        retry.add_done_callback(lambda answered: _pass_on(answered, future, self.address))
+
+    def _instead_of_stream(self, body: bytes, timeout: float | None) -> pb.ComputeReply:
+        """A Compute call over gRPC because the node's compute stream cannot be reached; the first answer after
+        a connection to it failed says so, once."""
+        try:
+            reply = self._send("Compute", body, self._sign_compute(body), pb.ComputeReply, timeout)
+        except grpc.RpcError as e:
+            raise wrap_rpc_error(self.address, "Compute", e) from None
+        why, self._stream_down = self._stream_down, None
+        if why is not None and self._stream is not None:
+            log.warning(
+                "node %s: its compute stream (port %d) cannot be reached (%s); its calls go over gRPC for the next "
+                "%.0f s (if only that port is blocked, open it beside the node's gRPC port, or start the node with "
+                "--no-stream)",
+                self.address, self._stream.port, why, RETRY_STREAM_SECONDS,
+            )  # fmt: skip
+        return reply
 
     def compute(
         self,
@@ -305,7 +296,7 @@ class NodeClient:
         rows: torch.Tensor,
         timeout: float | None = None,
         out_dtype: torch.dtype | None = None,
-        numerics: str = "native",
+        numerics: Numerics = Numerics.NATIVE,
     ) -> torch.Tensor:
         return self.compute_async(layer, expert_ids, counts, rows, timeout, out_dtype, numerics).result()
 
@@ -321,43 +312,14 @@ class NodeClient:
             r = self._call("Info", pb.InfoRequest(), pb.InfoReply, timeout)
         except grpc.RpcError as e:
             raise wrap_rpc_error(self.address, "Info", e) from None
-        return NodeInfo(
-            address=self.address,
-            fingerprint=r.fingerprint,
-            protocol_version=r.protocol_version,
-            held=frozenset(held_from_proto(r.held)),
-            device=r.device,
-            memory_budget_bytes=r.memory_budget_bytes,
-            max_message_bytes=r.max_message_bytes,
-            workers=r.workers,
-            hidden_size=r.hidden_size,
-            name=r.node_name,
-            version=r.version,
-            source_sha256=r.source_sha256,
-            serves_files=r.serves_files,
-            stream_port=r.stream_port,
-            numerics_class=r.numerics_class,
-        )
+        return NodeInfo.from_reply(self.address, r)
 
     def stats(self, timeout: float | None = 10.0) -> NodeStats:
         try:
             r = self._call("Stats", pb.StatsRequest(), pb.StatsReply, timeout)
         except grpc.RpcError as e:
             raise wrap_rpc_error(self.address, "Stats", e) from None
-        return NodeStats(
-            calls=r.calls,
-            rows=r.rows,
-            errors=r.errors,
-            experts={(c.layer, c.expert): (c.calls, c.rows) for c in r.experts},
-            cache_hits=r.cache_hits,
-            cache_misses=r.cache_misses,
-            cache_evictions=r.cache_evictions,
-            cache_bytes=r.cache_bytes,
-            busy_seconds=r.busy_seconds,
-            uptime_seconds=r.uptime_seconds,
-            in_flight=r.in_flight,
-            dropped=frozenset(held_from_proto(r.dropped)),
-        )
+        return NodeStats.from_reply(r)
 
     def health(self, timeout: float | None = 5.0, service: str = SERVICE_NAME) -> bool:
         """True when the node answers SERVING (no key needed)."""

@@ -30,16 +30,21 @@ from dataclasses import dataclass
 import msgpack
 from zeroconf import IPVersion, ServiceBrowser, ServiceInfo, ServiceStateChange, Zeroconf
 
-from swarm.node.auth import SwarmKey
+from swarm.node.auth import SwarmKey, is_loopback_host
 from swarm.proto.channel import PROTOCOL_VERSION
-from swarm.proto.codec import SlabKey, group_slabs, ungroup_slabs
+from swarm.proto.codec import group_slabs, ungroup_slabs
 from swarm.sharding.identity import ModelIdentity
+from swarm.sharding.slabs import SlabKey
 
 log = logging.getLogger(__name__)
 
 SERVICE_TYPE = "_swarm-moe._tcp.local."
 TXT_CHUNK = 200  # characters of packed slab set per TXT key; keeps key=value under 255 bytes
 MAX_TXT_CHUNKS = 200  # refuse silly-large slab sets rather than send a huge record
+# Once a browser has its first answers, how long to keep listening for the other nodes' answers to the same
+# query (mDNS responders wait 20-120 ms at random, and a busy device answers later): the replicas a
+# coordinator's failover needs, the further sources a fetch can draw from.
+MDNS_SETTLE_SECONDS = 0.5
 
 
 def _flat(ranges: Iterable[tuple[int, int]]) -> list[int]:
@@ -193,21 +198,12 @@ def _is_wildcard(host: str) -> bool:
     return host in ("", "0.0.0.0", "::", "[::]")
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
 def default_mdns_interfaces(host: str) -> list[str] | None:
     """Where to advertise for a node listening on `host`: loopback stays on loopback, a specific address on
     its own interface, a wildcard everywhere (None = all interfaces)."""
     if _is_wildcard(host):
         return None
-    if _is_loopback(host):
+    if is_loopback_host(host):
         return ["127.0.0.1"]
     try:
         return [str(ipaddress.ip_address(host.strip("[]")))]
@@ -251,7 +247,7 @@ class Advertiser:
                 else [a for a in self.interfaces if ":" not in a]
             )
         else:
-            addresses = [socket.gethostbyname(host.strip("[]")) if not _is_loopback(host) else "127.0.0.1"]
+            addresses = [socket.gethostbyname(host.strip("[]")) if not is_loopback_host(host) else "127.0.0.1"]
         # A generated name carries a random suffix, so the ~1 s uniqueness probe can be skipped; a name the user
         # chose is probed and renamed ("name-2") if another node already has it.
         self._generated_name = name is None

@@ -1,7 +1,7 @@
 """`swarm node DIR --fetch`'s side of the command: sources, the manifest, what to fetch, progress, the report.
 
 The node serves from the moment the manifest is in place: first the slabs already in DIR that verify (an
-earlier fetch), then each fetched slab as soon as it verifies (swarm.node.fetch); the CLI re-announces its
+earlier fetch), then each fetched slab as soon as it verifies (swarm.node.fetch); the daemon re-announces its
 held set by mDNS as it grows.
 """
 
@@ -22,7 +22,8 @@ from swarm.sharding.ranges import format_slabs
 if TYPE_CHECKING:  # the fetch machinery (grpc, torch) loads when a fetch starts, not when the parser is built
     from swarm.compute.slabs import LoadedSlabs
     from swarm.node.auth import SwarmKey
-    from swarm.node.fetch import Fetcher, FetchJob, FetchResult
+    from swarm.node.fetch import Fetcher, FetchResult
+    from swarm.node.fetch_job import FetchJob
     from swarm.sharding.manifest import Manifest, SlabEntry
 
 DEFAULT_PARALLEL = 4  # slabs downloaded at once
@@ -120,8 +121,7 @@ class NodeFetch:
         if not args.peer and args.no_mdns:
             raise UserError("--fetch needs sources: give --peer HOST:PORT, or leave out --no-mdns")
         from swarm.compute.slabs import wanted_slabs
-        from swarm.node.fetch import (
-            Sources,
+        from swarm.node.fetch_job import (
             choose_model,
             ensure_manifest,
             local_manifest,
@@ -129,6 +129,7 @@ class NodeFetch:
             plan_fetch,
             wait_for_holders,
         )
+        from swarm.node.fetch_sources import Sources
 
         self.directory = Path(args.source)
         self._exit = contextlib.ExitStack()

@@ -13,7 +13,7 @@ slab files of a shard directory:
   through a memory map. A file the stat watch hashed during a round is not hashed again in it.
 
 A slab whose file fails (missing, unreadable, another size, a SHA-256 that differs) goes to `on_failed`,
-once: the node stops serving it, announcing it and giving its file out (swarm.node.cli). That holds for a
+once: the node stops serving it, announcing it and giving its file out (swarm.node.daemon). That holds for a
 slab multiplied where it lies in the file's memory map, whose answers the damage reaches at once, and as much
 for one copied into ggml's repacked layout at start-up, whose answers it does not reach: the file is what the
 node vouches for (others fetch it, and the node copies it again after its memory budget evicted the copy).
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import threading
 import time
 from collections import Counter
@@ -36,6 +35,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
+
+from swarm.compute.priority import idle_priority
 
 if TYPE_CHECKING:  # `swarm node`'s parser reads this module's defaults: it imports nothing heavy at the top
     from swarm.sharding.manifest import SlabEntry
@@ -73,25 +74,6 @@ def file_stat(path: Path) -> FileStat | None:
     except OSError:
         return None
     return FileStat(st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
-
-
-def idle_priority() -> bool:
-    """Put the calling thread at the idle scheduling priority; whether it got one that yields to every other
-    thread (Linux: SCHED_IDLE, else nice 19, both per thread there). Elsewhere nothing is changed: macOS'
-    nice would slow the whole process, the node's calls included."""
-    if hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE"):
-        try:
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-            return True
-        except OSError as e:  # a sandbox may forbid it
-            log.debug("no SCHED_IDLE for the slab check (%s); trying nice", e)
-    if sys.platform.startswith("linux"):
-        try:
-            os.nice(19)  # clamped at 19
-            return True
-        except OSError as e:
-            log.debug("no nice for the slab check either (%s)", e)
-    return False
 
 
 def _forget_pages(path: Path) -> None:

@@ -13,8 +13,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from swarm.proto import expert_pb2 as pb
-
-SlabKey = tuple[int, int]  # (layer, expert)
+from swarm.proto.numerics import Numerics
 
 _TO_TORCH = {pb.F32: torch.float32, pb.F16: torch.float16, pb.BF16: torch.bfloat16}
 _TO_PROTO = {v: k for k, v in _TO_TORCH.items()}
@@ -85,7 +84,7 @@ def compute_request(
     fingerprint: str = "",
     out_dtype: torch.dtype | None = None,
     protocol_version: int = 0,
-    numerics: str = "native",
+    numerics: Numerics = Numerics.NATIVE,
 ) -> pb.ComputeRequest:
     """The one place a Compute request is built: rows [sum(counts), D] packed expert-major."""
     return pb.ComputeRequest(
@@ -100,22 +99,22 @@ def compute_request(
     )
 
 
-_NUMERICS = {"native": pb.NATIVE, "exact": pb.EXACT}
+_NUMERICS = {Numerics.NATIVE: pb.NATIVE, Numerics.EXACT: pb.EXACT}
 
 
-def numerics_to_proto(name: str) -> int:
-    if name not in _NUMERICS:
-        raise CodecError(f"unknown numerics {name!r}; use native or exact")
-    return _NUMERICS[name]
+def numerics_to_proto(numerics: Numerics) -> int:
+    if numerics not in _NUMERICS:
+        raise CodecError(f"unknown numerics {numerics!r}; use native or exact")
+    return _NUMERICS[Numerics(numerics)]
 
 
-def numerics_from_proto(value: int) -> str:
+def numerics_from_proto(value: int) -> Numerics:
     """The numerics a call asks for; unspecified means native (the default)."""
     if value == pb.NUMERICS_UNSPECIFIED:
-        return "native"
-    for name, code in _NUMERICS.items():
+        return Numerics.NATIVE
+    for numerics, code in _NUMERICS.items():
         if code == value:
-            return name
+            return numerics
     raise CodecError(f"unknown numerics {value}; this node knows native (1) and exact (2)")
 
 
@@ -137,7 +136,7 @@ def from_ranges(ranges: Iterable[tuple[int, int]]) -> list[int]:
     return [i for a, b in ranges for i in range(a, b + 1)]
 
 
-def group_slabs(keys: Iterable[SlabKey]) -> list[tuple[list[tuple[int, int]], list[tuple[int, int]]]]:
+def group_slabs(keys: Iterable[tuple[int, int]]) -> list[tuple[list[tuple[int, int]], list[tuple[int, int]]]]:
     """Slabs as (layer ranges, expert ranges) groups: layers holding the same experts share a group."""
     by_layer: dict[int, set[int]] = {}
     for layer, expert in keys:
@@ -150,12 +149,12 @@ def group_slabs(keys: Iterable[SlabKey]) -> list[tuple[list[tuple[int, int]], li
 
 def ungroup_slabs(
     groups: Iterable[tuple[Iterable[tuple[int, int]], Iterable[tuple[int, int]]]],
-) -> set[SlabKey]:
+) -> set[tuple[int, int]]:
     experts_of = [(from_ranges(ls), from_ranges(es)) for ls, es in groups]
     return {(layer, e) for layers, experts in experts_of for layer in layers for e in experts}
 
 
-def held_to_proto(keys: Iterable[SlabKey]) -> list[pb.SlabGroup]:
+def held_to_proto(keys: Iterable[tuple[int, int]]) -> list[pb.SlabGroup]:
     return [
         pb.SlabGroup(
             layers=[pb.IdRange(first=a, last=b) for a, b in layers],
@@ -165,7 +164,7 @@ def held_to_proto(keys: Iterable[SlabKey]) -> list[pb.SlabGroup]:
     ]
 
 
-def held_from_proto(groups: Iterable[pb.SlabGroup]) -> set[SlabKey]:
+def held_from_proto(groups: Iterable[pb.SlabGroup]) -> set[tuple[int, int]]:
     return ungroup_slabs(
         ([(r.first, r.last) for r in g.layers], [(r.first, r.last) for r in g.experts]) for g in groups
     )

@@ -1,6 +1,6 @@
 """The compute stream's framing: Compute calls on one kept TCP (or TLS) connection, one call at a time.
 
-A gRPC call from Python costs ~0.4 ms of the caller's CPU and ~0.6 ms of the node's on top of its compute
+A gRPC call from Python costs a fraction of a millisecond of CPU on each side on top of its compute
 (HTTP/2 stream set-up, metadata, a thread hand-off on each side), and a decode step makes one call per node
 and MoE layer. A frame on a kept connection costs a third of that (bench/transport.py). The bytes inside are the gRPC path's:
 

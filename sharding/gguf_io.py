@@ -23,6 +23,10 @@ from swarm.sharding.errors import UserError
 
 GGUF_MAGIC = b"GGUF"
 
+# gguf.Keys has no constant for this one: a bool per block, true for the hybrid archs' linear-attention
+# blocks (llama.cpp reads it).
+RECURRENT_LAYERS_KEY = "{arch}.attention.recurrent_layers"
+
 # blk.N.ffn_{gate,up,down,gate_up}_exps.{weight,bias}: the stacked per-expert tensors, expert dim outermost.
 EXPERT_TENSOR_RE = re.compile(
     r"^blk\.(?P<layer>\d+)\.(?P<kind>ffn_(?:gate|up|down|gate_up)_exps)\.(?P<part>weight|bias)$"

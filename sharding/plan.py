@@ -18,8 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from swarm.sharding.errors import UserError
-
-SlabKey = tuple[int, int]
+from swarm.sharding.slabs import SlabKey
 
 # A slab gets at most this many holders more than --replicas (hot experts): past that the load is spread.
 MAX_EXTRA_REPLICAS = 6

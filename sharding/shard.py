@@ -2,7 +2,8 @@
 
 The cut's orchestration; its parts, in the order they are used: swarm.sharding.pump (each byte copied
 once in the kernel and hashed once on other threads, memory flat), swarm.sharding.source (which bytes make
-each file, the fingerprint), swarm.sharding.journal (what a killed run finished), swarm.sharding.verify.
+each file, the fingerprint), swarm.sharding.journal (what a killed run finished), swarm.sharding.shard_files
+(each output file written, reused or sealed), swarm.sharding.verify.
 
 One pass over the source. A cut of a part (--layers/--experts) still reads (hashes, without writing) the rest: the fingerprint
 covers the whole model, so every partial cut of one model carries the same fingerprint.
@@ -19,8 +20,6 @@ file whose bytes still hash right.
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import hashlib
 import logging
 import os
@@ -30,9 +29,9 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from gguf import Keys
 
@@ -40,7 +39,6 @@ from swarm.sharding.errors import UserError
 from swarm.sharding.ggufwrite import alignment_of, pad
 from swarm.sharding.journal import JOURNAL_NAME, Journal
 from swarm.sharding.manifest import (
-    DENSE_NAME,
     FORMAT_VERSION,
     MANIFEST_NAME,
     ExpertTensorInfo,
@@ -49,13 +47,23 @@ from swarm.sharding.manifest import (
     SlabEntry,
     SourceInfo,
     read_manifest,
-    slab_relpath,
     write_manifest,
 )
-from swarm.sharding.pump import Pump, start_writeback, write_all
-from swarm.sharding.slabs import check_slab_file, hash_file_range
+from swarm.sharding.pump import Pump
+from swarm.sharding.shard_files import (
+    bytes_present,
+    cut_dense,
+    disk_error,
+    gb,
+    remove_stale_temps,
+    reusable_slab,
+    seal_slabs,
+    slab_recorder,
+    syncfs,
+    write_slab,
+)
+from swarm.sharding.slabs import SlabKey, hash_file_range
 from swarm.sharding.source import (
-    PLACEHOLDER_FINGERPRINT,
     SourceModel,
     arch_int,
     dense_header,
@@ -63,7 +71,6 @@ from swarm.sharding.source import (
     model_fingerprint,
     pump_slab,
     slab_file_size,
-    slab_header,
     slab_kind,
     slab_source_bytes,
 )
@@ -81,42 +88,6 @@ class ShardResult:
     bytes_read: int
 
 
-def _identity(src: SourceModel, header_sha: str) -> dict[str, Any]:
-    return {
-        "format_version": FORMAT_VERSION,
-        "name": src.path.name,
-        "size": src.size,
-        "mtime_ns": src.mtime_ns,
-        "header_sha256": header_sha,
-    }
-
-
-def _same_model(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    """Same source as far as a cheap look can tell (the hashes decide later)."""
-    return a.get("size") == b.get("size") and a.get("header_sha256") == b.get("header_sha256")
-
-
-def _disk_error(e: OSError, out: Path, needed: int) -> UserError:
-    if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        free = shutil.disk_usage(out).free
-        return UserError(
-            f"{out}: disk full; this cut needs {_gb(needed)} more free space there ({_gb(free)} free now); "
-            "free some space or shard to another directory with -o"
-        )
-    if e.errno == errno.EFBIG:
-        return UserError(
-            f"{out}: file too large for this system's limits ({e.strerror}); raise the file size limit "
-            "(ulimit -f) or shard to another file system"
-        )
-    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return UserError(f"{out}: cannot write there ({e.strerror}); choose a writable directory with -o")
-    return UserError(f"{out}: cannot write {e.filename or 'a file'} ({e.strerror})")
-
-
-def _gb(n: int) -> str:
-    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
-
-
 def shard_model(
     model: str | Path,
     out_dir: str | Path,
@@ -127,6 +98,51 @@ def shard_model(
     """Cut `model` into `out_dir` (see the module docstring). Raises UserError for every bad input."""
     src = load_source(model)
     out = Path(out_dir)
+    wanted = _wanted_slabs(src, layers, experts)
+    _make_out_dir(out)
+    header_sha = hash_file_range(src.path, 0, src.data_start)
+    old, journal, trusted_fp = _earlier_run(out, src, header_sha)
+    remove_stale_temps(out)
+
+    layer_layout = {lay: slab_file_size(src, lay) for lay in src.moe_layers}
+    dense_head = dense_header(src)
+    dense_size = len(dense_head) + sum(pad(t.n_bytes, alignment_of(src.reader)) for t in src.dense)
+    needed = dense_size + sum(layer_layout[k[0]][1] for k in wanted)
+    _check_free_space(out, src, wanted, layer_layout, needed)
+
+    t_start = time.monotonic()
+    bar = _progress_bar(src.size - src.data_start, progress)
+    sink = _progress_sink(bar)
+    pump = Pump(src.path, sink)
+    try:
+        old_slabs = {(s.layer, s.expert): s for s in (old.slabs if old is not None else ())}
+        cutter = _LayerCutter(src, out, pump, journal, wanted, layer_layout, old_slabs, trusted_fp, sink)
+        copied = cutter.copy_and_hash(old, dense_head, dense_size)
+    except OSError as e:
+        raise disk_error(e, out, needed) from e
+    finally:
+        pump.close()
+        journal.close()
+        if bar is not None:
+            bar.close()
+    log.info("copied and hashed in %.1f s", time.monotonic() - t_start)
+
+    fp = model_fingerprint(header_sha, copied.dense_data_sha, copied.slab_sha)
+    if trusted_fp is not None and fp != trusted_fp:
+        raise UserError(f"{out}: the source changed while it was being cut; run `swarm shard` again")
+    entries = _sealed_entries(src, out, wanted, copied.slab_sha, fp, layer_layout, old, needed)
+    manifest = _manifest_of(src, header_sha, fp, copied.dense_entry, copied.dense_data_sha, entries)
+    _commit(out, manifest, needed)
+    return ShardResult(manifest, copied.written, copied.skipped, src.size - src.data_start)
+
+
+# --- before the copy: what to cut, what an earlier run left, room on disk --------------------------------
+
+
+def _wanted_slabs(
+    src: SourceModel, layers: Iterable[int] | None, experts: Iterable[int] | None
+) -> set[SlabKey]:
+    """The slabs --layers/--experts ask for (every one by default), checked against the model."""
     want_layers = set(src.moe_layers if layers is None else layers)
     bad = sorted(want_layers - set(src.moe_layers))
     if bad:
@@ -138,19 +154,22 @@ def shard_model(
     if want_experts and max(want_experts) >= src.n_expert:
         raise UserError(f"--experts: {src.path.name} has experts 0-{src.n_expert - 1} per layer")
     cut = [(lay, e) for lay in src.moe_layers for e in range(src.n_expert)]
-    wanted = {k for k in cut if k[0] in want_layers and k[1] in want_experts}
+    return {k for k in cut if k[0] in want_layers and k[1] in want_experts}
 
+
+def _make_out_dir(out: Path) -> None:
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise _disk_error(e, out, 0) from e
+        raise disk_error(e, out, 0) from e
     if not os.access(out, os.W_OK):
         raise UserError(f"{out}: cannot write there (permission denied); choose a writable directory with -o")
 
-    header_sha = hash_file_range(src.path, 0, src.data_start)
-    identity = _identity(src, header_sha)
 
-    # What an earlier run left: a finished manifest, or a journal of an unfinished run.
+def _earlier_run(out: Path, src: SourceModel, header_sha: str) -> tuple[Manifest | None, Journal, str | None]:
+    """What an earlier run left: its finished manifest (or None), this run's journal (an unfinished run's,
+    continued, or a fresh one), and the fingerprint new slabs may carry at once (or None)."""
+    identity = _identity(src, header_sha)
     old: Manifest | None = None
     if (out / MANIFEST_NAME).exists():
         old = read_manifest(out)
@@ -176,111 +195,169 @@ def shard_model(
         and old.source.name == src.path.name
         else None
     )
-    _remove_stale_temps(out)
+    return old, journal, trusted_fp
 
-    layer_layout = {lay: slab_file_size(src, lay) for lay in src.moe_layers}
-    dense_head = dense_header(src)
-    dense_size = len(dense_head) + sum(pad(t.n_bytes, alignment_of(src.reader)) for t in src.dense)
-    needed = dense_size + sum(layer_layout[k[0]][1] for k in wanted)
+
+def _identity(src: SourceModel, header_sha: str) -> dict[str, Any]:
+    return {
+        "format_version": FORMAT_VERSION,
+        "name": src.path.name,
+        "size": src.size,
+        "mtime_ns": src.mtime_ns,
+        "header_sha256": header_sha,
+    }
+
+
+def _same_model(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Same source as far as a cheap look can tell (the hashes decide later)."""
+    return a.get("size") == b.get("size") and a.get("header_sha256") == b.get("header_sha256")
+
+
+def _check_free_space(
+    out: Path,
+    src: SourceModel,
+    wanted: set[SlabKey],
+    layer_layout: dict[int, tuple[int, int]],
+    needed: int,
+) -> None:
     try:
-        already = _bytes_present(out, src, wanted, layer_layout)
+        already = bytes_present(out, src, wanted, layer_layout)
         free = shutil.disk_usage(out).free
     except OSError as e:
-        raise _disk_error(e, out, needed) from e
+        raise disk_error(e, out, needed) from e
     if needed - already > free:
         raise UserError(
-            f"{out}: not enough free space: this cut needs {_gb(needed - already)} more, {_gb(free)} free; "
+            f"{out}: not enough free space: this cut needs {gb(needed - already)} more, {gb(free)} free; "
             "free some space, shard to another directory with -o, or cut a part with --layers/--experts"
         )
 
-    t_start = time.monotonic()
-    bar = _progress_bar(src.size - src.data_start, progress)
-    bar_lock = threading.Lock()
 
-    def progress(n: int) -> None:  # called from the copying threads
-        if bar is not None:
-            with bar_lock:
-                bar.update(n)
+# --- the copy: dense.gguf, then every layer's slabs ------------------------------------------------------
 
-    pump = Pump(src.path, progress)
-    written = skipped = 0
-    try:
+
+class _Copied(NamedTuple):
+    dense_entry: FileEntry
+    dense_data_sha: str  # SHA-256 of the source's dense tensor bytes
+    slab_sha: dict[SlabKey, str]  # data hash of every slab of the model, cut or only hashed
+    written: int
+    skipped: int
+
+
+@dataclass
+class _LayerCutter:
+    """What the copying threads share; each cuts whole layers."""
+
+    src: SourceModel
+    out: Path
+    pump: Pump
+    journal: Journal
+    wanted: set[SlabKey]
+    layer_layout: dict[int, tuple[int, int]]  # layer -> (data offset, size) of its slab files
+    old_slabs: dict[SlabKey, SlabEntry]
+    trusted_fp: str | None
+    progress: Callable[[int], None]
+    slab_sha: dict[SlabKey, str] = field(default_factory=dict)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def copy_and_hash(self, old: Manifest | None, dense_head: bytes, dense_size: int) -> _Copied:
         # dense.gguf: whole-file hash for the manifest, hash of the source tensor bytes for the fingerprint.
-        dense_entry, dense_data_sha, did = _do_dense(src, out, pump, journal, old, dense_head, dense_size)
-        written += did
-        skipped += 1 - did
-        slab_sha: dict[tuple[int, int], str] = {}
-        old_slabs = {(s.layer, s.expert): s for s in (old.slabs if old is not None else ())}
-        stop = threading.Event()
-
-        def cut_layer(layer: int) -> tuple[int, int]:
-            """Every slab of one layer, in expert order (one sequential stream per tensor)."""
-            n_written = n_skipped = 0
-            data_offset, size = layer_layout[layer]
-            for expert in range(src.n_expert):
-                if stop.is_set():
-                    break
-                key = (layer, expert)
-                if key not in wanted:
-                    # Only hashed, for the fingerprint; a journal or the old manifest may already know it.
-                    known = journal.slabs.get(key) or (
-                        {"sha256": old_slabs[key].sha256} if key in old_slabs and trusted_fp else None
-                    )
-                    if known is not None:
-                        slab_sha[key] = known["sha256"]
-                        progress(slab_source_bytes(src, layer))
-                        continue
-                    hashers = [hashlib.sha256()]
-                    rec = _recorder(journal, slab_sha, key, hashers[0], written=False)
-                    pump_slab(src, pump, layer, expert, None, hashers, rec)
-                    continue
-                reuse = _reusable_slab(out, key, size, data_offset, journal, old_slabs, trusted_fp)
-                if reuse is not None:
-                    slab_sha[key] = reuse
-                    n_skipped += 1
-                    progress(slab_source_bytes(src, layer))
-                    continue
-                _write_slab(src, out, pump, layer, expert, trusted_fp, data_offset, size, journal, slab_sha)
-                n_written += 1
-            return n_written, n_skipped
-
+        dense_entry, dense_data_sha, did = cut_dense(
+            self.src, self.out, self.pump, self.journal, old, dense_head, dense_size
+        )
+        written, skipped = did, 1 - did
         # Layers are cut N_COPIERS at a time: each copier keeps its own sequential read streams, and the
         # copy (system calls, file creation) runs beside the hashing instead of behind it.
         with ThreadPoolExecutor(N_COPIERS, thread_name_prefix="shard-copy") as pool:
-            futures = [pool.submit(cut_layer, layer) for layer in src.moe_layers]
+            futures = [pool.submit(self.cut_layer, layer) for layer in self.src.moe_layers]
             try:
                 for f in futures:
                     w, k = f.result()
                     written += w
                     skipped += k
             except BaseException:
-                stop.set()
+                self.stop.set()
                 raise
-        pump.drain()
-    except OSError as e:
-        raise _disk_error(e, out, needed) from e
-    finally:
-        pump.close()
-        journal.close()
-        if bar is not None:
-            bar.close()
+        self.pump.drain()
+        return _Copied(dense_entry, dense_data_sha, self.slab_sha, written, skipped)
 
-    log.info("copied and hashed in %.1f s", time.monotonic() - t_start)
-    fp = model_fingerprint(header_sha, dense_data_sha, slab_sha)
-    if trusted_fp is not None and fp != trusted_fp:
-        raise UserError(f"{out}: the source changed while it was being cut; run `swarm shard` again")
+    def cut_layer(self, layer: int) -> tuple[int, int]:
+        """Every slab of one layer, in expert order (one sequential stream per tensor): (written, kept)."""
+        n_written = n_skipped = 0
+        data_offset, size = self.layer_layout[layer]
+        for expert in range(self.src.n_expert):
+            if self.stop.is_set():
+                break
+            key = (layer, expert)
+            if key not in self.wanted:
+                self._hash_only(key)
+                continue
+            reuse = reusable_slab(
+                self.out, key, size, data_offset, self.journal, self.old_slabs, self.trusted_fp
+            )
+            if reuse is not None:
+                self.slab_sha[key] = reuse
+                n_skipped += 1
+                self.progress(slab_source_bytes(self.src, layer))
+                continue
+            write_slab(self.src, self.out, self.pump, layer, expert, self.trusted_fp, data_offset, size,
+                       self.journal, self.slab_sha)  # fmt: skip
+            n_written += 1
+        return n_written, n_skipped
+
+    def _hash_only(self, key: SlabKey) -> None:
+        """A slab this run does not cut, hashed for the fingerprint; a journal or the old manifest may
+        already know it."""
+        layer, expert = key
+        known = self.journal.slabs.get(key) or (
+            {"sha256": self.old_slabs[key].sha256} if key in self.old_slabs and self.trusted_fp else None
+        )
+        if known is not None:
+            self.slab_sha[key] = known["sha256"]
+            self.progress(slab_source_bytes(self.src, layer))
+            return
+        hashers = [hashlib.sha256()]
+        rec = slab_recorder(self.journal, self.slab_sha, key, hashers[0], written=False)
+        pump_slab(self.src, self.pump, layer, expert, None, hashers, rec)
+
+
+# --- after the copy: sealed slabs, the manifest ----------------------------------------------------------
+
+
+def _sealed_entries(
+    src: SourceModel,
+    out: Path,
+    wanted: set[SlabKey],
+    slab_sha: dict[SlabKey, str],
+    fp: str,
+    layer_layout: dict[int, tuple[int, int]],
+    old: Manifest | None,
+    needed: int,
+) -> dict[SlabKey, SlabEntry]:
+    """The manifest's slabs: this run's, sealed now, and those of an earlier manifest of the same
+    fingerprint whose files are still there."""
     try:
         t0 = time.monotonic()
-        entries = _seal_slabs(src, out, wanted, slab_sha, fp, layer_layout)
+        entries = seal_slabs(src, out, wanted, slab_sha, fp, layer_layout)
         log.info("sealed %d slab files in %.1f s", len(entries), time.monotonic() - t0)
     except OSError as e:
-        raise _disk_error(e, out, needed) from e
+        raise disk_error(e, out, needed) from e
     if old is not None and old.fingerprint == fp:
         keep = {(s.layer, s.expert): s for s in old.slabs if (s.layer, s.expert) not in entries}
         for k, s in keep.items():
             if (out / s.path).exists():
                 entries[k] = s
-    manifest = Manifest(
+    return entries
+
+
+def _manifest_of(
+    src: SourceModel,
+    header_sha: str,
+    fp: str,
+    dense_entry: FileEntry,
+    dense_data_sha: str,
+    entries: dict[SlabKey, SlabEntry],
+) -> Manifest:
+    return Manifest(
         format_version=FORMAT_VERSION,
         fingerprint=fp,
         arch=src.arch,
@@ -307,17 +384,6 @@ def shard_model(
         slabs=tuple(entries[k] for k in sorted(entries)),
         extra={"source_mtime_ns": src.mtime_ns, "dense_data_sha256": dense_data_sha},
     )
-    try:
-        # One flush of the whole file system instead of an fsync per file (thousands of slabs): until the
-        # manifest exists nothing verifies, and the manifest is written only once every file is durable.
-        t0 = time.monotonic()
-        _syncfs(out)
-        log.info("flushed %s to disk in %.1f s", out, time.monotonic() - t0)
-        write_manifest(out, manifest)
-        (out / JOURNAL_NAME).unlink(missing_ok=True)
-    except OSError as e:
-        raise _disk_error(e, out, needed) from e
-    return ShardResult(manifest, written, skipped, src.size - src.data_start)
 
 
 def _ff_from_tensors(src: SourceModel) -> int:
@@ -327,230 +393,21 @@ def _ff_from_tensors(src: SourceModel) -> int:
     return 0
 
 
-def _tmp_name(path: Path) -> Path:
-    return path.with_name(path.name + f".tmp-{os.getpid()}")
-
-
-def _write_slab(
-    src: SourceModel,
-    out: Path,
-    pump: Pump,
-    layer: int,
-    expert: int,
-    trusted_fp: str | None,
-    data_offset: int,
-    size: int,
-    journal: Journal,
-    slab_sha: dict[tuple[int, int], str],
-) -> None:
-    """Write one slab file (pending, or final when the fingerprint is already known).
-
-    Its data hash lands in `slab_sha` and the journal once the hashing lane has caught up (after the
-    file is complete: the journal only vouches for whole files)."""
-    final = out / slab_relpath(layer, expert)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    target = final if trusted_fp is not None else final.with_name(final.name + ".pending")
-    # A final name must only ever hold a whole file: write it under a temp name. A pending file is not
-    # trusted before the journal vouches for its hash (after it is complete), so it is written in place.
-    tmp = _tmp_name(target) if target == final else target
-    head = slab_header(src, layer, expert, trusted_fp or PLACEHOLDER_FINGERPRINT)
-    assert len(head) == data_offset
-    hashers = [hashlib.sha256()]
-    done = threading.Event()
-    record = _recorder(journal, slab_sha, (layer, expert), hashers[0], written=True)
-
-    def then() -> None:
-        done.wait()  # the file is closed and renamed before the journal may name it
-        record()
-
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+def _commit(out: Path, manifest: Manifest, needed: int) -> None:
+    """Flush, then write the manifest (which makes the cut valid) and drop the journal."""
     try:
-        write_all(fd, head)
-        pump_slab(src, pump, layer, expert, fd, hashers, then)
-    except BaseException:
-        done.set()  # let the lane go on; its journal line is harmless, the hash check decides
-        os.close(fd)
-        tmp.unlink(missing_ok=True)
-        raise
-    try:
-        start_writeback(fd)
-        os.close(fd)
-        if tmp != target:
-            os.replace(tmp, target)
-    finally:
-        done.set()  # never leave the hashing lane waiting (a journal line for a missing file is harmless)
+        # One flush of the whole file system instead of an fsync per file (thousands of slabs): until the
+        # manifest exists nothing verifies, and the manifest is written only once every file is durable.
+        t0 = time.monotonic()
+        syncfs(out)
+        log.info("flushed %s to disk in %.1f s", out, time.monotonic() - t0)
+        write_manifest(out, manifest)
+        (out / JOURNAL_NAME).unlink(missing_ok=True)
+    except OSError as e:
+        raise disk_error(e, out, needed) from e
 
 
-def _recorder(
-    journal: Journal, slab_sha: dict[tuple[int, int], str], key: tuple[int, int], hasher: Any, written: bool
-) -> Callable[[], None]:
-    def record() -> None:
-        slab_sha[key] = hasher.hexdigest()
-        journal.append({"slab": list(key), "sha256": slab_sha[key], "written": written})
-
-    return record
-
-
-def _reusable_slab(
-    out: Path,
-    key: tuple[int, int],
-    size: int,
-    data_offset: int,
-    journal: Journal,
-    old_slabs: dict[tuple[int, int], SlabEntry],
-    trusted_fp: str | None,
-) -> str | None:
-    """The data hash of an already written slab that still verifies, else None."""
-    layer, expert = key
-    final = out / slab_relpath(layer, expert)
-    if key in old_slabs and trusted_fp is not None:
-        entry = old_slabs[key]
-        if check_slab_file(out, entry) is None:
-            return entry.sha256
-    rec = journal.slabs.get(key)
-    if rec is None or not rec.get("written"):
-        return None
-    for path in (final.with_name(final.name + ".pending"), final):
-        try:
-            if path.stat().st_size != size:
-                continue
-        except FileNotFoundError:
-            continue
-        if hash_file_range(path, data_offset, size) == rec["sha256"]:
-            if path == final:
-                # Its header may hold a fingerprint of an earlier run: sealing rewrites it.
-                os.replace(final, final.with_name(final.name + ".pending"))
-            return str(rec["sha256"])
-    return None
-
-
-def _seal_slabs(
-    src: SourceModel,
-    out: Path,
-    wanted: set[tuple[int, int]],
-    slab_sha: dict[tuple[int, int], str],
-    fp: str,
-    layer_layout: dict[int, tuple[int, int]],
-) -> dict[tuple[int, int], SlabEntry]:
-    """Write the final header (with the fingerprint) into every pending slab, rename it into place."""
-    entries: dict[tuple[int, int], SlabEntry] = {}
-    dirs: set[Path] = set()
-    for key in sorted(wanted):
-        layer, expert = key
-        data_offset, size = layer_layout[layer]
-        final = out / slab_relpath(layer, expert)
-        pending = final.with_name(final.name + ".pending")
-        head = slab_header(src, layer, expert, fp)
-        if pending.exists():
-            fd = os.open(pending, os.O_WRONLY)
-            try:
-                os.pwrite(fd, head, 0)
-            finally:
-                os.close(fd)
-            os.replace(pending, final)
-            dirs.add(final.parent)
-        entries[key] = SlabEntry(
-            layer=layer,
-            expert=expert,
-            path=slab_relpath(layer, expert),
-            size=size,
-            data_offset=data_offset,
-            header_sha256=hashlib.sha256(head).hexdigest(),
-            sha256=slab_sha[key],
-        )
-    return entries
-
-
-def _do_dense(
-    src: SourceModel,
-    out: Path,
-    pump: Pump,
-    journal: Journal,
-    old: Manifest | None,
-    head: bytes,
-    size: int,
-) -> tuple[FileEntry, str, int]:
-    """dense.gguf: (manifest entry, SHA-256 of the source's dense tensor bytes, 1 if written now)."""
-    path = out / DENSE_NAME
-    known: dict[str, Any] | None = journal.dense
-    if known is None and old is not None and "dense_data_sha256" in old.extra:
-        known = {"sha256": old.dense.sha256, "data_sha256": old.extra["dense_data_sha256"]}
-    if known is not None:
-        try:
-            ok = path.stat().st_size == size and hash_file_range(path) == known["sha256"]
-        except FileNotFoundError:
-            ok = False
-        if ok:
-            if pump.progress is not None:
-                pump.progress(sum(t.n_bytes for t in src.dense))
-            return FileEntry(DENSE_NAME, size, known["sha256"]), known["data_sha256"], 0
-    align = alignment_of(src.reader)
-    file_h, data_h = hashlib.sha256(), hashlib.sha256()
-    tmp = _tmp_name(path)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        write_all(fd, head)
-        pump.hash_bytes([file_h], head)
-        for spec, off in zip(src.dense, src.dense_offsets, strict=True):
-            pump.copy(off, spec.n_bytes, fd, [file_h, data_h])
-            zeros = b"\0" * (pad(spec.n_bytes, align) - spec.n_bytes)
-            if zeros:
-                write_all(fd, zeros)
-                pump.hash_bytes([file_h], zeros)
-        pump.drain()
-    except BaseException:
-        os.close(fd)
-        tmp.unlink(missing_ok=True)
-        raise
-    os.close(fd)
-    os.replace(tmp, path)
-    entry = FileEntry(DENSE_NAME, size, file_h.hexdigest())
-    journal.append({"dense": {"sha256": entry.sha256, "data_sha256": data_h.hexdigest()}})
-    return entry, data_h.hexdigest(), 1
-
-
-def _bytes_present(
-    out: Path, src: SourceModel, wanted: set[tuple[int, int]], layout: dict[int, tuple[int, int]]
-) -> int:
-    """Bytes of output files already there at their final size (a resumed run need not find room again)."""
-    n = 0
-    for layer, expert in wanted:
-        final = out / slab_relpath(layer, expert)
-        for p in (final, final.with_name(final.name + ".pending")):
-            try:
-                if p.stat().st_size == layout[layer][1]:
-                    n += layout[layer][1]
-                    break
-            except FileNotFoundError:
-                pass
-    try:
-        n += (out / DENSE_NAME).stat().st_size
-    except FileNotFoundError:
-        pass
-    return n
-
-
-def _syncfs(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.syncfs(fd) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, os.strerror(err), str(directory))
-    except AttributeError:  # no syncfs (not Linux): flush everything
-        os.sync()
-    finally:
-        os.close(fd)
-
-
-def _remove_stale_temps(out: Path) -> None:
-    """Temp files of killed runs: never valid, only taking space."""
-    for p in out.glob("*.tmp-*"):
-        p.unlink(missing_ok=True)
-    experts = out / "experts"
-    if experts.is_dir():
-        for p in experts.glob("*/*.tmp-*"):
-            p.unlink(missing_ok=True)
+# --- progress -----------------------------------------------------------------------------------------------
 
 
 def _progress_bar(total: int, enabled: bool) -> Any:
@@ -559,3 +416,15 @@ def _progress_bar(total: int, enabled: bool) -> Any:
     from tqdm import tqdm
 
     return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="shard", file=sys.stderr)
+
+
+def _progress_sink(bar: Any) -> Callable[[int], None]:
+    """Advances `bar` (if any) by n bytes; called from the copying threads."""
+    lock = threading.Lock()
+
+    def progress(n: int) -> None:
+        if bar is not None:
+            with lock:
+                bar.update(n)
+
+    return progress

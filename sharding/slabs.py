@@ -1,7 +1,7 @@
 """Expert slabs: one expert's bytes of each stacked expert tensor of one layer.
 
 A slab is the same bytes wherever it comes from: a view of the whole model's memory map, or a
-mini-GGUF written by `swarm shard`.
+mini-GGUF written by `swarm shard`. In memory it is one ExpertSlab record (its parts as SlabTensors).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from swarm.sharding.manifest import Manifest, SlabEntry, read_manifest
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "ExpertSlab",
     "LazySlabs",
     "Manifest",
     "SlabKey",
@@ -57,14 +58,81 @@ class SlabTensor:
     data: np.ndarray  # uint8 bytes (a view of a memory map)
 
 
+# The ExpertSlab field of each tensor kind, as GGUF names the stacked tensors (blk.N.<kind>.weight and
+# blk.N.<kind>.bias, see swarm.sharding.gguf_io.EXPERT_TENSOR_RE).
+_MATRIX_FIELDS = {
+    "ffn_gate_exps": "gate",
+    "ffn_up_exps": "up",
+    "ffn_gate_up_exps": "gate_up",
+    "ffn_down_exps": "down",
+}
+_FIELD_OF_KIND = {
+    **_MATRIX_FIELDS,
+    **{kind + ".bias": name + "_bias" for kind, name in _MATRIX_FIELDS.items()},
+}
+
+
+@dataclass(frozen=True, eq=False)
+class ExpertSlab(Mapping[str, SlabTensor]):
+    """One expert's slab: its part of each stacked expert tensor of one layer, gate and up stored apart or
+    fused (gate_up, gate rows first), each matrix with an optional bias. A part the model lacks is None; a
+    slab missing a part it needs is refused where its shapes are checked, before it is served.
+
+    It also reads as a mapping from tensor kind ("ffn_up_exps", "ffn_up_exps.bias": the names the GGUF
+    files give the tensors) to the parts present: the view of the files, for code that goes by those names.
+    """
+
+    gate: SlabTensor | None = None  # [F, D]
+    up: SlabTensor | None = None  # [F, D]
+    gate_up: SlabTensor | None = None  # [2F, D]
+    down: SlabTensor | None = None  # [D, F]
+    gate_bias: SlabTensor | None = None
+    up_bias: SlabTensor | None = None
+    gate_up_bias: SlabTensor | None = None
+    down_bias: SlabTensor | None = None
+
+    @classmethod
+    def of(cls, tensors: Iterable[SlabTensor]) -> ExpertSlab:
+        """The slab of these parts, each in the field its kind names (a later part of a kind replaces an
+        earlier one)."""
+        fields: dict[str, SlabTensor] = {}
+        for t in tensors:
+            name = _FIELD_OF_KIND.get(t.kind)
+            if name is None:
+                raise ValueError(f"a tensor of kind {t.kind!r} is not part of an expert slab")
+            fields[name] = t
+        return cls(**fields)
+
+    @property
+    def has_bias(self) -> bool:
+        return any(b is not None for b in (self.gate_bias, self.up_bias, self.gate_up_bias, self.down_bias))
+
+    def matrices(self) -> dict[str, SlabTensor]:
+        """The matrices present, by field name (gate, up, gate_up, down)."""
+        found = {name: getattr(self, name) for name in _MATRIX_FIELDS.values()}
+        return {name: t for name, t in found.items() if t is not None}
+
+    def __getitem__(self, kind: str) -> SlabTensor:
+        t = getattr(self, _FIELD_OF_KIND[kind]) if kind in _FIELD_OF_KIND else None
+        if t is None:
+            raise KeyError(kind)
+        return t
+
+    def __iter__(self) -> Iterator[str]:
+        return (kind for kind, name in _FIELD_OF_KIND.items() if getattr(self, name) is not None)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
 def slabs_from_gguf(
     path: str | Path, layers: Iterable[int] | None = None, experts: Iterable[int] | None = None
-) -> dict[SlabKey, dict[str, SlabTensor]]:
+) -> dict[SlabKey, ExpertSlab]:
     """The expert slabs of a whole (unsharded) GGUF, as zero-copy views of its stacked tensors."""
     reader = open_gguf(path)
     want_layers = set(layers) if layers is not None else None
     want_experts = set(experts) if experts is not None else None
-    out: dict[SlabKey, dict[str, SlabTensor]] = {}
+    parts: dict[SlabKey, list[SlabTensor]] = {}
     for et in expert_tensors(reader, path):
         if want_layers is not None and et.layer not in want_layers:
             continue
@@ -72,8 +140,8 @@ def slabs_from_gguf(
         for e in range(et.n_expert):
             if want_experts is not None and e not in want_experts:
                 continue
-            out.setdefault((et.layer, e), {})[kind] = SlabTensor(kind, et.qtype, et.slab_shape, et.slab(e))
-    return out
+            parts.setdefault((et.layer, e), []).append(SlabTensor(kind, et.qtype, et.slab_shape, et.slab(e)))
+    return {key: ExpertSlab.of(ts) for key, ts in parts.items()}
 
 
 # ---- shard directories (written by `swarm shard`, see swarm.sharding.manifest) ----
@@ -136,10 +204,10 @@ def check_slab_file(
     return None
 
 
-def read_slab_file(path: str | Path) -> dict[str, SlabTensor]:
-    """The slabs of one mini-GGUF written by `swarm shard`, memory-mapped, keyed like slabs_from_gguf."""
-    return {kind: SlabTensor(kind, t.tensor_type, torch_shape(t), t.data.reshape(-1).view(np.uint8))
-            for kind, t in _slab_tensors(open_gguf(path), path)}  # fmt: skip
+def read_slab_file(path: str | Path) -> ExpertSlab:
+    """The slab of one mini-GGUF written by `swarm shard`, memory-mapped."""
+    return ExpertSlab.of(SlabTensor(kind, t.tensor_type, torch_shape(t), t.data.reshape(-1).view(np.uint8))
+                         for kind, t in _slab_tensors(open_gguf(path), path))  # fmt: skip
 
 
 def _slab_tensors(reader: GGUFReader, path: str | Path) -> Iterator[tuple[str, Any]]:
@@ -162,7 +230,7 @@ def slabs_from_shard(
     experts: Iterable[int] | None = None,
     verify: bool = True,
     progress: Callable[[int, int], None] | None = None,
-) -> tuple[dict[SlabKey, dict[str, SlabTensor]], list[str]]:
+) -> tuple[dict[SlabKey, ExpertSlab], list[str]]:
     """Load the requested slabs of a shard directory, memory-mapped; `progress(done, total)` after each.
 
     With `verify`, each slab file is hashed against the manifest first (header and data, every byte); a
@@ -176,7 +244,7 @@ def slabs_from_shard(
     want_experts = sorted(set(experts)) if experts is not None else list(range(manifest.n_expert))
     moe = set(manifest.moe_layers)
     problems: list[str] = []
-    out: dict[SlabKey, dict[str, SlabTensor]] = {}
+    out: dict[SlabKey, ExpertSlab] = {}
     total = len(want_experts) * sum(1 for layer in want_layers if layer in moe)
     done = 0
     for layer in want_layers:
@@ -194,7 +262,7 @@ def slabs_from_shard(
     return out, problems
 
 
-class LazySlabs(Mapping[SlabKey, dict[str, SlabTensor]]):
+class LazySlabs(Mapping[SlabKey, ExpertSlab]):
     """Every slab a shard directory's manifest lists, each slab file memory-mapped on its first use rather
     than all at once: a coordinator checks the few slabs its audits draw, and reading 10,240 slab headers
     (~1 ms of Python each) would hold up its start. The first file of a layer is read whole (gguf's
@@ -209,7 +277,7 @@ class LazySlabs(Mapping[SlabKey, dict[str, SlabTensor]]):
         self,
         directory: str | Path,
         manifest: Manifest | None = None,
-        dims: Callable[[SlabKey, dict[str, SlabTensor]], tuple[int, int]] | None = None,
+        dims: Callable[[SlabKey, ExpertSlab], tuple[int, int]] | None = None,
     ) -> None:
         """`dims`: a slab's (D, F), raising ValueError when its parts are incomplete or disagree; a slab it
         refuses, or whose D is not the manifest's, is not used."""
@@ -217,13 +285,13 @@ class LazySlabs(Mapping[SlabKey, dict[str, SlabTensor]]):
         self.manifest = manifest if manifest is not None else read_manifest(self.directory)
         self.dims = dims
         self._entries = {(s.layer, s.expert): s for s in self.manifest.slabs}
-        self._read: dict[SlabKey, dict[str, SlabTensor] | None] = {}  # None: its file cannot be read
+        self._read: dict[SlabKey, ExpertSlab | None] = {}  # None: its file cannot be read
         # per layer: each kind's (offset in the data region, type, shape, bytes), from its first file read
         self._layouts: dict[int, dict[str, tuple[int, GGMLQuantizationType, tuple[int, ...], int]]] = {}
         self._lock = threading.Lock()
         self._warned = False
 
-    def __getitem__(self, key: SlabKey) -> dict[str, SlabTensor]:
+    def __getitem__(self, key: SlabKey) -> ExpertSlab:
         parts = self._read.get(key, _UNREAD)
         if parts is _UNREAD:
             entry = self._entries[key]  # KeyError: not in this shard
@@ -235,7 +303,7 @@ class LazySlabs(Mapping[SlabKey, dict[str, SlabTensor]]):
             raise KeyError(key)
         return parts  # type: ignore[return-value]
 
-    def _read_file(self, key: SlabKey, entry: SlabEntry) -> dict[str, SlabTensor] | None:
+    def _read_file(self, key: SlabKey, entry: SlabEntry) -> ExpertSlab | None:
         path = self.directory / entry.path
         try:
             layout = self._layouts.get(key[0])
@@ -248,8 +316,8 @@ class LazySlabs(Mapping[SlabKey, dict[str, SlabTensor]]):
             region = np.memmap(
                 path, dtype=np.uint8, mode="r", offset=entry.data_offset, shape=(region_bytes,)
             )
-            parts = {kind: SlabTensor(kind, qtype, shape, region[at : at + n])
-                     for kind, (at, qtype, shape, n) in layout.items()}  # fmt: skip
+            parts = ExpertSlab.of(SlabTensor(kind, qtype, shape, region[at : at + n])
+                                  for kind, (at, qtype, shape, n) in layout.items())  # fmt: skip
             if first:
                 if self.dims is not None and (d := self.dims(key, parts)[0]) != self.manifest.n_embd:
                     raise ValueError(f"{entry.path} is {d} wide, the model {self.manifest.n_embd}")
@@ -291,9 +359,7 @@ class _Refused(Exception):
     """A slab a shard directory cannot serve; the text says why."""
 
 
-def _shard_slab(
-    directory: Path, manifest: Manifest, layer: int, expert: int, verify: bool
-) -> dict[str, SlabTensor]:
+def _shard_slab(directory: Path, manifest: Manifest, layer: int, expert: int, verify: bool) -> ExpertSlab:
     if expert >= manifest.n_expert:
         raise _Refused(f"the model has only {manifest.n_expert} experts per layer")
     entry = manifest.slab(layer, expert)

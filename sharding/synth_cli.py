@@ -27,7 +27,7 @@ DIM_FLAGS = (
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add this part's subcommands to the `swarm` parser."""
-    from swarm.sharding.synth import DENSE_TYPES, EXPERT_TYPES, PRESETS
+    from swarm.sharding.synth_spec import DENSE_TYPES, EXPERT_TYPES, PRESETS
 
     p = sub.add_parser(
         "synth",
@@ -71,7 +71,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_synth(args: argparse.Namespace) -> int:
-    from swarm.sharding.synth import preset, synthesize
+    from swarm.sharding.synth import synthesize
+    from swarm.sharding.synth_spec import preset
 
     overrides = {field: getattr(args, field_attr(flag)) for flag, field, _, _ in DIM_FLAGS}
     spec = preset(

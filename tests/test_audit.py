@@ -24,7 +24,8 @@ from swarm.node.auth import KEY_ENV, SwarmKey, generate_key_text
 from swarm.sharding.gguf_io import open_gguf
 from swarm.sharding.shard import shard_model
 from swarm.sharding.slabs import read_manifest
-from swarm.sharding.synth import preset, synthesize
+from swarm.sharding.synth import synthesize
+from swarm.sharding.synth_spec import preset
 
 MODEL = FIXTURES / "qwen35moe-quant" / "model-q4_k_m.gguf"  # Q4_K / Q6_K experts: native numerics
 KEY_TEXT = generate_key_text()

@@ -19,11 +19,12 @@ from gguf.quants import dequantize as gguf_dequantize
 
 import swarm.compute.dequant as dq
 from swarm.compute.dequant import TORCH_TYPES, dequantize
-from swarm.compute.store import dequantize_expert
+from swarm.compute.expert_weights import dequantize_expert
 from swarm.sharding import gguf_io
 from swarm.sharding.gguf_io import torch_shape
 from swarm.sharding.slabs import SlabTensor, slabs_from_gguf
-from swarm.sharding.synth import EXPERT_TYPES, preset, synthesize
+from swarm.sharding.synth import synthesize
+from swarm.sharding.synth_spec import EXPERT_TYPES, preset
 
 Q = GGMLQuantizationType
 

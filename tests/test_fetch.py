@@ -30,7 +30,8 @@ from swarm.proto import expert_pb2 as pb
 from swarm.proto.channel import CHANNEL_OPTIONS, PROTOCOL_VERSION, SERVICE_NAME
 from swarm.sharding.manifest import read_manifest, slab_relpath
 from swarm.sharding.shard import shard_model
-from swarm.sharding.synth import preset, synthesize
+from swarm.sharding.synth import synthesize
+from swarm.sharding.synth_spec import preset
 
 KEY_TEXT = generate_key_text()
 KEY = SwarmKey.from_text(KEY_TEXT)

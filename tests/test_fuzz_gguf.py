@@ -18,10 +18,11 @@ from pathlib import Path
 import pytest
 
 from swarm.coordinator.cli import build_parser, main
-from swarm.node.cli import open_store
+from swarm.node.holding import open_store
 from swarm.sharding.errors import UserError
 from swarm.sharding.gguf_io import open_gguf
-from swarm.sharding.synth import preset, synthesize
+from swarm.sharding.synth import synthesize
+from swarm.sharding.synth_spec import preset
 
 MUTATIONS = 1000
 REAL_NODES = 12  # of them also started as real `swarm node` processes

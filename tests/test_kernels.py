@@ -157,7 +157,8 @@ def test_attention_heads_equal_their_definition_and_each_row_alone(
 ) -> None:
     """The attention front graph against the norms, biases, NeoX RoPE and sigmoid written out in float64
     (a partial rotation: n_rot < hd); a row's bits do not depend on the rows beside it."""
-    from swarm.coordinator.models.layers import rms_norm, rope
+    from swarm.coordinator.models.attention import rope
+    from swarm.coordinator.models.linear import rms_norm
 
     d, h, hkv, hd, n_rot, base, eps = COLS, 4, 2, 64, 16, 1e7, 1e-6
     shapes = [("q", ((2 if gated else 1) * h * hd, d)), ("k", (hkv * hd, d)), ("v", (hkv * hd, d))]

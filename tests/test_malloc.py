@@ -1,6 +1,6 @@
 """The heap policy of coordinators and nodes (swarm.compute.malloc): memory a pass frees is found again by the
 next one, where glibc's defaults hand it back and fault its pages in again; and `swarm serve`'s warm-up pass
-(scheduler.warm_prompts) maps the memory of the largest prompt pass before the first request needs it."""
+(startup.warm_prompts) maps the memory of the largest prompt pass before the first request needs it."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ from swarm.compute.malloc import keep_freed_memory
 assert keep_freed_memory()
 import torch
 from swarm.coordinator.engine import open_engine
-from swarm.coordinator.serve.scheduler import warm_prompts
+from swarm.coordinator.serve.startup import warm_prompts
 from swarm.compute.ggml import set_threads
 
 set_threads(2)
@@ -63,7 +63,8 @@ def _run(script: str, *args: str) -> list[int]:
 @pytest.fixture(scope="module")
 def wide_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The Qwen3.6-35B layer width (D 2048, expert F 512, 8 of them per token), 2 layers of 16 experts."""
-    from swarm.sharding.synth import preset, synthesize
+    from swarm.sharding.synth import synthesize
+    from swarm.sharding.synth_spec import preset
 
     path = tmp_path_factory.mktemp("malloc") / "wide.gguf"
     return synthesize(path, preset("qwen3.6-35b-a3b", n_layers=2, n_expert=16, experts_type="Q4_K"))

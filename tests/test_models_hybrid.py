@@ -21,14 +21,15 @@ from reference import assert_logits_close
 from swarm.compute.store import ExpertStore
 from swarm.coordinator.experts import LocalExperts
 from swarm.coordinator.loader import load_model
+from swarm.coordinator.models.base import DecoderModel, PackedEmbedding
 from swarm.coordinator.models.deltanet import (
     DeltaNetState,
     GatedDeltaNet,
-    check_text_rope_sections,
     gated_delta_chunked,
     gated_delta_recurrent,
 )
-from swarm.coordinator.models.layers import DecoderModel, MoE, PackedEmbedding
+from swarm.coordinator.models.hybrid import check_text_rope_sections
+from swarm.coordinator.models.moe import MoE
 from swarm.sharding.gguf_io import GGUFError, open_gguf, read_metadata, tensor_to_numpy
 from swarm.sharding.shard import shard_model
 from swarm.sharding.slabs import slabs_from_gguf, slabs_from_shard

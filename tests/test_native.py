@@ -29,7 +29,7 @@ from reference import as_f64, log_softmax
 from swarm.compute.store import ExpertStore
 from swarm.coordinator.experts import LocalExperts
 from swarm.coordinator.loader import load_model
-from swarm.coordinator.models.layers import DecoderModel
+from swarm.coordinator.models.base import DecoderModel
 from swarm.sharding.slabs import slabs_from_gguf
 
 MAX_MEAN_KL = 1e-4  # the bound against llama.cpp's default kernels, on the prompt positions

@@ -40,7 +40,8 @@ from swarm.proto.channel import MAX_MESSAGE_BYTES, PROTOCOL_VERSION
 from swarm.proto.codec import compute_request
 from swarm.sharding.manifest import read_manifest
 from swarm.sharding.shard import shard_model
-from swarm.sharding.synth import EXPERT_TYPES, preset, synthesize
+from swarm.sharding.synth import synthesize
+from swarm.sharding.synth_spec import EXPERT_TYPES, preset
 
 pytestmark = pytest.mark.slow  # one module-wide start of five node processes (~10 s on 2 cores)
 
@@ -455,7 +456,8 @@ def test_store_lru_keeps_recent_experts_under_the_budget():
 def test_repacked_copies_stay_under_the_budget_with_the_same_bits(caplog):
     """Native calls multiply Q4_K experts as repacked copies; the budget bounds them as it bounds float32
     copies (least recently used first out), an evicted expert is copied again, and its answers keep their bits."""
-    from swarm.compute.store import ExpertStore, _copied_bytes
+    from swarm.compute.expert_weights import copied_bytes as _copied_bytes
+    from swarm.compute.store import ExpertStore
     from swarm.sharding.slabs import slabs_from_gguf
 
     slabs = slabs_from_gguf(Q4KM_GGUF, layers=[0], experts=range(4))

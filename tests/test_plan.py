@@ -125,7 +125,8 @@ def test_a_running_coordinator_takes_in_slabs_a_node_announces_later() -> None:
     then on, without forgetting that it is down if it is."""
     from types import SimpleNamespace
 
-    from swarm.coordinator.swarm import Placement, SwarmExperts
+    from swarm.coordinator.remote.dispatch import SwarmExperts
+    from swarm.coordinator.remote.placement import Placement
 
     node = SimpleNamespace(
         address="127.0.0.1:1",

@@ -19,7 +19,7 @@ from swarm.proto.codec import (
     held_to_proto,
     ungroup_slabs,
 )
-from swarm.proto.generate import PROTO_DIR, generate, generated_names
+from swarm.proto.regen import PROTO_DIR, generate, generated_names
 
 
 def test_regenerating_changes_nothing(tmp_path):
@@ -28,7 +28,7 @@ def test_regenerating_changes_nothing(tmp_path):
     for p in written:
         committed = (PROTO_DIR / p.name).read_bytes()
         assert p.read_bytes() == committed, (
-            f"{p.name} differs from a fresh protoc run; run python -m swarm.proto.generate"
+            f"{p.name} differs from a fresh protoc run; run python -m swarm.proto.regen"
         )
 
 

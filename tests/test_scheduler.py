@@ -13,6 +13,7 @@ from conftest import FIXTURES
 from swarm.coordinator.engine import open_engine
 from swarm.coordinator.generate import Entry, SamplingParams
 from swarm.coordinator.serve import scheduler as sched
+from swarm.coordinator.serve.startup import warm_batches
 
 MODEL = FIXTURES / "qwen35moe-quant" / "model-q4_k_m.gguf"
 
@@ -80,7 +81,7 @@ def test_every_batch_size_is_built_at_start_and_a_real_step_builds_nothing() -> 
     engine = open_engine(Path(MODEL), local=True, device="cpu")
     try:
         m = engine.model
-        sched.warm_batches(m, 3, torch.device("cpu"))
+        warm_batches(m, 3, torch.device("cpu"))
         with torch.inference_mode():
             for b in (1, 2, 3, 4):
                 states = [m.new_state() for _ in range(b)]

@@ -230,7 +230,8 @@ def test_lazy_slabs_read_each_file_once_when_drawn_and_pass_over_unreadable_ones
 
     import torch
 
-    from swarm.compute.store import ExpertStore, slab_dims
+    from swarm.compute.expert_weights import slab_dims
+    from swarm.compute.store import ExpertStore
     from swarm.sharding.slabs import LazySlabs
 
     src = FIXTURES / "qwen35moe-quant/model-q4_k_m.gguf"
@@ -606,14 +607,15 @@ SYNTH_PRESETS = ("qwen35moe-tiny", "qwen3next-tiny", "qwen2moe-tiny", "qwen3moe-
 
 
 def _synth_cases() -> list[tuple[str, str]]:
-    from swarm.sharding.synth import EXPERT_TYPES
+    from swarm.sharding.synth_spec import EXPERT_TYPES
 
     return [(t, SYNTH_PRESETS[i % len(SYNTH_PRESETS)]) for i, t in enumerate(EXPERT_TYPES)]
 
 
 @pytest.mark.parametrize("qtype,like", _synth_cases())
 def test_synth_models_in_every_quant_type(tmp_path, qtype, like):
-    from swarm.sharding.synth import preset, synthesize
+    from swarm.sharding.synth import synthesize
+    from swarm.sharding.synth_spec import preset
 
     src = synthesize(tmp_path / "m.gguf", preset(like, experts_type=qtype))
     out = tmp_path / "out"

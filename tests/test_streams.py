@@ -399,7 +399,8 @@ def test_a_call_whose_answer_is_the_callers_still_ends_at_its_deadline():
 def test_an_idle_connection_is_closed_and_a_busy_one_kept():
     """A connection that sends nothing for the idle time is closed (so connections held open by a peer that
     sends nothing cannot use up the node's connection slots); one whose calls come sooner stays open."""
-    from swarm.node.streams import StreamPool, StreamServer
+    from swarm.node.stream_pool import StreamPool
+    from swarm.node.streams import StreamServer
 
     server = StreamServer(
         "127.0.0.1", 0, lambda body: (grpc.StatusCode.OK, bytes(body)), idle_seconds=1.0

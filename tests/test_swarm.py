@@ -17,8 +17,10 @@ from swarm.compute.store import ROWS_PER_MATMUL, ExpertStore
 from swarm.coordinator.engine import open_engine
 from swarm.coordinator.experts import LocalExperts, WithoutExperts
 from swarm.coordinator.generate import forward_one
+from swarm.coordinator.remote.calls import Part, split_parts
+from swarm.coordinator.remote.discovery import connect
+from swarm.coordinator.remote.placement import Placement
 from swarm.coordinator.spawn import start_nodes
-from swarm.coordinator.swarm import Part, Placement, connect, split_parts
 from swarm.node.auth import KEY_ENV, SwarmKey, generate_key_text
 from swarm.sharding.errors import UserError
 from swarm.sharding.shard import shard_model
@@ -317,7 +319,8 @@ def test_placement_passes_over_a_failed_node_for_a_while():
 def test_qwen36_35b_layer_shape_runs_through_four_nodes(tmp_path):
     """The real Qwen3.6-35B-A3B layer (D 2048, 256 experts of F 512, K 8, shared F 512, gated attention 16/2
     heads of 256, Gated DeltaNet 16/32 heads of 128), 4 layers of Q4_K experts, across 4 node processes."""
-    from swarm.sharding.synth import preset, synthesize
+    from swarm.sharding.synth import synthesize
+    from swarm.sharding.synth_spec import preset
 
     gguf, shard_dir = tmp_path / "q36.gguf", tmp_path / "q36.swarm"
     synthesize(gguf, preset("qwen3.6-35b-a3b", n_layers=4, experts_type="Q4_K"))

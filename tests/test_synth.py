@@ -14,7 +14,8 @@ from gguf.quants import dequantize
 from swarm.coordinator.cli import main
 from swarm.sharding.errors import UserError
 from swarm.sharding.gguf_io import expert_tensors, open_gguf, read_metadata
-from swarm.sharding.synth import EXPERT_TYPES, SynthSpec, build_vocab, preset, synthesize
+from swarm.sharding.synth import build_vocab, synthesize
+from swarm.sharding.synth_spec import EXPERT_TYPES, SynthSpec, preset
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

@@ -18,6 +18,7 @@ from swarm.coordinator.session import (
     sampling_from_args,
     stream_answer,
 )
+from swarm.proto.numerics import Numerics
 from swarm.sharding.errors import UserError
 
 
@@ -203,5 +204,5 @@ def cmd_demo(args: argparse.Namespace) -> int:
         prompt=args.prompt,
         max_tokens=args.max_tokens,
         workdir=args.workdir,
-        numerics="exact" if args.exact else "native",
+        numerics=Numerics.of(args.exact),
     )

@@ -21,6 +21,7 @@ from typing import Any
 from swarm.compute.numclass import numerics_class, same_class
 from swarm.coordinator.session import add_discovery_args
 from swarm.node.auth import swarm_key
+from swarm.proto.numerics import Numerics
 from swarm.sharding.errors import UserError
 from swarm.sharding.ranges import format_ranges, format_slabs
 
@@ -46,7 +47,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def cmd_status(args: argparse.Namespace) -> int:
     from swarm.coordinator.engine import model_identity
-    from swarm.coordinator.swarm import describe_missing
+    from swarm.coordinator.remote.placement import describe_missing
     from swarm.node.client import NodeCallError, NodeClient
     from swarm.node.discovery import browse
 
@@ -73,7 +74,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
         from swarm.coordinator.engine import make_auditor
 
-        auditor = make_auditor(args.model, "native", torch.float32, 1.0, None)
+        auditor = make_auditor(args.model, Numerics.NATIVE, torch.float32, 1.0, None)
     holders: Counter[tuple[int, int]] = Counter()
     nodes: list[dict[str, Any]] = []
     for address in addresses:
@@ -211,7 +212,7 @@ def _probe(auditor: Any, client: Any, info: Any) -> str:
     def compute(layer: int, ids: list[int], counts: list[int], rows: Any) -> Any:
         return client.compute(layer, ids, counts, rows, 30.0)
 
-    if not any(auditor.store.lists(*k) for k in info.held):
+    if not any(auditor.store.holds(*k) for k in info.held):
         return "-"
     auditor.classes[info.address] = info.numerics_class  # another class is checked within the error bound
     if auditor.probe(info.address, sorted(info.held), compute, info.hidden_size, STATUS_PROBE_SLABS):

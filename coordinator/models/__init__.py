@@ -1,7 +1,7 @@
 """The architectures the coordinator can run, by GGUF `general.architecture`.
 
 Each arch module defines `Config` (a frozen dataclass with `from_metadata(meta)`) and
-`Model(cfg, experts)` (a layers.DecoderModel). The loader picks the module from ARCHS. An arch whose
+`Model(cfg, experts)` (a base.DecoderModel). The loader picks the module from ARCHS. An arch whose
 tensor layout varies between files in ways the metadata does not say also defines
 `refine_config(cfg, tensor_names) -> cfg`.
 """

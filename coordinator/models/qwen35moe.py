@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from swarm.coordinator.experts import ExpertBackend
-from swarm.coordinator.models.deltanet import HybridConfig, HybridModel
+from swarm.coordinator.models.hybrid import HybridConfig, HybridModel
 
 ARCH = "qwen35moe"
 

@@ -3,7 +3,7 @@ qwen2moe, per-head q/k RMSNorm in qwen3moe), NeoX RoPE, then the routed experts 
 shared expert). Each arch module says only what differs, as flags of one frozen Config read here.
 
 Dimension letters: N tokens (of every sequence in the call), D model width, H query heads, Hkv
-key/value heads, hd head width, V vocabulary. The routed-expert FFN is layers.MoE: softmax over all
+key/value heads, hd head width, V vocabulary. The routed-expert FFN is moe.MoE: softmax over all
 experts, top-K, then renormalised to sum 1 (qwen3moe, with llama.cpp's 2^-14 clamp) or the raw softmax
 probabilities as weights (qwen2moe does NOT renormalise them).
 """
@@ -18,23 +18,11 @@ from gguf import Keys
 from torch import nn
 
 from swarm.coordinator.experts import ExpertBackend
-from swarm.coordinator.models.layers import (
-    Batch,
-    DecoderModel,
-    KVCache,
-    Linear,
-    MoE,
-    MoEConfig,
-    RMSNorm,
-    attend,
-    heads_on_ggml,
-    meta_float,
-    meta_int,
-    n_main_layers,
-    n_vocab_of,
-    project,
-    rope,
-)
+from swarm.coordinator.models.attention import KVCache, attend, heads_on_ggml, rope
+from swarm.coordinator.models.base import Batch, DecoderModel
+from swarm.coordinator.models.gguf_meta import meta_float, meta_int, n_main_layers, n_vocab_of
+from swarm.coordinator.models.linear import Linear, RMSNorm, project
+from swarm.coordinator.models.moe import MoE, MoEConfig
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP face of `swarm serve`, on Starlette (served by uvicorn).
 
-/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics. A request is validated here,
-turned into prompt tokens (the GGUF's chat template for chats), handed to the Scheduler, and its tokens
-come back as text: all at once, or streamed as server-sent events. Errors are OpenAI error objects.
+/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics. A request is checked here (the key,
+the model), read into a Job (swarm.coordinator.serve.openai_request: prompt tokens, the GGUF's chat template
+for chats), handed to the Scheduler, and its tokens come back as text (openai_answer's shapes): all at once,
+or streamed as server-sent events. Errors are OpenAI error objects.
 """
 
 from __future__ import annotations
@@ -22,32 +23,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from swarm.coordinator.chat import ChatTemplate
-from swarm.coordinator.generate import SamplingParams
 from swarm.coordinator.serve import scheduler as sched
 from swarm.coordinator.serve.metrics import ServeMetrics
+from swarm.coordinator.serve.openai_answer import Answer, StopMatcher, error_event, timings
+from swarm.coordinator.serve.openai_request import ApiError, Job, JobReader
 from swarm.sharding.errors import UserError
 
 log = logging.getLogger(__name__)
-
-MAX_STOPS = 4  # stop strings per request, as OpenAI allows
-# A plain completion's prompt keeps a checkpoint this many tokens before its end (llama-server's choice): a
-# client that sends it again with its answer appended continues from the slot's whole state, and one that
-# changes only the last tokens from there (the pass that reads the prompt's end keeps it: no pass of its own).
-COMPLETION_TAIL = 4
-
-
-class ApiError(Exception):
-    def __init__(
-        self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-        code: str | None = None, headers: dict[str, str] | None = None,
-    ) -> None:  # fmt: skip
-        super().__init__(message)
-        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
-        self.headers = headers or {}
-
-    def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
 @dataclass
@@ -58,44 +40,6 @@ class ServeConfig:
     retry_after: int = 1  # seconds a client told "queue full" should wait
 
 
-@dataclass
-class Job:
-    """What one request asks for, in tokens."""
-
-    prompt: list[int]
-    params: SamplingParams
-    stops: list[str]
-    mark: int | None = None  # where the scheduler keeps a checkpoint before the prompt's end
-
-
-class StopMatcher:
-    """Cuts generated text at the first stop string; while streaming, holds back a tail that could still
-    become one."""
-
-    def __init__(self, stops: list[str]) -> None:
-        self.stops = [s for s in stops if s]
-        self.hold = max((len(s) for s in self.stops), default=1) - 1
-        self.text = ""
-        self.sent = 0
-
-    def push(self, piece: str) -> tuple[str, bool]:
-        """(text safe to send now, whether a stop string was reached)."""
-        self.text += piece
-        hits = [i for i in (self.text.find(s, max(0, self.sent - len(s))) for s in self.stops) if i >= 0]
-        if hits:
-            cut = min(hits)
-            out, self.sent = self.text[self.sent : cut], cut
-            self.text = self.text[:cut]
-            return out, True
-        safe = max(self.sent, len(self.text) - self.hold) if self.stops else len(self.text)
-        out, self.sent = self.text[self.sent : safe], safe
-        return out, False
-
-    def flush(self) -> str:
-        out, self.sent = self.text[self.sent :], len(self.text)
-        return out
-
-
 def build_app(
     engine: Any, scheduler: sched.Scheduler, config: ServeConfig, metrics: ServeMetrics
 ) -> Starlette:
@@ -104,13 +48,14 @@ def build_app(
 
 class OpenAIApi:
     """The endpoints over one engine and its scheduler. In the order a request meets them: the key, the body,
-    the job (prompt tokens and sampling), the run through the scheduler, then the answer (whole or streamed)."""
+    the job (self.jobs: prompt tokens and sampling), the run through the scheduler, then the answer (whole or
+    streamed)."""
 
     def __init__(
         self, engine: Any, scheduler: sched.Scheduler, config: ServeConfig, metrics: ServeMetrics
     ) -> None:
         self.tokenizer = engine.tokenizer
-        self.template = ChatTemplate.from_tokenizer(self.tokenizer)
+        self.jobs = JobReader(self.tokenizer, ChatTemplate.from_tokenizer(self.tokenizer), config.ctx_size)
         self.scheduler, self.config, self.metrics = scheduler, config, metrics
 
     def app(self) -> Starlette:
@@ -125,7 +70,7 @@ class OpenAIApi:
             exception_handlers={404: _not_found, 405: _bad_method},
         )
 
-    # ---- a request, checked and turned into a job ----
+    # ---- a request, checked (read into a job by self.jobs) ----
 
     def check_key(self, request: Request) -> None:
         if self.config.api_key is None:
@@ -158,117 +103,6 @@ class OpenAIApi:
                 param="model",
             )
         return body
-
-    def sampling(self, body: dict[str, Any], n_prompt: int) -> tuple[SamplingParams, list[str]]:
-        room = self.config.ctx_size - n_prompt
-        limit = body.get("max_completion_tokens", body.get("max_tokens"))
-        if limit is None:
-            max_tokens = room
-        elif isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise ApiError(400, "'max_tokens' must be a positive integer", param="max_tokens")
-        else:
-            max_tokens = min(limit, room)
-        if body.get("n", 1) != 1:
-            raise ApiError(400, "only n=1 is supported: send several requests instead", param="n")
-        top_k = body.get("top_k", 0)
-        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
-            raise ApiError(400, "'top_k' must be a non-negative integer", param="top_k")
-        seed = body.get("seed")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise ApiError(400, "'seed' must be an integer", param="seed")
-        stop = body.get("stop")
-        stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
-        if (
-            not isinstance(stops, list)
-            or not all(isinstance(s, str) for s in stops)
-            or len(stops) > MAX_STOPS
-        ):
-            raise ApiError(
-                400, f"'stop' must be a string or a list of up to {MAX_STOPS} strings", param="stop"
-            )
-        params = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-            top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
-            top_k=top_k,
-            seed=seed,
-            stop_ids=self.tokenizer.eos_ids,
-        )
-        return params, stops
-
-    def check_context(self, prompt: list[int]) -> None:
-        if not prompt:
-            raise ApiError(400, "the prompt is empty after tokenization", param="prompt")
-        if len(prompt) >= self.config.ctx_size:
-            raise ApiError(
-                400,
-                f"the prompt has {len(prompt)} tokens but the context is {self.config.ctx_size} tokens "
-                "(the server's --ctx-size): shorten it",
-                code="context_length_exceeded",
-                param="messages",
-            )
-
-    def chat_job(self, body: dict[str, Any]) -> Job:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise ApiError(400, "missing 'messages': a list of {role, content} objects", param="messages")
-        plain = []
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise ApiError(400, f"messages[{i}] needs a 'role' and a 'content'", param="messages")
-            content = m.get("content")
-            if isinstance(content, list):  # content parts: only text ones here
-                texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
-                if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
-                    raise ApiError(
-                        400, f"messages[{i}]: only text content parts are supported", param="messages"
-                    )
-                content = "".join(texts)  # type: ignore[arg-type]
-            if content is None:
-                content = ""
-            if not isinstance(content, str):
-                raise ApiError(400, f"messages[{i}].content must be a string or text parts", param="messages")
-            plain.append({**m, "content": content})
-        try:
-            text = self.template.render(plain, add_generation_prompt=True)
-        except UserError as e:
-            raise ApiError(400, str(e), param="messages") from None
-        prompt = self.tokenizer.encode(text, parse_special=True)
-        self.check_context(prompt)
-        params, stops = self.sampling(body, len(prompt))
-        return Job(prompt, params, stops, self._turn_end(plain, text, prompt))
-
-    def _turn_end(self, messages: list[dict[str, Any]], text: str, prompt: list[int]) -> int | None:
-        """Where the conversation ends before the generation prompt: a chat app sends it again with the
-        answer and a new turn after that point (a template re-renders a past answer in its own way, e.g.
-        without its reasoning), so a checkpoint there is the one it can continue from. None where the
-        prompt's text or tokens do not end with the generation prompt's (only that tail is tokenized again)."""
-        try:
-            head = self.template.render(messages, add_generation_prompt=False)
-        except UserError:
-            return None
-        if not text.startswith(head):
-            return None
-        tail = self.tokenizer.encode(text[len(head) :], parse_special=True)
-        n = len(prompt) - len(tail)
-        return n if 0 < n < len(prompt) and prompt[n:] == tail else None
-
-    def completion_job(self, body: dict[str, Any]) -> Job:
-        tokenizer = self.tokenizer
-        p = body.get("prompt")
-        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
-            p = p[0]
-        if isinstance(p, str):
-            prompt = tokenizer.encode(p, parse_special=False)
-        elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-            if not all(0 <= t < tokenizer.vocab_size for t in p):
-                raise ApiError(400, f"token ids must lie in [0, {tokenizer.vocab_size})", param="prompt")
-            prompt = list(p)
-        else:
-            raise ApiError(400, "missing 'prompt': a string or a list of token ids", param="prompt")
-        self.check_context(prompt)
-        params, stops = self.sampling(body, len(prompt))
-        return Job(prompt, params, stops, max(len(prompt) - COMPLETION_TAIL, 0) or None)
 
     # ---- the job through the scheduler ----
 
@@ -328,10 +162,10 @@ class OpenAIApi:
     # ---- the answer ----
 
     async def chat(self, request: Request) -> Response:
-        return await self.complete(request, "chat", self.chat_job)
+        return await self.complete(request, "chat", self.jobs.chat_job)
 
     async def completion(self, request: Request) -> Response:
-        return await self.complete(request, "completion", self.completion_job)
+        return await self.complete(request, "completion", self.jobs.completion_job)
 
     async def complete(self, request: Request, kind: str, make: Callable[[dict[str, Any]], Job]) -> Response:
         started = time.monotonic()
@@ -346,7 +180,7 @@ class OpenAIApi:
                 raise ApiError(
                     400, "'stream' must be true or false and 'stream_options' an object", param="stream"
                 )
-            answer = _Answer(
+            answer = Answer(
                 ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12), int(time.time()), chat,
                 self.config.model_id, bool(options.get("include_usage", False)), started,
             )  # fmt: skip
@@ -365,19 +199,7 @@ class OpenAIApi:
                 reason = fin or reason
             assert req is not None
             self.metrics.finished(req, started, kind)
-            choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": None}
-            if chat:
-                choice["message"] = {"role": "assistant", "content": text}
-            else:
-                choice["text"] = text
-            return JSONResponse(
-                {
-                    **answer.head(answer.obj),
-                    "choices": [choice],
-                    "usage": _usage(req),
-                    "timings": _timings(req),
-                }
-            )
+            return JSONResponse(answer.whole(text, reason, req))
         except ApiError as e:
             self.metrics.request(kind, e.status)
             return e.response()
@@ -390,15 +212,14 @@ class OpenAIApi:
         self,
         gen: AsyncIterator[tuple[str, str | None, sched.Request]],
         first: tuple[str, str | None, sched.Request] | None,
-        a: _Answer,
+        a: Answer,
         kind: str,
     ) -> AsyncIterator[bytes]:
         req = first[2] if first else None
         reason = None
         try:
             if a.chat:
-                yield _data({**a.head("chat.completion.chunk"), "choices": [{"index": 0, "delta": {
-                    "role": "assistant", "content": ""}, "finish_reason": None}]})  # fmt: skip
+                yield a.role_event()
             if first is not None:
                 req, reason = first[2], first[1]
                 if first[0]:
@@ -409,13 +230,13 @@ class OpenAIApi:
                     if piece:
                         yield a.event(piece, None)
         except ApiError as e:
-            yield _data({"error": {"message": e.message, "type": e.kind, "param": None, "code": e.code}})
+            yield error_event(e)
             return
         finally:
             await gen.aclose()  # a client gone mid-stream: `run` cancels its request, freeing the slot
-        yield a.event(None if a.chat else "", reason or "stop", {"timings": _timings(req)} if req else None)
+        yield a.event(None if a.chat else "", reason or "stop", {"timings": timings(req)} if req else None)
         if a.include_usage and req is not None:
-            yield _data({**a.head(a.chunk), "choices": [], "usage": _usage(req)})
+            yield a.usage_event(req)
         yield b"data: [DONE]\n\n"
         if req is not None:
             self.metrics.finished(req, a.started, kind, count=False)
@@ -445,74 +266,6 @@ class OpenAIApi:
     async def metrics_page(self, request: Request) -> Response:
         body, ctype = self.metrics.render(self.scheduler)
         return Response(body, media_type=ctype)
-
-
-@dataclass(frozen=True)
-class _Answer:
-    """One completion's identity in every object it sends back (OpenAI's id, created, model, object)."""
-
-    rid: str
-    created: int
-    chat: bool
-    model: str
-    include_usage: bool
-    started: float
-
-    @property
-    def obj(self) -> str:
-        return "chat.completion" if self.chat else "text_completion"
-
-    @property
-    def chunk(self) -> str:
-        """The object name of a streamed piece."""
-        return "chat.completion.chunk" if self.chat else "text_completion"
-
-    def head(self, obj: str) -> dict[str, Any]:
-        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model}
-
-    def event(self, piece: str | None, reason: str | None, extra: dict[str, Any] | None = None) -> bytes:
-        if self.chat:
-            delta: dict[str, Any] = {} if piece is None else {"content": piece}
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": reason}
-        else:
-            choice = {"index": 0, "text": piece or "", "finish_reason": reason, "logprobs": None}
-        return _data({**self.head(self.chunk), "choices": [choice], **(extra or {})})
-
-
-def _data(body: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(body).encode() + b"\n\n"
-
-
-def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
-    v = body.get(name)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, int | float) or not lo <= v <= hi:
-        raise ApiError(400, f"'{name}' must be a number in [{lo}, {hi}]", param=name)
-    return float(v)
-
-
-def _usage(req: sched.Request) -> dict[str, Any]:
-    return {
-        "prompt_tokens": len(req.prompt),
-        "completion_tokens": req.produced,
-        "total_tokens": len(req.prompt) + req.produced,
-        "prompt_tokens_details": {"cached_tokens": req.cached},
-    }
-
-
-def _timings(req: sched.Request) -> dict[str, Any]:
-    """llama-server's figures: prompt tokens read (not taken from held state) and how long that took."""
-    end = time.monotonic()
-    decode = end - (req.first_token or end)
-    return {
-        "cache_n": req.cached,
-        "prompt_n": len(req.prompt) - req.cached,
-        "prompt_ms": 1000 * req.prompt_seconds,
-        "predicted_n": req.produced,
-        "predicted_ms": 1000 * decode,
-        "queue_ms": 1000 * ((req.admitted or end) - req.submitted),
-    }
 
 
 async def _not_found(request: Request, exc: Exception) -> Response:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from swarm.coordinator.session import add_swarm_args
+from swarm.node.auth import is_loopback_host
 from swarm.sharding.errors import UserError
 
 T = TypeVar("T")
@@ -117,9 +118,8 @@ def _watch_parent(parent: int) -> None:
 def _off_main_thread(work: Callable[[], T]) -> T:
     """work() on a thread of its own that then ends. The model's steps run on the scheduler's thread; a thread
     that has run parallel work keeps an OpenMP team while it lives, and with two teams on the machine's cores
-    libgomp stops spinning at barriers: with the model opened and warmed up on the main thread, one request
-    alone got 14.7 tok/s in bench/serve, 26.4 since (a thread that ends gives its team back). A daemon thread,
-    so that Ctrl-C during a long load ends the process."""
+    libgomp stops spinning at barriers, which slows every step (bench/serve; docs/BENCHMARKS.md); a thread that
+    ends gives its team back. A daemon thread, so that Ctrl-C during a long load ends the process."""
     done: list[T] = []
     failed: list[BaseException] = []
 
@@ -145,74 +145,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from swarm.coordinator.serve.api import ServeConfig, build_app
     from swarm.coordinator.serve.metrics import ServeMetrics
-    from swarm.coordinator.serve.scheduler import (
-        CHECKPOINT_BEFORE_END,
-        Scheduler,
-        slot_bytes,
-        warm_batches,
-        warm_prompts,
-    )
-    from swarm.coordinator.session import open_from_args, status_line
-    from swarm.coordinator.swarm import SwarmExperts, describe_missing
+    from swarm.coordinator.serve.scheduler import Scheduler
+    from swarm.coordinator.session import open_from_args
 
-    if args.parallel < 1:
-        raise UserError("--parallel must be at least 1")
-    if args.ctx_size < 2 * CHECKPOINT_BEFORE_END:
-        raise UserError(f"--ctx-size must be at least {2 * CHECKPOINT_BEFORE_END} tokens")
-    if not 0 <= args.port <= 65535:
-        raise UserError(f"--port {args.port}: give 0-65535")
-    if args.max_queue < 0:
-        raise UserError("--max-queue must be 0 or more")
+    _check_args(args)
     api_key = args.api_key or os.environ.get("SWARM_API_KEY") or None
-    # bind first: a port in use is found before minutes of loading
-    try:
-        sock = socket.create_server((args.host, args.port), reuse_port=False)
-    except OSError as e:
-        raise UserError(
-            f"cannot listen on {args.host}:{args.port} ({e.strerror}); pick another --port"
-        ) from None
+    sock = _listen(args.host, args.port)  # first: a port in use is found before minutes of loading
     parent = os.getppid() if args.exit_with_parent else None
     engine = _off_main_thread(lambda: open_from_args(args))
     stats_of = None
     scheduler = None
     try:
         checker = engine.checker
-        copies = 3 + (checker is not None)  # live state, two prefix checkpoints, the checker's anchor
-        per_slot = slot_bytes(engine.model, args.ctx_size, copies)
-        free = available_memory(engine.device)
-        if free is not None and args.parallel * per_slot > STATE_SHARE * free:
-            fits = int(STATE_SHARE * free // per_slot) if per_slot else args.parallel
-            raise UserError(
-                f"--parallel {args.parallel} at --ctx-size {args.ctx_size} needs {args.parallel} x {gib(per_slot)} "
-                f"= {gib(args.parallel * per_slot)} for conversation state, but {gib(free)} is available on "
-                f"{engine.device} (the slots may take {STATE_SHARE:.0%}): use --parallel {max(fits, 1)} or a "
-                "smaller --ctx-size"
-            )
-
-        def warm() -> None:  # on the engine thread
-            status_line("swarm serve: warming up (every expert once, as llama.cpp does) ...")
-            engine.model.warm_up()
-            status_line("swarm serve: preparing passes of several conversations at once ...")
-            warm_batches(engine.model, args.parallel, engine.device)
-            warm_prompts(engine.model, args.parallel, engine.device)
-
-        admit_check = None
-        if isinstance(engine.experts, SwarmExperts):
-            experts = engine.experts
-            seen: list[Any] = [0.0, None]
-
-            def admit_check() -> str | None:
-                now = time.monotonic()
-                if now - seen[0] > COVERAGE_CACHE_SECONDS and not experts.degraded:
-                    experts.follow_mdns()
-                    missing = experts.placement.missing(experts.needed)
-                    seen[:] = [now, describe_missing(missing, args.model) if missing else None]
-                return seen[1]
-
+        per_slot = _slot_memory(engine, args.parallel, args.ctx_size)
+        admit_check = _coverage_check(engine, args.model)
         scheduler = Scheduler(
             engine.model, engine.device, checker, args.parallel, args.ctx_size, args.max_queue, admit_check
         )
-        scheduler.start(warm)
+        scheduler.start(_warm_up(engine, args.parallel))
         if args.stats:  # after the warm-up, which would count as routing
             from swarm.coordinator.experts import RoutingStats
 
@@ -223,30 +173,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
         metrics = ServeMetrics(engine.experts)
         app = build_app(engine, scheduler, config, metrics)
-        host, port = sock.getsockname()[:2]
-        shown = f"[{host}]" if ":" in host else host
         # uvicorn shuts down gracefully on SIGINT/SIGTERM (in-flight requests get up to 10 s), then raises the
         # signal again under the handler that was there before: a SIGTERM handler that returns lets the
         # cleanup below run (slots, node channels, --stats) instead of the default's instant death.
         signal.signal(signal.SIGTERM, lambda signum, frame: None)
-        if args.ready_file:
-            ready = {"url": f"http://{shown}:{port}/v1", "address": f"{shown}:{port}", "host": host, "port": port,
-                     "pid": os.getpid(), "model_id": config.model_id, "slot_bytes": per_slot}  # fmt: skip
-            tmp = args.ready_file.with_name(args.ready_file.name + ".tmp")
-            tmp.write_text(json.dumps(ready))
-            tmp.replace(args.ready_file)
+        _announce(args, sock, config.model_id, per_slot, api_key)
         if parent is not None:
             threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
-        print(
-            f"swarm serve: {config.model_id} on http://{shown}:{port}/v1 ({args.parallel} slots x {args.ctx_size} "
-            f"tokens, {gib(per_slot)} of state each{'; API key required' if api_key else ''})",
-            file=sys.stderr,
-            flush=True,
-        )
-        if api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
-            print(
-                "swarm serve: warning: no --api-key: anyone who reaches this port can use it", file=sys.stderr
-            )
         server = uvicorn.Server(
             uvicorn.Config(
                 app, log_level="warning", timeout_graceful_shutdown=10, lifespan="off", access_log=False
@@ -262,3 +195,100 @@ def cmd_serve(args: argparse.Namespace) -> int:
         engine.close()
     print("swarm serve: stopped", file=sys.stderr)
     return 0
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    from swarm.coordinator.serve.scheduler import CHECKPOINT_BEFORE_END
+
+    if args.parallel < 1:
+        raise UserError("--parallel must be at least 1")
+    if args.ctx_size < 2 * CHECKPOINT_BEFORE_END:
+        raise UserError(f"--ctx-size must be at least {2 * CHECKPOINT_BEFORE_END} tokens")
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port {args.port}: give 0-65535")
+    if args.max_queue < 0:
+        raise UserError("--max-queue must be 0 or more")
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    try:
+        return socket.create_server((host, port), reuse_port=False)
+    except OSError as e:
+        raise UserError(f"cannot listen on {host}:{port} ({e.strerror}); pick another --port") from None
+
+
+def _slot_memory(engine: Any, parallel: int, ctx_size: int) -> int:
+    """Bytes of state one slot takes; UserError where `parallel` slots would not fit in the memory there is."""
+    from swarm.coordinator.serve.startup import slot_bytes
+
+    copies = 3 + (engine.checker is not None)  # live state, two prefix checkpoints, the checker's anchor
+    per_slot = slot_bytes(engine.model, ctx_size, copies)
+    free = available_memory(engine.device)
+    if free is not None and parallel * per_slot > STATE_SHARE * free:
+        fits = int(STATE_SHARE * free // per_slot) if per_slot else parallel
+        raise UserError(
+            f"--parallel {parallel} at --ctx-size {ctx_size} needs {parallel} x {gib(per_slot)} "
+            f"= {gib(parallel * per_slot)} for conversation state, but {gib(free)} is available on "
+            f"{engine.device} (the slots may take {STATE_SHARE:.0%}): use --parallel {max(fits, 1)} or a "
+            "smaller --ctx-size"
+        )
+    return per_slot
+
+
+def _warm_up(engine: Any, parallel: int) -> Callable[[], None]:
+    """What the engine thread runs before serving (see Scheduler.start)."""
+    from swarm.coordinator.serve.startup import warm_batches, warm_prompts
+    from swarm.coordinator.session import status_line
+
+    def warm() -> None:  # on the engine thread
+        status_line("swarm serve: warming up (every expert once, as llama.cpp does) ...")
+        engine.model.warm_up()
+        status_line("swarm serve: preparing passes of several conversations at once ...")
+        warm_batches(engine.model, parallel, engine.device)
+        warm_prompts(engine.model, parallel, engine.device)
+
+    return warm
+
+
+def _coverage_check(engine: Any, model: str) -> Callable[[], str | None] | None:
+    """Over a swarm: why no request can run now (experts without a holder), or None; looked up at most
+    every COVERAGE_CACHE_SECONDS. None in process, where every expert is always there."""
+    from swarm.coordinator.remote.dispatch import SwarmExperts
+    from swarm.coordinator.remote.placement import describe_missing
+
+    if not isinstance(engine.experts, SwarmExperts):
+        return None
+    experts = engine.experts
+    seen: list[Any] = [0.0, None]
+
+    def admit_check() -> str | None:
+        now = time.monotonic()
+        if now - seen[0] > COVERAGE_CACHE_SECONDS and not experts.degraded:
+            experts.follow_mdns()
+            missing = experts.placement.missing(experts.needed)
+            seen[:] = [now, describe_missing(missing, model) if missing else None]
+        return seen[1]
+
+    return admit_check
+
+
+def _announce(
+    args: argparse.Namespace, sock: socket.socket, model_id: str, per_slot: int, api_key: str | None
+) -> None:
+    """The ready file (for tools that start the server) and the line that says where it serves."""
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    if args.ready_file:
+        ready = {"url": f"http://{shown}:{port}/v1", "address": f"{shown}:{port}", "host": host, "port": port,
+                 "pid": os.getpid(), "model_id": model_id, "slot_bytes": per_slot}  # fmt: skip
+        tmp = args.ready_file.with_name(args.ready_file.name + ".tmp")
+        tmp.write_text(json.dumps(ready))
+        tmp.replace(args.ready_file)
+    print(
+        f"swarm serve: {model_id} on http://{shown}:{port}/v1 ({args.parallel} slots x {args.ctx_size} "
+        f"tokens, {gib(per_slot)} of state each{'; API key required' if api_key else ''})",
+        file=sys.stderr,
+        flush=True,
+    )
+    if api_key is None and not is_loopback_host(args.host):
+        print("swarm serve: warning: no --api-key: anyone who reaches this port can use it", file=sys.stderr)

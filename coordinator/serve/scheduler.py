@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from swarm.coordinator.generate import Checker, Entry, Sampler, SamplingParams, Seq, Steps
-from swarm.coordinator.models.layers import KVCache
+from swarm.coordinator.models.attention import KVCache
 from swarm.sharding.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ PASS_PROMPT_TOKENS_BESIDE_DECODE = 128
 PASS_PROMPT_TOKENS_ALONE = 512
 # An idle engine that a request wakes waits for others that come with it: as long as each comes within
 # ADMIT_GAP of the one before, for at most ADMIT_WINDOW in all (seconds). A lone request waits ADMIT_GAP.
-# (8 requests sent at once by 8 client threads reached the engine within 15-25 ms here, 1-8 ms apart.)
+# The gap is wider than the spacing of requests that client threads send at once (bench/serve).
 ADMIT_GAP = 0.015
 ADMIT_WINDOW = 0.05
 # One sequence's chunk stays within the DeltaNet's recurrent form (deltanet.RECURRENT_MAX).
@@ -46,40 +46,9 @@ CHUNK = 256
 # A checkpoint this many tokens before a prompt's end, where its request names no better place (Request.mark):
 # a conversation sent again usually differs from what a slot holds only from the last turn's generation
 # prompt on. The pass that reads past that place keeps the state there (Entry.mark: the DeltaNet layers run
-# their rule in two ops) rather than stopping at it: a pass of its own for the tail cost 7 % of a lone
-# 64-token prompt's read and 3 % of 8 at once on the Qwen3.6-35B layer shape.
+# their rule in two ops) rather than stopping at it: a pass of its own for the tail would add to every
+# prompt's read (docs/BENCHMARKS.md).
 CHECKPOINT_BEFORE_END = 16
-# The prompts of warm_prompts' pass at most: where its prompt tokens fill several prompts' passes, the
-# memory of several at once is laid out (warmed with 2 x 256 tokens, a pass of 8 x 64 still faulted 9,000
-# times; warmed with 8 x 64, a pass of 2 x 256 faulted 12).
-WARM_PROMPTS = 8
-
-
-def warm_batches(model: Any, n: int, device: torch.device) -> None:
-    """One decode step of b new sequences for each b from 1 to n, thrown away: every batch size's graphs are
-    built now, at start, rather than in the first step that meets it (a step of 8 sequences took 3x its time
-    then, on the Qwen3.6-35B layer shape). A real step of b sequences finds them whatever its sequences hold.
-    Steps of more sequences than kernels.KEEP_ROWS build their graphs every time: not warmed."""
-    from swarm.compute.graph import KEEP_ROWS
-
-    with torch.inference_mode():
-        for b in range(1, min(n, KEEP_ROWS) + 1):
-            ids = torch.zeros(b, dtype=torch.long, device=device)
-            model(ids, [model.new_state() for _ in range(b)], [1] * b, last_only=True)
-
-
-def warm_prompts(model: Any, n: int, device: torch.device) -> None:
-    """One pass reading the most prompt tokens a pass takes (PASS_PROMPT_TOKENS_ALONE, over up to n new
-    prompts of at most CHUNK tokens each), thrown away: the memory of the largest pass is then mapped, and
-    with swarm.compute.malloc's policy kept, so the first burst of prompts finds it, where it faulted tens of
-    thousands of pages in (8 prompts of 64 tokens of the Qwen3.6-35B layer shape: 45,000 faults in a first
-    pass, a few in a second). Run it on the thread that will run the passes: ggml's graph allocator buffer
-    is that thread's."""
-    k = max(1, min(n, WARM_PROMPTS))
-    each = min(CHUNK, PASS_PROMPT_TOKENS_ALONE // k)
-    with torch.inference_mode():
-        ids = torch.zeros(k * each, dtype=torch.long, device=device)
-        model(ids, [model.new_state() for _ in range(k)], [each] * k, last_only=True)
 
 
 class QueueFull(Exception):
@@ -451,19 +420,3 @@ class Scheduler:
                 if s.request is not None:
                     r, s.request = s.request, None
                     r.on_done(Done("cancelled"))
-
-
-def slot_bytes(model: Any, ctx_size: int, state_copies: int) -> int:
-    """Memory one slot's sequence state takes at `ctx_size` tokens: the attention layers' keys and values
-    (float32) and the linear-attention layers' conv and recurrent states, those `state_copies` times (the
-    live state, its prefix checkpoints, the checker's anchor)."""
-    from swarm.coordinator.models.deltanet import GatedDeltaNet
-
-    kv = recurrent = 0
-    for m in model.modules():
-        if isinstance(m, GatedDeltaNet):
-            c = m.cfg
-            recurrent += 4 * (c.conv_dim * (c.conv_kernel - 1) + c.n_v_heads * c.d_state * c.d_state)
-        elif hasattr(m, "attn_k") and hasattr(m, "attn_v"):
-            kv += 4 * ctx_size * (m.attn_k.d_out + m.attn_v.d_out)
-    return kv + state_copies * recurrent

@@ -1,4 +1,4 @@
-"""Regenerate the committed protobuf/gRPC modules from expert.proto: `python -m swarm.proto.generate`.
+"""Regenerate the committed protobuf/gRPC modules from expert.proto: `python -m swarm.proto.regen`.
 
 protoc names the generated modules after the .proto's path relative to its include root, and the
 gRPC module imports the message module by that path. Generating from a staging dir laid out as

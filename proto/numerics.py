@@ -1,4 +1,5 @@
-"""The two numerics a product can be computed in: one type, from the command line to the kernels and the wire.
+"""The two numerics a product can be computed in: one type from the command line through the wire (here, the
+lowest floor, so the codec carries it as itself) to the kernels.
 
 - `native` (the default): every weight stays in its file type (Q4_K, Q8_0, BF16, ...) and ggml multiplies
   the stored blocks, quantizing each activation row to the type its kernel pairs with (Q8_K for K-quants,
@@ -8,8 +9,8 @@
 
 Each activation row is quantized on its own, and every output element is computed by one kernel whatever the
 batch: a row's result does not depend on how many rows share the matmul, which other sequences are in the
-step, or which process on the same CPU computes it (compute/probes.py: tinyBLAS is used only where it sums as
-`vec_dot` does). A different SIMD level rounds differently: see numclass.py.
+step, or which process on the same CPU computes it (swarm.compute.probes: tinyBLAS is used only where it sums
+as `vec_dot` does). A different SIMD level rounds differently: see swarm.compute.numclass.
 """
 
 from __future__ import annotations

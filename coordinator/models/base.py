@@ -1,0 +1,210 @@
+"""The model API every architecture implements, and the plumbing of several sequences in one call.
+
+`model.new_state()` -> one SequenceState per sequence; `model(tokens [N], states, lengths)` -> logits
+[N, V] for the new tokens of several sequences concatenated (attention runs per sequence, every MoE layer
+sees all N tokens: one expert fan-out per layer for the whole batch); `model.run(tokens, state)` for one
+sequence.
+
+Dimension letters: N tokens of all sequences in a call, T tokens of one sequence, D model width, V
+vocabulary. Modules are named after GGUF tensors, so a GGUF's tensors load by name. The one convention: a
+module whose class sets GGUF_TRANSPARENT (the block's `moe`, an arch's attention) is a path segment the
+loader drops (blk.N.moe.ffn_gate_inp.weight is the GGUF's blk.N.ffn_gate_inp.weight). Only nn.Modules and
+pure functions: no file I/O, no network.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch import nn
+
+from swarm.coordinator.experts import ExpertBackend
+from swarm.coordinator.models.linear import Linear, RMSNorm, project
+from swarm.coordinator.models.moe import MoE
+
+
+@dataclass
+class SequenceState:
+    """Everything a model keeps for one sequence between calls: one entry per block.
+
+    An attention block keeps a KVCache; a linear-attention block its conv and recurrent states.
+    """
+
+    layers: list[Any]
+    length: int = 0  # tokens consumed so far = position of the next token
+    # the checkpoint at the mark of the last call that had one for this sequence (DecoderModel's `marks`)
+    marked: tuple[int, list[Any]] | None = None
+
+    def checkpoint(self) -> tuple[int, list[Any]]:
+        """What `restore` needs to bring this sequence back to now (the work after it is done again)."""
+        return self.length, [s.checkpoint() for s in self.layers]
+
+    def restore(self, cp: tuple[int, list[Any]]) -> None:
+        self.length, states = cp
+        for s, c in zip(self.layers, states, strict=True):
+            s.restore(c)
+
+
+@dataclass(frozen=True)
+class Batch:
+    """The layout of one call: the new tokens of several sequences, concatenated in order."""
+
+    lengths: tuple[int, ...]  # new tokens of each sequence
+    starts: tuple[int, ...]  # tokens each sequence already held = position of its first new token
+    positions: torch.Tensor  # [N] absolute position of every token
+    # per sequence, 0 or how many of its new tokens come before the point a checkpoint is wanted at (a
+    # prompt's reader keeps one before the prompt's end): its recurrent layers keep their state there
+    marks: tuple[int, ...] = ()
+
+    @classmethod
+    def of(
+        cls,
+        states: Sequence[SequenceState],
+        lengths: Sequence[int],
+        device: torch.device,
+        marks: Sequence[int] = (),
+    ) -> Batch:
+        starts = tuple(s.length for s in states)
+        # one tensor from a Python list: a decode step's few positions cost one op, not an arange per sequence
+        at = [p for s, n in zip(starts, lengths, strict=True) for p in range(s, s + int(n))]
+        positions = torch.tensor(at, dtype=torch.long, device=device)
+        return cls(
+            lengths=tuple(int(n) for n in lengths),
+            starts=starts,
+            positions=positions,
+            marks=tuple(int(m) for m in marks) if any(marks) else (),
+        )
+
+    def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [N, ...] -> one tensor [lengths[i], ...] per sequence (views)."""
+        if len(self.lengths) == 1:
+            return (x,)
+        return torch.split(x, list(self.lengths), dim=0)
+
+
+class Block(Protocol):
+    def __call__(self, x: torch.Tensor, batch: Batch, states: list[Any]) -> torch.Tensor:
+        """x [N, D] -> [N, D]; states[i] is this block's state for sequence i (updated in place)."""
+        ...
+
+    def new_state(self) -> Any: ...
+
+
+class PackedEmbedding(nn.Module):
+    """token_embd kept as the file encodes it (quantized, f16, bf16) and decoded per lookup, row by row.
+
+    A real vocabulary makes the table big (248k x 2048 is 2 GB as float32, 0.4 GB as Q6_K) while a step
+    reads a handful of rows, and decoding just those rows gives the same float32 values as decoding the
+    whole table. `rows` [V, bytes or values per row] may be a view of the file's memory map (only the rows
+    looked up are read); `decode(rows, (n, D))` -> float32 [n, D] on the CPU.
+    """
+
+    def __init__(
+        self,
+        rows: np.ndarray,
+        n_embd: int,
+        decode: Callable[[np.ndarray, tuple[int, int]], torch.Tensor],
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.rows = rows
+        self.num_embeddings, self.embedding_dim = int(rows.shape[0]), n_embd
+        self.decode = decode
+        self.device = device
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        picked = self.rows[ids.cpu().numpy()]  # [N, row]: copies of just these rows
+        return self.decode(picked, (picked.shape[0], self.embedding_dim)).to(self.device)  # [N, D]
+
+
+class DecoderModel(nn.Module):
+    """token_embd -> blocks -> output_norm -> output. Subclasses fill `blk` with their blocks.
+
+    Every block's forward(x [N, D], batch, states) runs attention (or the recurrence) per sequence
+    and its MoE over all N tokens at once: one expert fan-out per layer for the whole batch.
+    """
+
+    token_embd: nn.Embedding | PackedEmbedding  # the loader's PackedEmbedding over the file's table
+
+    def __init__(self, n_vocab: int, n_embd: int, eps: float) -> None:
+        super().__init__()
+        # A placeholder without memory (meta device): the loader puts the file's own table here.
+        self.token_embd = nn.Embedding(n_vocab, n_embd, device="meta")
+        self.token_embd.weight.requires_grad_(False)
+        self.blk = nn.ModuleList()
+        self.output_norm = RMSNorm(n_embd, eps)
+        self.output = Linear(n_embd, n_vocab)
+
+    def new_state(self) -> SequenceState:
+        return SequenceState(layers=[blk.new_state() for blk in self.blk])
+
+    def set_experts(self, experts: ExpertBackend) -> None:
+        """Swap the expert backend of every MoE layer (in-process <-> swarm) without reloading."""
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.experts = experts
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        states: Sequence[SequenceState],
+        lengths: Sequence[int],
+        last_only: bool = False,
+        marks: Sequence[int] = (),
+    ) -> torch.Tensor:
+        """tokens [N] (lengths[i] new tokens of sequence i, in order) -> logits [N, V] float32.
+
+        With last_only, only each sequence's last position: [len(states), V] (saves the vocab
+        projection of a long prefill). States are advanced in place. `marks[i]` (0 < m < lengths[i]; 0:
+        none): sequence i is also checkpointed after its first m new tokens, into states[i].marked (as
+        calling with those m tokens, checkpointing, and calling with the rest would, in one pass).
+        """
+        if not states or len(states) != len(lengths):
+            raise ValueError(f"{len(states)} states but {len(lengths)} lengths; give at least one sequence")
+        if sum(lengths) != tokens.shape[0] or any(n <= 0 for n in lengths):
+            raise ValueError(f"lengths {list(lengths)} do not split {tokens.shape[0]} tokens")
+        if marks and (
+            len(marks) != len(lengths) or any(not 0 <= m < n for m, n in zip(marks, lengths, strict=True))
+        ):
+            raise ValueError(f"marks {list(marks)} do not fall within lengths {list(lengths)}")
+        device = self.output_norm.weight.device
+        # inference_mode throughout, so caches made in one call stay writable in the next.
+        with torch.inference_mode():
+            batch = Batch.of(states, lengths, device, marks)
+            x = self.token_embd(tokens.to(device))  # [N, D]
+            for i, blk in enumerate(self.blk):
+                x = blk(x, batch, [s.layers[i] for s in states])
+            for i, (s, n) in enumerate(zip(states, batch.lengths, strict=True)):
+                if batch.marks and batch.marks[i]:
+                    at = s.length + batch.marks[i]
+                    s.marked = (at, [layer.take_marked(at) for layer in s.layers])
+                s.length += n
+            if last_only and x.shape[0] != len(states):  # (a decode step's rows are the last ones already)
+                ends = torch.tensor(batch.lengths, device=device).cumsum(0) - 1
+                x = x.index_select(0, ends)  # [B, D]
+        # The head runs outside inference_mode so that callers get an ordinary tensor they may modify.
+        with torch.no_grad():
+            return project(x, self.output, norm=self.output_norm)[0].float()  # [N, V]
+
+    def warm_up(self) -> None:
+        """One token through every expert of every layer (llama.cpp warms up the same way), so that the
+        weights are paged in, and every node has answered once, before the first real request."""
+        moes = [m for m in self.modules() if isinstance(m, MoE)]
+        kept = [m.cfg for m in moes]
+        for m in moes:
+            m.cfg = dataclasses.replace(m.cfg, n_expert_used=m.cfg.n_expert)
+        try:
+            self(torch.zeros(1, dtype=torch.long), [self.new_state()], [1])
+        finally:
+            for m, cfg in zip(moes, kept, strict=True):
+                m.cfg = cfg
+
+    def run(self, tokens: Sequence[int] | torch.Tensor, state: SequenceState) -> torch.Tensor:
+        """One sequence: feed its next tokens, get logits [T, V]."""
+        ids = torch.as_tensor(tokens, dtype=torch.long)
+        return self(ids, [state], [ids.shape[0]])

@@ -1,0 +1,203 @@
+"""Finding the swarm's nodes at start: static peers asked one by one, then mDNS until every needed slab has a
+holder; the nodes of another model (or, with --numerics-class same, of another numerics class) passed over."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NoReturn
+
+import torch
+
+from swarm.compute.numclass import numerics_class, same_class
+from swarm.coordinator.remote.dispatch import SwarmExperts
+from swarm.coordinator.remote.placement import Placement, describe_missing
+from swarm.node.auth import SwarmKey
+from swarm.node.client import NodeCallError, NodeClient, ask_peer
+from swarm.proto.numerics import Numerics
+from swarm.sharding.errors import UserError
+from swarm.sharding.identity import Match, ModelIdentity
+from swarm.sharding.slabs import SlabKey
+
+if TYPE_CHECKING:
+    from swarm.node.discovery import DiscoveredNode, NodeBrowser
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Found:
+    """The nodes taken so far, and those passed over (what the error says when too few are left)."""
+
+    identity: ModelIdentity
+    key: SwarmKey | None
+    same_class_only: bool
+    placement: Placement = field(default_factory=Placement)
+    clients: dict[str, NodeClient] = field(default_factory=dict)
+    by_header: list[str] = field(default_factory=list)  # nodes taken on the source GGUF's header hash alone
+    strangers: list[str] = field(default_factory=list)  # peers of another model, passed over
+    classes: dict[str, str] = field(default_factory=dict)  # address -> numerics class, of every node taken
+    own_class: str = field(default_factory=numerics_class)
+    other_class: set[str] = field(default_factory=set)  # passed over for --numerics-class same
+
+    def class_ok(self, address: str, cls: str) -> bool:
+        if not self.same_class_only or same_class(cls, self.own_class):
+            return True
+        if address not in self.other_class:
+            self.other_class.add(address)
+            log.warning(
+                "passing over node %s: its numerics class is %s, this coordinator's %s "
+                "(--numerics-class same takes only bit-exact nodes)", address, cls or "not said", self.own_class,
+            )  # fmt: skip
+        return False
+
+    def add(self, n: DiscoveredNode) -> None:
+        """A node mDNS found (the browser only reports nodes that `identity` matches)."""
+        if not self.class_ok(n.address, n.numerics_class):
+            return
+        self.classes[n.address] = n.numerics_class
+        if n.address not in self.clients:
+            self.clients[n.address] = NodeClient(
+                n.address,
+                fingerprint=n.identity.fingerprint,
+                key=self.key,
+                tls=n.tls,
+                stream_port=n.stream_port,
+            )
+            if self.identity.match(n.identity) is Match.HEADER:
+                self.by_header.append(n.address)
+        self.placement.add(n.address, n.held)
+
+    def ask(self, peer: str, wait: float) -> None:
+        """A static peer: taken when it serves this model (and is of an accepted numerics class)."""
+        try:
+            client, info = ask_peer(peer, self.key, timeout=min(wait, 10.0) if wait > 0 else 10.0)
+        except NodeCallError as e:
+            raise UserError(
+                f"peer {peer} does not answer ({e.code.name}); is `swarm node` running there?"
+            ) from None
+        match = self.identity.match(info.identity)
+        if match is None:
+            client.close()
+            log.warning(
+                "passing over peer %s: it serves another model (fingerprint %s, this swarm's is %s); "
+                "start it on the same GGUF or shard directory",
+                peer,
+                info.fingerprint[:12],
+                self.identity.fingerprint[:12],
+            )
+            self.strangers.append(peer)
+            return
+        if not self.class_ok(peer, info.numerics_class):
+            client.close()
+            return
+        self.classes[peer] = info.numerics_class
+        client.fingerprint = info.fingerprint  # what the node checks in every Compute call
+        self.clients[peer] = client
+        if match is Match.HEADER:
+            self.by_header.append(peer)
+        self.placement.add(peer, info.held)
+
+
+def _browse(
+    found: _Found, needed: Sequence[SlabKey], interfaces: Sequence[str] | None, wait: float
+) -> NodeBrowser:
+    """mDNS until every needed slab has a holder or `wait` s pass; the browser goes on after connect."""
+    from swarm.node.discovery import MDNS_SETTLE_SECONDS, browse
+
+    browser = browse(interfaces=interfaces, identity=found.identity, key=found.key)
+
+    def covered(nodes: list) -> bool:
+        for n in nodes:
+            found.add(n)
+        return not found.placement.missing(needed)
+
+    if browser.wait_for(covered, wait) is not None:
+        # Other nodes answer the same query (the replicas a failover will need): take them too.
+        time.sleep(min(MDNS_SETTLE_SECONDS, wait))
+    for n in browser.nodes():
+        found.add(n)
+    return browser
+
+
+def _give_up(
+    found: _Found, missing: dict[int, list[int]], browser: NodeBrowser | None, mdns: bool, source: str
+) -> NoReturn:
+    """Close what was opened and say which nodes to start."""
+    if browser is not None:
+        browser.close()
+    for c in found.clients.values():
+        c.close()
+    if not found.clients:
+        hint = "" if mdns else " (mDNS is off: give --peer host:port)"
+        if found.strangers:
+            hint += f" (passed over {', '.join(found.strangers)}: another model)"
+        if found.other_class:
+            hint += f" (passed over {', '.join(sorted(found.other_class))}: another numerics class, --numerics-class same)"
+        raise UserError(
+            f"no swarm nodes found for this model{hint}. Start one with `swarm node {source} --experts 0-7` "
+            "on this or another machine, or run with --local to compute the experts here"
+        )
+    raise UserError(describe_missing(missing, source))
+
+
+def connect(
+    needed: Sequence[SlabKey],
+    identity: ModelIdentity | str,
+    source: str,
+    peers: Sequence[str] = (),
+    mdns: bool = True,
+    interfaces: Sequence[str] | None = None,
+    wait: float = 3.0,
+    key: SwarmKey | None = None,
+    wire_dtype: torch.dtype = torch.float32,
+    timeout: float = 30.0,
+    numerics: Numerics = Numerics.NATIVE,
+    same_class_only: bool = False,
+) -> SwarmExperts:
+    """Find nodes (static peers, then mDNS until every needed slab has a holder or `wait` s pass).
+
+    A node is taken when `identity` matches its own (the same model, started on the GGUF or on its shard
+    directory: see swarm.sharding.identity; a bare fingerprint string matches exactly that fingerprint). Each
+    node's calls then carry the fingerprint that node itself reports, which it checks on every call.
+    `same_class_only` (--numerics-class same): nodes of another numerics class than this process's ggml
+    build (swarm.compute.numclass) are passed over, so that every answer is checked bit for bit.
+    """
+    if isinstance(identity, str):
+        identity = ModelIdentity(identity)
+    found = _Found(identity, key, same_class_only)
+    for peer in peers:
+        found.ask(peer, wait)
+    browser = None
+    if mdns and found.placement.missing(needed):
+        browser = _browse(found, needed, interfaces, wait)
+    missing = found.placement.missing(needed)
+    if missing:
+        _give_up(found, missing, browser, mdns, source)
+    if found.by_header:
+        log.info(
+            "swarm: %d of %d nodes recognised by the source GGUF's header hash only, not the fingerprint over "
+            "every weight (a file with the same header but other weights would pass too): %s",
+            len(found.by_header),
+            len(found.clients),
+            ", ".join(sorted(found.by_header)),
+        )
+    log.info("swarm: %d nodes cover %d slabs", len(found.clients), len(needed))
+    experts = SwarmExperts(
+        found.clients,
+        found.placement,
+        source,
+        wire_dtype,
+        timeout,
+        browser=browser,
+        key=key,
+        numerics=numerics,
+        needed=needed,
+    )
+    experts.classes.update(found.classes)
+    experts.same_class_only = same_class_only
+    if browser is not None:
+        experts.follow_mdns()  # what connect saw is the starting point for joins and leaves
+    return experts

@@ -1,0 +1,174 @@
+"""An OpenAI request body, checked and turned into a Job: prompt tokens (the GGUF's chat template for
+chats), sampling parameters and stop strings. Whatever is wrong raises ApiError, an OpenAI error object."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.responses import JSONResponse
+
+from swarm.coordinator.chat import ChatTemplate
+from swarm.coordinator.generate import SamplingParams
+from swarm.coordinator.tokenizer import GGUFTokenizer
+from swarm.sharding.errors import UserError
+
+MAX_STOPS = 4  # stop strings per request, as OpenAI allows
+# A plain completion's prompt keeps a checkpoint this many tokens before its end (llama-server's choice): a
+# client that sends it again with its answer appended continues from the slot's whole state, and one that
+# changes only the last tokens from there (the pass that reads the prompt's end keeps it: no pass of its own).
+COMPLETION_TAIL = 4
+
+
+class ApiError(Exception):
+    def __init__(
+        self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+        code: str | None = None, headers: dict[str, str] | None = None,
+    ) -> None:  # fmt: skip
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+        self.headers = headers or {}
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+@dataclass
+class Job:
+    """What one request asks for, in tokens."""
+
+    prompt: list[int]
+    params: SamplingParams
+    stops: list[str]
+    mark: int | None = None  # where the scheduler keeps a checkpoint before the prompt's end
+
+
+class JobReader:
+    """Reads request bodies into Jobs for one model: its tokenizer, its chat template, the server's context."""
+
+    def __init__(self, tokenizer: GGUFTokenizer, template: ChatTemplate, ctx_size: int) -> None:
+        self.tokenizer, self.template, self.ctx_size = tokenizer, template, ctx_size
+
+    def sampling(self, body: dict[str, Any], n_prompt: int) -> tuple[SamplingParams, list[str]]:
+        room = self.ctx_size - n_prompt
+        limit = body.get("max_completion_tokens", body.get("max_tokens"))
+        if limit is None:
+            max_tokens = room
+        elif isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ApiError(400, "'max_tokens' must be a positive integer", param="max_tokens")
+        else:
+            max_tokens = min(limit, room)
+        if body.get("n", 1) != 1:
+            raise ApiError(400, "only n=1 is supported: send several requests instead", param="n")
+        top_k = body.get("top_k", 0)
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+            raise ApiError(400, "'top_k' must be a non-negative integer", param="top_k")
+        seed = body.get("seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ApiError(400, "'seed' must be an integer", param="seed")
+        stop = body.get("stop")
+        stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
+        if (
+            not isinstance(stops, list)
+            or not all(isinstance(s, str) for s in stops)
+            or len(stops) > MAX_STOPS
+        ):
+            raise ApiError(
+                400, f"'stop' must be a string or a list of up to {MAX_STOPS} strings", param="stop"
+            )
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+            top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
+            top_k=top_k,
+            seed=seed,
+            stop_ids=self.tokenizer.eos_ids,
+        )
+        return params, stops
+
+    def check_context(self, prompt: list[int]) -> None:
+        if not prompt:
+            raise ApiError(400, "the prompt is empty after tokenization", param="prompt")
+        if len(prompt) >= self.ctx_size:
+            raise ApiError(
+                400,
+                f"the prompt has {len(prompt)} tokens but the context is {self.ctx_size} tokens "
+                "(the server's --ctx-size): shorten it",
+                code="context_length_exceeded",
+                param="messages",
+            )
+
+    def chat_job(self, body: dict[str, Any]) -> Job:
+        plain = _plain_messages(body.get("messages"))
+        try:
+            text = self.template.render(plain, add_generation_prompt=True)
+        except UserError as e:
+            raise ApiError(400, str(e), param="messages") from None
+        prompt = self.tokenizer.encode(text, parse_special=True)
+        self.check_context(prompt)
+        params, stops = self.sampling(body, len(prompt))
+        return Job(prompt, params, stops, self._turn_end(plain, text, prompt))
+
+    def _turn_end(self, messages: list[dict[str, Any]], text: str, prompt: list[int]) -> int | None:
+        """Where the conversation ends before the generation prompt: a chat app sends it again with the
+        answer and a new turn after that point (a template re-renders a past answer in its own way, e.g.
+        without its reasoning), so a checkpoint there is the one it can continue from. None where the
+        prompt's text or tokens do not end with the generation prompt's (only that tail is tokenized again)."""
+        try:
+            head = self.template.render(messages, add_generation_prompt=False)
+        except UserError:
+            return None
+        if not text.startswith(head):
+            return None
+        tail = self.tokenizer.encode(text[len(head) :], parse_special=True)
+        n = len(prompt) - len(tail)
+        return n if 0 < n < len(prompt) and prompt[n:] == tail else None
+
+    def completion_job(self, body: dict[str, Any]) -> Job:
+        tokenizer = self.tokenizer
+        p = body.get("prompt")
+        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
+            p = p[0]
+        if isinstance(p, str):
+            prompt = tokenizer.encode(p, parse_special=False)
+        elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            if not all(0 <= t < tokenizer.vocab_size for t in p):
+                raise ApiError(400, f"token ids must lie in [0, {tokenizer.vocab_size})", param="prompt")
+            prompt = list(p)
+        else:
+            raise ApiError(400, "missing 'prompt': a string or a list of token ids", param="prompt")
+        self.check_context(prompt)
+        params, stops = self.sampling(body, len(prompt))
+        return Job(prompt, params, stops, max(len(prompt) - COMPLETION_TAIL, 0) or None)
+
+
+def _plain_messages(messages: Any) -> list[dict[str, Any]]:
+    """The chat's messages with every content a plain string (text content parts joined)."""
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "missing 'messages': a list of {role, content} objects", param="messages")
+    plain = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ApiError(400, f"messages[{i}] needs a 'role' and a 'content'", param="messages")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: only text ones here
+            texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+            if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
+                raise ApiError(400, f"messages[{i}]: only text content parts are supported", param="messages")
+            content = "".join(texts)  # type: ignore[arg-type]
+        if content is None:
+            content = ""
+        if not isinstance(content, str):
+            raise ApiError(400, f"messages[{i}].content must be a string or text parts", param="messages")
+        plain.append({**m, "content": content})
+    return plain
+
+
+def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int | float) or not lo <= v <= hi:
+        raise ApiError(400, f"'{name}' must be a number in [{lo}, {hi}]", param=name)
+    return float(v)

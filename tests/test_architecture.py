@@ -1,0 +1,98 @@
+"""The floors of docs/ARCHITECTURE.md hold: every import points down, the coordinator reaches into node only
+through its client side, model files stay free of transport, and no source file grows past a reader's page count."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Lowest first: a part may import its own floor and the ones below it, never one above.
+FLOORS = ("proto", "sharding", "compute", "node", "coordinator")
+# What the coordinator may take from node: the client side of the wire.
+NODE_CLIENT_SIDE = frozenset({"client", "auth", "discovery", "errors"})
+# The one `swarm` command registers the node's subcommands (`swarm node`, `swarm keygen`, `swarm fetch`).
+CLI_REGISTRY = ("coordinator/cli/__init__.py", "swarm.node.cli")
+TRANSPORT = frozenset({"grpc", "zeroconf"})
+MAX_LINES = 450
+
+
+def imports_of(path: Path) -> list[tuple[int, str]]:
+    """Every module a file imports (at any depth: function-level imports count), with its line."""
+    found = []
+    for n in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(n, ast.Import):
+            found += [(n.lineno, a.name) for a in n.names]
+        elif isinstance(n, ast.ImportFrom) and n.module and n.level == 0:
+            found.append((n.lineno, n.module))
+            # `from swarm.node import client` names a module, not an attribute
+            if n.module in {f"swarm.{f}" for f in FLOORS}:
+                found += [(n.lineno, f"{n.module}.{a.name}") for a in n.names]
+    return found
+
+
+def violations(root: Path) -> list[str]:
+    bad = []
+    for rank, floor in enumerate(FLOORS):
+        for path in sorted((root / floor).rglob("*.py")):
+            rel = path.relative_to(root).as_posix()
+            for line, mod in imports_of(path):
+                where = f"{rel}:{line} imports {mod}"
+                parts = mod.split(".")
+                if parts[0] in TRANSPORT and rel.startswith("coordinator/models/"):
+                    bad.append(f"{where}: model files hold no transport")
+                if parts[0] != "swarm" or len(parts) < 2 or parts[1] not in FLOORS:
+                    continue
+                target = FLOORS.index(parts[1])
+                if target > rank:
+                    bad.append(f"{where}: {floor} may not import {parts[1]} (a floor above it)")
+                elif floor == "coordinator" and parts[1] == "node" and len(parts) > 2:
+                    if parts[2] not in NODE_CLIENT_SIDE and (rel, mod) != CLI_REGISTRY:
+                        bad.append(f"{where}: the coordinator takes only node's client side "
+                                   f"({', '.join(sorted(NODE_CLIENT_SIDE))})")  # fmt: skip
+    return bad
+
+
+def long_files(root: Path) -> list[str]:
+    out = []
+    for floor in (*FLOORS, "bench", "deploy"):
+        for path in sorted((root / floor).rglob("*.py")):
+            if "_pb2" in path.name:
+                continue  # generated
+            n = path.read_text().count("\n")
+            if n > MAX_LINES:
+                out.append(f"{path.relative_to(root)}: {n} lines")
+    return out
+
+
+def test_every_import_points_down_and_the_coordinator_uses_only_nodes_client_side() -> None:
+    assert violations(ROOT) == []
+
+
+def test_no_source_file_is_over_450_lines() -> None:
+    assert long_files(ROOT) == []
+
+
+@pytest.mark.parametrize(
+    ("floor", "source", "complaint"),
+    [
+        ("node", "from swarm.coordinator import engine\n", "node may not import coordinator"),
+        ("compute", "import swarm.node.server\n", "compute may not import node"),
+        ("compute", "def f():\n    from swarm.coordinator.models import layers\n", "compute may not import coordinator"),
+        ("sharding", "from swarm.compute import ggml\n", "sharding may not import compute"),
+        ("coordinator", "from swarm.node.server import Servicer\n", "only node's client side"),
+        ("coordinator", "from swarm.node import store\n", "only node's client side"),
+        ("coordinator/models", "import grpc\n", "model files hold no transport"),
+    ],
+)
+def test_the_checker_catches_an_import_that_breaks_the_rule(
+    tmp_path: Path, floor: str, source: str, complaint: str
+) -> None:
+    (tmp_path / floor).mkdir(parents=True)
+    (tmp_path / floor / "bad.py").write_text(source)
+    assert any(complaint in v for v in violations(tmp_path))
+    (tmp_path / floor / "bad.py").write_text("from swarm.proto import codec\n")  # down to the lowest floor: fine
+    assert violations(tmp_path) == []
