@@ -42,7 +42,7 @@ PROBE = """
 import os, torch
 from swarm.compute import dense, ggml, weights
 ggml.set_threads(2)
-w = weights.Weight.of_float(torch.randn(256, 256))
+w = weights.Weight.of_float(torch.randn(256, 256).numpy())
 dense.linear([w], torch.randn(4, 256))
 torch.randn(512, 512) @ torch.randn(512, 512)
 maps = open('/proc/self/maps').read().splitlines()

@@ -15,12 +15,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
-import torch
-import torch.nn.functional as F
 
 from swarm.compute import ffn, probes, weights
-from swarm.compute.dequant import dequantize
 from swarm.compute.ffn import FFN
+from swarm.compute.graph import Array
+from swarm.compute.values import float32_values
 from swarm.compute.weights import Weight
 from swarm.sharding.slabs import ExpertSlab, SlabKey, SlabTensor
 
@@ -31,27 +30,28 @@ log = logging.getLogger(__name__)
 class ExpertWeights:
     """Dequantized weights of one expert: gate and up fused as gate_up [2F, D] (gate rows first), down [D, F].
 
-    Fusing gate and up makes one matmul of the first two; F.linear takes them as stored ([out, in]),
-    which measured as fast as a pre-transposed copy on CPU.
+    float32 numpy arrays, which ggml's F32 kernel multiplies (`ffn`); on a GPU (a node or coordinator with
+    `--device cuda`), torch tensors there instead (swarm.compute.device_experts). Fusing gate and up makes one
+    matmul of the first two.
     """
 
-    gate_up: torch.Tensor
-    down: torch.Tensor
-    gate_up_bias: torch.Tensor | None = None
-    down_bias: torch.Tensor | None = None
+    gate_up: Array
+    down: Array
+    gate_up_bias: Array | None = None
+    down_bias: Array | None = None
 
     @property
-    def gate(self) -> torch.Tensor:
+    def gate(self) -> Array:
         return self.gate_up[: self.gate_up.shape[0] // 2]
 
     @property
-    def up(self) -> torch.Tensor:
+    def up(self) -> Array:
         return self.gate_up[self.gate_up.shape[0] // 2 :]
 
     @property
     def nbytes(self) -> int:
         ts = (self.gate_up, self.down, self.gate_up_bias, self.down_bias)
-        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+        return sum(int(t.nbytes) for t in ts if t is not None)
 
     def ffn(self) -> FFN:
         """These float32 weights for ggml's F32 kernel (CPU only)."""
@@ -63,43 +63,41 @@ class ExpertWeights:
         )
 
 
-def _load(s: SlabTensor, device: torch.device) -> torch.Tensor:
-    return dequantize(s.data, s.qtype, s.shape).to(device)
+def _load(s: SlabTensor) -> np.ndarray:
+    return float32_values(s.data, s.qtype, s.shape)
 
 
-def _load_pair(first: SlabTensor, second: SlabTensor, device: torch.device) -> torch.Tensor:
-    """Two slabs stacked on dim 0, each dequantized straight into its half (no torch.cat copy)."""
+def _load_pair(first: SlabTensor, second: SlabTensor) -> np.ndarray:
+    """Two slabs stacked on dim 0, each dequantized straight into its half (no concatenating copy)."""
     rows = first.shape[0]
-    pair = torch.empty((rows + second.shape[0], *first.shape[1:]), dtype=torch.float32)
-    dequantize(first.data, first.qtype, first.shape, out=pair[:rows])
-    dequantize(second.data, second.qtype, second.shape, out=pair[rows:])
-    return pair.to(device)
+    pair = np.empty((rows + second.shape[0], *first.shape[1:]), dtype=np.float32)
+    float32_values(first.data, first.qtype, first.shape, out=pair[:rows])
+    float32_values(second.data, second.qtype, second.shape, out=pair[rows:])
+    return pair
 
 
-def dequantize_expert(parts: Mapping[str, SlabTensor], device: torch.device | str = "cpu") -> ExpertWeights:
-    """One expert's slab (quantized, memory-mapped) -> float32 working weights on `device`. `parts`: an
-    ExpertSlab, or any mapping of its parts by tensor kind (the view an ExpertSlab also gives)."""
-    device = torch.device(device)
+def dequantize_expert(parts: Mapping[str, SlabTensor], device: str = "cpu") -> ExpertWeights:
+    """One expert's slab (quantized, memory-mapped) -> float32 working weights (on `device`: a GPU's are
+    torch tensors). `parts`: an ExpertSlab, or any mapping of its parts by tensor kind (the view an
+    ExpertSlab also gives)."""
     slab = parts if isinstance(parts, ExpertSlab) else ExpertSlab.of(parts.values())
     assert slab.down is not None, "slab_dims refuses a slab without its down matrix"
     if slab.gate_up is not None:
-        gate_up = _load(slab.gate_up, device)
-        gu_bias = _load(slab.gate_up_bias, device) if slab.gate_up_bias is not None else None
+        gate_up = _load(slab.gate_up)
+        gu_bias = _load(slab.gate_up_bias) if slab.gate_up_bias is not None else None
     else:
         assert slab.gate is not None and slab.up is not None, "slab_dims refuses a slab without gate and up"
-        gate_up = _load_pair(slab.gate, slab.up, device)
+        gate_up = _load_pair(slab.gate, slab.up)
         gu_bias = None
         if slab.gate_bias is not None and slab.up_bias is not None:
-            gu_bias = _load_pair(slab.gate_bias, slab.up_bias, device)
-    down_bias = _load(slab.down_bias, device) if slab.down_bias is not None else None
-    return ExpertWeights(gate_up.contiguous(), _load(slab.down, device).contiguous(), gu_bias, down_bias)
+            gu_bias = _load_pair(slab.gate_bias, slab.up_bias)
+    down_bias = _load(slab.down_bias) if slab.down_bias is not None else None
+    w = ExpertWeights(gate_up, _load(slab.down), gu_bias, down_bias)
+    if device != "cpu":
+        from swarm.compute.device_experts import to_device
 
-
-def swiglu(w: ExpertWeights, x: torch.Tensor) -> torch.Tensor:
-    """down(silu(gate x) * up x) for rows x [N, D] -> [N, D], in float32, with torch (exact on a GPU)."""
-    h = F.linear(x, w.gate_up, w.gate_up_bias)  # [N, 2F]
-    gate, up = h.chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, w.down, w.down_bias)
+        return to_device(w, device)
+    return w
 
 
 def native_ffn(slab: ExpertSlab) -> FFN | None:
@@ -112,8 +110,8 @@ def native_ffn(slab: ExpertSlab) -> FFN | None:
     def w(s: SlabTensor | None) -> Weight | None:
         return weights.repacked(Weight.of_bytes(s.data, s.qtype, s.shape)) if s is not None else None
 
-    def bias(s: SlabTensor | None) -> torch.Tensor | None:
-        return dequantize(s.data, s.qtype, s.shape).contiguous() if s is not None else None
+    def bias(s: SlabTensor | None) -> np.ndarray | None:
+        return _load(s) if s is not None else None
 
     down = w(slab.down)
     assert down is not None

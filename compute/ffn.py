@@ -1,6 +1,9 @@
 """SwiGLU feed-forwards on ggml: one FFN on rows (a shared expert), a stack of experts over routed rows
 (a node's call, or a whole MoE layer in process) and the weighted combination of their outputs.
 
+Rows are numpy arrays on a node and torch tensors in the coordinator (swarm.compute.graph reads both); each
+function returns the kind it was given.
+
 Dimension letters: N rows, D model width, F expert width, K selected experts.
 """
 
@@ -10,10 +13,8 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
 from swarm.compute.ggml import ggml_lib
-from swarm.compute.graph import KEEP_ROWS, Graph, f32_rows, run_graph
+from swarm.compute.graph import KEEP_ROWS, Array, Graph, empty_rows, f32_rows, i32_rows, run_graph
 from swarm.compute.weights import Weight
 
 log = logging.getLogger(__name__)
@@ -26,9 +27,9 @@ class FFN:
     gate: Weight | None = None  # [F, I]
     up: Weight | None = None  # [F, I]
     gate_up: Weight | None = None  # [2F, I], gate rows first
-    gate_bias: torch.Tensor | None = None  # [F] (or [2F] with gate_up)
-    up_bias: torch.Tensor | None = None
-    down_bias: torch.Tensor | None = None
+    gate_bias: Array | None = None  # [F] (or [2F] with gate_up), float32
+    up_bias: Array | None = None
+    down_bias: Array | None = None
 
     @property
     def width(self) -> int:
@@ -53,7 +54,7 @@ class FFN:
         bs = (self.gate_bias, self.up_bias, self.down_bias)
         return (
             *((w.qtype, w.rows, w.cols, w.repack is not None) for w in self.matrices),
-            *(b.data_ptr() if b is not None else 0 for b in bs),
+            *(id(b) if b is not None else 0 for b in bs),
         )
 
     def add_to(self, gr: Graph, xt: object) -> object:
@@ -79,10 +80,10 @@ class FFN:
         return y
 
 
-def ffn_rows(blocks: Sequence[tuple[FFN, int, int]], x: torch.Tensor, out: torch.Tensor) -> None:
+def ffn_rows(blocks: Sequence[tuple[FFN, int, int]], x: Array, out: Array) -> None:
     """For each (ffn, start, n): out[start:start+n] = ffn(x[start:start+n]); one graph for all of them.
 
-    x, out [N, D] float32 contiguous CPU. This is a node's whole Compute call (every expert it was sent
+    x, out [N, D] float32 contiguous CPU (numpy, or torch in the coordinator). This is a node's whole Compute call (every expert it was sent
     for one layer) and the coordinator's shared expert. A graph takes its matrices on each run, so a small
     call's graph is kept for the next call of the same shapes, whichever experts it multiplies.
     """
@@ -105,10 +106,10 @@ def ffn_rows(blocks: Sequence[tuple[FFN, int, int]], x: torch.Tensor, out: torch
     run_graph(key, build, [x[a : a + n] for _, a, n in blocks], [out[a : a + n] for _, a, n in blocks], weights)
 
 
-def ffn(f: FFN, x: torch.Tensor) -> torch.Tensor:
+def ffn(f: FFN, x: Array) -> Array:
     """One FFN over rows x [N, D] -> [N, D] float32."""
     x = f32_rows(x)
-    out = torch.empty_like(x)
+    out = empty_rows(x, x.shape)
     ffn_rows([(f, 0, int(x.shape[0]))], x, out)
     return out
 
@@ -163,9 +164,7 @@ def _combine_ops(gr: Graph, out: object, wt: object, shared: object | None, ht: 
     return g.ggml_add(ctx, ht, acc)
 
 
-def moe_combine(
-    h: torch.Tensor, out: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None
-) -> torch.Tensor:
+def moe_combine(h: Array, out: Array, weights: Array, shared: Array | None) -> Array:
     """A MoE layer's output from its parts: h [T, D] + sum_k weights[:, k] * out[:, k] + shared [T, D], for
     the experts' outputs out [T, K, D] however they were computed (a node's, in process); moe_layer computes
     the same ops in its graph."""
@@ -173,7 +172,7 @@ def moe_combine(
     ins = [f32_rows(h), f32_rows(out), f32_rows(weights)] + (
         [f32_rows(shared)] if shared is not None else []
     )
-    y = torch.empty(t, d)
+    y = empty_rows(ins[0], (t, d))
 
     def build(keep: bool) -> Graph:
         gr = Graph(_combine_scratch(t, k, d), 2 * k + 12, keep)
@@ -188,14 +187,14 @@ def moe_combine(
 
 
 def moe_layer(
-    h: torch.Tensor,
-    x: torch.Tensor,
-    ids: torch.Tensor,
-    weights: torch.Tensor,
+    h: Array,
+    x: Array,
+    ids: Array,
+    weights: Array,
     stack: ExpertStack,
     shared: FFN | None,
-    shared_gate: torch.Tensor | None,
-) -> torch.Tensor:
+    shared_gate: Array | None,
+) -> Array:
     """A whole MoE layer in process, in one graph: h [T, D] + sum_k weights[:, k] * expert_k(x) +
     shared_gate * shared(x), for the normed rows x [T, D], the routed experts ids [T, K] of `stack` and
     their weights [T, K], shared_gate [T, 1]. The ops of moe_rows, ffn and moe_combine on the same values:
@@ -203,10 +202,10 @@ def moe_layer(
     t, d = int(x.shape[0]), int(x.shape[1])
     k = int(ids.shape[1])
     f = stack.down.cols
-    ins = [f32_rows(x), ids.to(torch.int32).contiguous(), f32_rows(weights), f32_rows(h)]
+    ins = [f32_rows(x), i32_rows(ids), f32_rows(weights), f32_rows(h)]
     if shared_gate is not None:
         ins.append(f32_rows(shared_gate))
-    y = torch.empty(t, d)
+    y = empty_rows(ins[0], (t, d))
 
     def build(keep: bool) -> Graph:
         g = ggml_lib()
@@ -237,7 +236,7 @@ def moe_layer(
     return y
 
 
-def moe_rows(stack: ExpertStack, ids: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> None:
+def moe_rows(stack: ExpertStack, ids: Array, x: Array, out: Array) -> None:
     """out[i, s] = expert ids[i, s]'s FFN of x[i] for rows x [N, D], ids [N, S] -> out [N, S, D]: one
     mul_mat_id per matrix for every expert at once (fewer, larger ops than one graph node per expert: the
     threads share all the experts' rows). A node's call is S = 1 (rows packed expert-major); in process a
@@ -247,7 +246,7 @@ def moe_rows(stack: ExpertStack, ids: torch.Tensor, x: torch.Tensor, out: torch.
     if n == 0:
         return
     slots = int(ids.shape[1])
-    ids = ids.to(torch.int32).contiguous()
+    ids = i32_rows(ids)
     f = stack.down.cols
 
     def build(keep: bool) -> Graph:

@@ -2,18 +2,20 @@
 this process runs on.
 
 ggml is taken through ggml-python (its package builds ggml from source, with the build's SIMD level: AVX2,
-AVX-512, NEON). One process runs one ggml graph at a time on its thread budget (`set_threads`), and ggml's
-OpenMP threads are torch's (the one libgomp in the process), so the two pools never fight over the cores.
+AVX-512, NEON). One process runs one ggml graph at a time on its thread budget (`set_threads`). In a process
+that has torch (a coordinator), ggml's OpenMP threads are torch's (the one libgomp in the process) and the
+budget is torch's too, so the two pools never fight over the cores; a node never loads torch.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import sys
 import threading
 from collections.abc import Iterator
 
-import torch
 from gguf import GGMLQuantizationType
 
 log = logging.getLogger(__name__)
@@ -25,7 +27,7 @@ F32 = int(GGMLQuantizationType.F32)
 _ggml = None
 _load_lock = threading.Lock()
 compute_lock = threading.Lock()  # one graph at a time per process: one thread budget
-_threads = 0  # 0: torch's thread count
+_threads = 0  # 0: the default (`default_threads`)
 
 
 def ggml_lib():  # noqa: ANN201 - the ggml-python module
@@ -73,16 +75,29 @@ NO_TINYBLAS_WARNING = (
 
 
 def set_threads(n: int) -> None:
-    """Threads for every ggml graph of this process (and torch's, the same OpenMP pool)."""
+    """Threads for every ggml graph of this process (and torch's, the same OpenMP pool, where it is loaded)."""
     global _threads
     if n < 1:
         raise ValueError(f"thread count must be at least 1, got {n}")
     _threads = n
-    torch.set_num_threads(n)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(n)
 
 
 def threads() -> int:
-    return getattr(_here, "threads", 0) or _threads or torch.get_num_threads()
+    return getattr(_here, "threads", 0) or _threads or default_threads()
+
+
+def default_threads() -> int:
+    """torch's thread count where torch is loaded (the pool ggml shares), else one per core this process may
+    run on."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        return int(torch.get_num_threads())
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
 
 
 _here = threading.local()

@@ -1,4 +1,5 @@
-"""ggml graphs over torch tensors: built once, run with the inputs' and outputs' data pointers set in place,
+"""ggml graphs over CPU arrays (numpy arrays; torch tensors in the coordinator): built once, run with the
+inputs' and outputs' data pointers set in place,
 kept for calls that repeat (a decode step's matmuls), their intermediates laid out by ggml's graph allocator.
 """
 
@@ -9,15 +10,17 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
-import torch
 
 from swarm.compute.ggml import F32, compute_lock, ggml_lib, threads
-from swarm.compute.probes import tinyblas_exact
+from swarm.compute.probes import rows_independent
 from swarm.compute.weights import Weight
 
 log = logging.getLogger(__name__)
+
+Array = Any  # a numpy array, or a torch tensor where the coordinator passes one (see `_buffer`)
 
 
 
@@ -76,9 +79,10 @@ _PLACEHOLDER = _placeholder.ctypes.data
 
 
 class Graph:
-    """One ggml graph over torch inputs and outputs: built once, run once or (kept in a GraphCache) again.
+    """One ggml graph over array inputs and outputs: built once, run once or (kept in a GraphCache) again.
 
-    Inputs and outputs are slots: torch float32 CPU tensors whose data pointers are set on each run, so
+    Inputs and outputs are slots: float32 CPU arrays (numpy arrays, or the coordinator's torch tensors: both
+    are read through `_buffer`, which imports nothing) whose data pointers are set on each run, so
     ggml reads and writes them in place. Weights are used where they lie. Intermediates live in the
     graph's own memory (a kept graph: `scratch_bytes` of it) or in the per-thread buffer of ggml's graph
     allocator (a one-off graph: a prompt's, whose intermediates are laid out to share memory).
@@ -158,22 +162,23 @@ class Graph:
         self.inputs.append((t, t.contents, int(np.prod(ne))))
         return t
 
-    def constant(self, x: torch.Tensor) -> object:
-        """A float32 tensor that stays the same on every run (a bias), held by the graph."""
-        x = f32_rows(x.reshape(1, -1) if x.dim() == 1 else x)
+    def constant(self, x: Array) -> object:
+        """A float32 array that stays the same on every run (a bias), held by the graph."""
+        x = f32_rows(x.reshape(1, -1) if len(x.shape) == 1 else x)
         t = self.placed(F32, int(x.shape[1]), int(x.shape[0]))
-        t.contents.data = x.data_ptr()
+        t.contents.data = _buffer(x)[0]
         self._weights.append(x)
         return t
 
     def mul_mat(self, w: object, x: object) -> object:
         """w [I, O] (ggml order) times the rows of x [I, N] -> [O, N], each element by one kernel whatever N:
         a repacked weight (whose GEMM for 4 rows sums in another order than its GEMV for one) or a weight type
-        whose tinyBLAS sums differ from vec_dot's gets its rows as N batches of one row [I, 1, N] (tinyBLAS
-        only takes matmuls of 2 or more rows per batch, the repacked GEMM 4 rows of one batch)."""
+        whose batched sums differ from one row's on this build (tinyBLAS; ARM's 2-row int8-matmul kernels:
+        swarm.compute.probes) gets its rows as N batches of one row [I, 1, N] (tinyBLAS only takes matmuls
+        of 2 or more rows per batch, the 2-row kernels an even row count, the repacked GEMM 4 rows)."""
         g = self.g
         n = int(x.contents.ne[1])
-        one_by_one = bool(w.contents.buffer) or not tinyblas_exact(int(w.contents.type))  # repacked: gemv
+        one_by_one = bool(w.contents.buffer) or not rows_independent(int(w.contents.type))  # repacked: gemv
         if n > 1 and int(x.contents.ne[2]) == 1 and one_by_one:
             rows = g.ggml_reshape_3d(self.ctx, x, int(x.contents.ne[0]), 1, n)
             y = g.ggml_mul_mat(self.ctx, w, rows)  # [O, 1, N]
@@ -186,7 +191,7 @@ class Graph:
             return self.g.ggml_swiglu(self.ctx, gate)
         return self.g.ggml_swiglu_split(self.ctx, gate, up)
 
-    def add_row(self, x: object, bias: torch.Tensor) -> object:
+    def add_row(self, x: object, bias: Array) -> object:
         """x [N, O] + bias [O] (broadcast over rows)."""
         return self.g.ggml_add(self.ctx, x, self.constant(bias))
 
@@ -243,9 +248,7 @@ class Graph:
                 self.views.append((t, t.view_src.contents, int(t.view_offs)))
             stack.extend(src for src in t.src if src)
 
-    def run(
-        self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], weights: Sequence[Weight] = ()
-    ) -> None:
+    def run(self, inputs: Sequence[Array], outputs: Sequence[Array], weights: Sequence[Weight] = ()) -> None:
         """Compute with these inputs and outputs (float32, contiguous, CPU; one per slot, in order) and these
         matrices in the weight slots (each of its slot's type and shape; the caller keeps them alive)."""
         assert len(inputs) == len(self.inputs) and len(outputs) == len(self.outputs)
@@ -257,14 +260,16 @@ class Graph:
                 )
             t.data = w.ptr
         for (_, t, n), x in zip(self.inputs, inputs, strict=True):
-            if x.numel() != n or x.element_size() != 4 or not x.is_contiguous():  # float32 (or int32 ids)
-                raise ValueError(f"input of {x.numel()} {x.dtype} values for a slot of {n} float32")
-            t.data = x.data_ptr()
+            ptr, size, itemsize, _ = _buffer(x)
+            if size != n or itemsize != 4:  # float32 (or int32 ids)
+                raise ValueError(f"input of {size} {x.dtype} values for a slot of {n} float32")
+            t.data = ptr
         for (_, t, n), y in zip(self.outputs, outputs, strict=True):
-            if y.numel() != n or y.dtype != torch.float32 or not y.is_contiguous():
-                raise ValueError(f"output of {y.numel()} {y.dtype} values for a slot of {n} float32")
+            ptr, size, _, f32 = _buffer(y)
+            if size != n or not f32:
+                raise ValueError(f"output of {size} {y.dtype} values for a slot of {n} float32")
             # ggml allocated the result in the graph's memory; point it at `y` instead (it is computed last)
-            t.data = y.data_ptr()
+            t.data = ptr
         for v, src, offs in self.views:
             v.data = src.data + offs
         g = self.g
@@ -318,10 +323,40 @@ KEEP_ROWS = 16
 _cache = GraphCache()
 
 
-def f32_rows(x: torch.Tensor) -> torch.Tensor:
-    if x.dtype == torch.float32 and x.is_contiguous() and x.device.type == "cpu":
-        return x  # the common case, without torch's dispatch of a no-op conversion
-    return x.to(device="cpu", dtype=torch.float32).contiguous()
+def _buffer(x: Array) -> tuple[int, int, int, bool]:
+    """(address, elements, bytes per element, whether float32) of a C-contiguous CPU array: a numpy array,
+    or a torch tensor read through its own methods (torch is not imported here: a node never loads it)."""
+    if isinstance(x, np.ndarray):
+        if not x.flags.c_contiguous:
+            raise ValueError(f"a {x.shape} array that is not C-contiguous cannot be a graph's slot")
+        return x.__array_interface__["data"][0], x.size, x.itemsize, x.dtype == np.float32
+    if not x.is_contiguous() or x.device.type != "cpu":
+        raise ValueError(f"a {tuple(x.shape)} tensor on {x.device} that is not contiguous on the CPU cannot be a slot")
+    return x.data_ptr(), x.numel(), x.element_size(), str(x.dtype) == "torch.float32"
+
+
+def f32_rows(x: Array) -> Array:
+    """x as float32, C-contiguous, on the CPU: itself when it is (the common case, with no conversion)."""
+    if isinstance(x, np.ndarray):
+        return x if x.dtype == np.float32 and x.flags.c_contiguous else np.ascontiguousarray(x, np.float32)
+    if str(x.dtype) == "torch.float32" and x.is_contiguous() and x.device.type == "cpu":
+        return x
+    return x.detach().cpu().float().contiguous()
+
+
+def empty_rows(like: Array, shape: Sequence[int]) -> Array:
+    """An uninitialised float32 CPU array of `shape`, of the kind `like` is (numpy, or a float32 torch tensor
+    in the coordinator)."""
+    if isinstance(like, np.ndarray):
+        return np.empty(tuple(shape), np.float32)
+    return like.new_empty(tuple(int(s) for s in shape))
+
+
+def i32_rows(x: Array) -> Array:
+    """Expert ids as int32, C-contiguous, on the CPU (the type ggml_mul_mat_id reads)."""
+    if isinstance(x, np.ndarray):
+        return np.ascontiguousarray(x, np.int32)
+    return x.cpu().int().contiguous()
 
 
 def run_graph(

@@ -1,6 +1,7 @@
-"""How a process's compute threads wait between parallel regions, decided before torch is loaded.
+"""How a process's compute threads wait between parallel regions, decided before OpenMP is loaded.
 
-torch and ggml share one GNU OpenMP runtime (the libgomp torch ships; see swarm.compute.ggml). ggml runs a
+torch and ggml share one GNU OpenMP runtime (the libgomp torch ships; see swarm.compute.ggml); a node, which
+never loads torch, has ggml's alone. ggml runs a
 graph as one parallel region and meets at an OpenMP barrier after every op; torch runs a region per op.
 How long a thread that arrives first spins before it sleeps is libgomp's spin count (GOMP_SPINCOUNT;
 OMP_WAIT_POLICY=PASSIVE makes it 0, the default is 300000 spins, ~ms).
@@ -19,7 +20,7 @@ OMP_WAIT_POLICY=PASSIVE makes it 0, the default is 300000 spins, ~ms).
   milliseconds when spinning.
 
 A user's own OMP_WAIT_POLICY or GOMP_SPINCOUNT always wins. libgomp reads its environment once, when torch
-loads it, so this must run before the first `import torch`.
+or ggml loads it, so this must run before the first `import torch` or `import ggml`.
 """
 
 from __future__ import annotations
@@ -58,9 +59,10 @@ def wait_policy_env(experts_remote: bool, node: bool = False) -> dict[str, str]:
 
 
 def set_wait_policy(experts_remote: bool, node: bool = False) -> None:
-    """Apply `wait_policy_env` to this process; too late (a no-op, logged) once torch is imported."""
-    if "torch" in sys.modules:
-        log.debug("torch is already loaded: OpenMP keeps its wait policy")
+    """Apply `wait_policy_env` to this process; too late (a no-op, logged) once torch or ggml is imported."""
+    loaded = [m for m in ("torch", "ggml") if m in sys.modules]
+    if loaded:
+        log.debug("%s already loaded: OpenMP keeps its wait policy", " and ".join(loaded))
         return
     env = wait_policy_env(experts_remote, node)
     if not env:

@@ -21,7 +21,7 @@ import logging
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 
-import torch
+import numpy as np
 
 from swarm.compute import ffn, pages
 from swarm.compute.expert_copies import CacheStats, ExpertCopies
@@ -33,9 +33,10 @@ from swarm.compute.expert_weights import (
     multiplied_in_place,
     native_ffn,
     slab_dims,
-    swiglu,
 )
 from swarm.compute.ffn import FFN
+from swarm.compute.graph import Array, empty_rows, f32_rows
+from swarm.proto.arrays import as_given, f32_values, to_numpy
 from swarm.proto.numerics import Numerics
 from swarm.sharding.ranges import format_ranges
 from swarm.sharding.slabs import ExpertSlab, LazySlabs, SlabKey
@@ -97,13 +98,13 @@ class ExpertStore:
     def __init__(
         self,
         slabs: Mapping[SlabKey, ExpertSlab],
-        device: str | torch.device = "cpu",
+        device: str = "cpu",
         memory_budget: int | None = None,
         stacked: bool = True,
     ) -> None:
         self.slabs = slabs
         self.stacked = stacked  # False: per-expert copies even where the GGUF stacks them (what audits use)
-        self.device = torch.device(device)
+        self.device = str(device)  # exact calls on a GPU need torch (swarm.compute.device_experts)
         self.memory_budget = int(memory_budget or 0)
         lazy = isinstance(slabs, LazySlabs)  # read on first use: nothing of them is touched here
         dims = {} if lazy else {key: slab_dims(key, parts) for key, parts in slabs.items()}
@@ -213,7 +214,7 @@ class ExpertStore:
             raise MissingSlabs(key[0], [key[1]], self.layers())
         return parts
 
-    def check(self, layer: int, expert_ids: Sequence[int], counts: Sequence[int], rows: torch.Tensor) -> None:
+    def check(self, layer: int, expert_ids: Sequence[int], counts: Sequence[int], rows: Array) -> None:
         """Raise BadCall or MissingSlabs when a call does not fit this store; do nothing otherwise."""
         if len(expert_ids) != len(counts):
             raise BadCall(
@@ -221,7 +222,7 @@ class ExpertStore:
             )
         if any(c < 0 for c in counts):
             raise BadCall(f"negative row count in {list(counts)}")
-        if rows.dim() != 2:
+        if len(rows.shape) != 2:
             raise BadCall(f"rows have shape {list(rows.shape)}; send a 2-D [N, D] tensor")
         n = sum(counts)
         if rows.shape[0] != n:
@@ -320,31 +321,37 @@ class ExpertStore:
         layer: int,
         expert_ids: Sequence[int],
         counts: Sequence[int],
-        rows: torch.Tensor,
+        rows: Array,
         numerics: Numerics = Numerics.NATIVE,
-    ) -> torch.Tensor:
-        """Rows packed expert-major (counts[i] rows for expert_ids[i]) -> outputs [N, D] float32 in the same order."""
+    ) -> Array:
+        """Rows packed expert-major (counts[i] rows for expert_ids[i]) -> outputs [N, D] float32 in the same
+        order, the same kind of array as `rows` (numpy on a node; torch from the coordinator)."""
         self.check(layer, expert_ids, counts, rows)
         if numerics not in tuple(Numerics):
             raise BadCall(f"unknown numerics {numerics!r}; use one of {', '.join(tuple(Numerics))}")
-        if numerics == Numerics.EXACT and self.device.type != "cpu":
-            return self._compute_torch(layer, expert_ids, counts, rows)
-        x = rows.to("cpu", torch.float32).contiguous()
-        out = torch.empty_like(x)
+        if numerics == Numerics.EXACT and self.device != "cpu":
+            from swarm.compute.device_experts import compute_on_device
+
+            out = compute_on_device(
+                lambda e: self.weights(layer, e), self.device, list(expert_ids), list(counts), rows
+            )
+            return out if not isinstance(rows, np.ndarray) else out.cpu().numpy()
+        x = f32_values(to_numpy(rows))
+        out = np.empty_like(x)
         stack = self.stack(layer) if numerics == Numerics.NATIVE else None
         if stack is not None:
-            ids = torch.repeat_interleave(torch.tensor(expert_ids), torch.tensor(counts))
+            ids = np.repeat(np.asarray(expert_ids, np.int32), np.asarray(counts, np.int64))
             ffn.moe_rows(stack, ids[:, None], x, out)
-            return out
+            return as_given(out, rows)
         blocks, start = [], 0
         for expert, n in zip(expert_ids, counts, strict=True):
             if n:
                 blocks.append((self.ffn(layer, expert, numerics), start, n))
             start += n
         ffn.ffn_rows(blocks, x, out)
-        return out
+        return as_given(out, rows)
 
-    def held_stack(self, layer: int, ids: torch.Tensor) -> ffn.ExpertStack | None:
+    def held_stack(self, layer: int, ids: Array) -> ffn.ExpertStack | None:
         """This layer's experts as one stack (None when they do not lie stacked), after checking that every
         expert of ids is held here."""
         stack = self.stack(layer)
@@ -352,26 +359,15 @@ class ExpertStore:
             self._check_held(layer, ids.reshape(-1).tolist())
         return stack
 
-    def compute_slots(self, layer: int, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
+    def compute_slots(self, layer: int, x: Array, ids: Array) -> Array | None:
         """Native numerics, in process: every token's K experts, x [T, D], ids [T, K] -> [T, K, D], with no
         packing when this layer's experts lie stacked (else None: use `compute`). The same bits as `compute`
         of the same pairs, on a node or here."""
-        stack = self.held_stack(layer, ids) if x.device.type == "cpu" else None
+        on_cpu = isinstance(x, np.ndarray) or x.device.type == "cpu"
+        stack = self.held_stack(layer, ids) if on_cpu else None
         if stack is None:
             return None
-        x = x.to(torch.float32).contiguous()
-        out = torch.empty(x.shape[0], ids.shape[1], x.shape[1], dtype=torch.float32)
+        x = f32_rows(x)
+        out = empty_rows(x, (x.shape[0], ids.shape[1], x.shape[1]))
         ffn.moe_rows(stack, ids, x, out)
-        return out
-
-    def _compute_torch(
-        self, layer: int, expert_ids: Sequence[int], counts: Sequence[int], rows: torch.Tensor
-    ) -> torch.Tensor:
-        x = rows.to(self.device, torch.float32)
-        out = torch.empty_like(x)
-        start = 0
-        for expert, n in zip(expert_ids, counts, strict=True):
-            if n:
-                out[start : start + n] = swiglu(self.weights(layer, expert), x[start : start + n])
-            start += n
         return out

@@ -11,12 +11,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from swarm.compute import probes
-from swarm.compute.dequant import dequantize
 from swarm.compute.ggml import F32, ggml_lib
+from swarm.compute.values import float32_values
 from swarm.proto.numerics import Numerics
 
 log = logging.getLogger(__name__)
@@ -70,11 +69,11 @@ class Weight:
         return cls(qtype, rows, cols, arr.ctypes.data, want, arr)
 
     @classmethod
-    def of_float(cls, w: torch.Tensor) -> Weight:
-        """A float32 matrix [O, I] (CPU, contiguous) for the exact path."""
-        if w.dtype != torch.float32 or w.device.type != "cpu" or not w.is_contiguous() or w.dim() != 2:
-            raise ValueError("Weight.of_float takes a contiguous 2-D float32 CPU tensor")
-        return cls(F32, int(w.shape[0]), int(w.shape[1]), w.data_ptr(), w.numel() * 4, w)
+    def of_float(cls, w: np.ndarray) -> Weight:
+        """A float32 matrix [O, I] (C-contiguous) for the exact path."""
+        if not isinstance(w, np.ndarray) or w.dtype != np.float32 or not w.flags.c_contiguous or w.ndim != 2:
+            raise ValueError("Weight.of_float takes a C-contiguous 2-D float32 numpy array")
+        return cls(F32, int(w.shape[0]), int(w.shape[1]), w.__array_interface__["data"][0], w.nbytes, w)
 
 
 class Repacked:
@@ -195,5 +194,5 @@ def stored_weight(
 
     cols = int(shape[-1])
     rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
-    return Weight.of_float(dequantize(data, GGMLQuantizationType(qtype), (rows, cols)).contiguous())
+    return Weight.of_float(float32_values(data, qtype, (rows, cols)))
 

@@ -29,10 +29,9 @@ from swarm.coordinator.tokenizer import GGUFTokenizer
 from swarm.node.auth import SwarmKey
 from swarm.proto.numerics import Numerics
 from swarm.sharding.errors import UserError
-from swarm.sharding.gguf_io import expert_tensors, open_gguf
-from swarm.sharding.identity import ModelIdentity, identity_of
+from swarm.sharding.identity import model_identity
 from swarm.sharding.manifest import EXPERTS_DIR
-from swarm.sharding.slabs import ExpertSlab, LazySlabs, SlabKey, read_manifest
+from swarm.sharding.slabs import ExpertSlab, LazySlabs, SlabKey
 
 log = logging.getLogger(__name__)
 
@@ -62,22 +61,6 @@ class Engine:
     def close(self) -> None:
         if isinstance(self.experts, SwarmExperts):
             self.experts.close()
-
-
-def model_identity(path: str | Path) -> tuple[ModelIdentity, list[SlabKey]]:
-    """(what the model is known by: the nodes of it are those it matches, every (layer, expert) slab it needs).
-
-    A shard directory is known by its manifest fingerprint and its source GGUF's header hash, a GGUF by its
-    header hash, so nodes started on either form of the model serve a coordinator started on either."""
-    path = Path(path)
-    identity = identity_of(path)
-    if path.is_dir():
-        manifest = read_manifest(path)
-        needed = [(layer, e) for layer in manifest.moe_layers for e in range(manifest.n_expert)]
-        return identity, needed
-    reader = open_gguf(path)
-    needed = sorted({(et.layer, e) for et in expert_tensors(reader, path) for e in range(et.n_expert)})
-    return identity, needed
 
 
 def make_auditor(

@@ -114,9 +114,9 @@ def expert_bound(
     x = rows.to(torch.float32)
     f = w.down.shape[1]
     if exact:
-        gu = torch.nn.functional.linear(x, w.gate_up).double()
+        gu = torch.nn.functional.linear(x, torch.as_tensor(w.gate_up)).double()
         if w.gate_up_bias is not None:
-            gu = gu + w.gate_up_bias.double()
+            gu = gu + torch.as_tensor(w.gate_up_bias).double()
         g, u = gu[:, :f], gu[:, f:]
         types: tuple[int | None, int | None] = (None, None)
     else:
@@ -125,14 +125,14 @@ def expert_bound(
         outs = dense.linear([m for m in mats if m is not None], x)
         gu = torch.cat(outs, dim=1).double() if len(outs) > 1 else outs[0].double()
         if native.gate_up is not None and native.gate_bias is not None:
-            gu = gu + native.gate_bias.double()
+            gu = gu + torch.as_tensor(native.gate_bias).double()
         g, u = gu[:, :f], gu[:, f:]
         if native.gate_up is None:
-            g = g + (native.gate_bias.double() if native.gate_bias is not None else 0.0)
-            u = u + (native.up_bias.double() if native.up_bias is not None else 0.0)
+            g = g + (torch.as_tensor(native.gate_bias).double() if native.gate_bias is not None else 0.0)
+            u = u + (torch.as_tensor(native.up_bias).double() if native.up_bias is not None else 0.0)
         types = (int(mats[0].qtype), int(native.down.qtype))
     xd = x.double()
-    gate, up, down = w.gate.double(), w.up.double(), w.down.double()
+    gate, up, down = torch.as_tensor(w.gate).double(), torch.as_tensor(w.up).double(), torch.as_tensor(w.down).double()
     in_act, down_act = (_act(t) if t is not None else ("f", 0) for t in types)
     qx = _steps(xd, torch.zeros_like(xd), in_act)  # the rows are the same bits on both builds
     dg = _sums(xd, gate, types[0], half_sums) + qx @ gate.abs().T

@@ -2,7 +2,7 @@
 
     client = NodeClient("127.0.0.1:50051", fingerprint=fp, key=None, stream_port=info.stream_port)
     call = client.compute_async(layer, expert_ids, counts, rows, timeout=5.0)  # returns at once
-    out = call.result()  # [sum(counts), D] torch tensor, rows in the order sent
+    out = call.result()  # [sum(counts), D], rows in the order sent: numpy, or torch for torch rows
 
 `compute_async` returns a ComputeCall at once, so a coordinator can start the calls to every node of a
 layer together and then collect them. The client chooses each call's transport, here alone: with the node's
@@ -28,7 +28,6 @@ from concurrent.futures import wait as futures_wait
 from typing import Any
 
 import grpc
-import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from swarm.node.auth import AUTH_METADATA, TLS_NAME, Signer, SwarmKey, is_loopback_host
@@ -37,8 +36,9 @@ from swarm.node.replies import FileStream, NodeInfo, NodeStats
 from swarm.node.stream_pool import RETRY_STREAM_SECONDS, StreamCall, StreamPool, StreamUnreachable
 from swarm.node.streams import tls_context
 from swarm.proto import expert_pb2 as pb
+from swarm.proto.arrays import is_numpy, to_torch
 from swarm.proto.channel import CHANNEL_OPTIONS, PROTOCOL_VERSION, SERVICE_NAME
-from swarm.proto.codec import compute_request, decode_tensor
+from swarm.proto.codec import compute_request, decode_array
 from swarm.proto.frames import COMPUTE_METHOD
 from swarm.proto.numerics import Numerics
 from swarm.sharding.errors import UserError
@@ -47,7 +47,8 @@ log = logging.getLogger(__name__)
 
 
 class ComputeCall:
-    """One Compute call in flight. `result()` blocks and returns the output rows [N, D] on the CPU.
+    """One Compute call in flight. `result()` blocks and returns the output rows [N, D] on the CPU: a numpy
+    array, or a torch tensor where the rows were sent as one (`torch_rows`).
 
     `seconds` is the call's round trip once it has ended (None before), for pacing: how long this node
     takes, and so when waiting on it has become suspicious. Over the compute stream, `result` and `wait` read
@@ -56,9 +57,14 @@ class ComputeCall:
     """
 
     def __init__(
-        self, address: str, future: Future[pb.ComputeReply], stream: StreamCall | None = None
+        self,
+        address: str,
+        future: Future[pb.ComputeReply],
+        stream: StreamCall | None = None,
+        torch_rows: bool = False,
     ) -> None:
         self.address = address
+        self._torch = torch_rows
         self._future = future
         self._stream = stream
         self.seconds: float | None = None
@@ -89,7 +95,7 @@ class ComputeCall:
         if self._stream is not None:
             self._stream.let_go()
 
-    def result(self, timeout: float | None = None) -> torch.Tensor:
+    def result(self, timeout: float | None = None) -> Any:
         left = self._read_here(timeout)
         try:
             reply = self._future.result(timeout=left)
@@ -103,7 +109,8 @@ class ComputeCall:
             raise NodeCallError(
                 self.address, "Compute", grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {timeout} s"
             ) from None
-        return decode_tensor(reply.rows, "reply rows")
+        rows = decode_array(reply.rows, "reply rows")
+        return to_torch(rows) if self._torch else rows
 
     def done(self) -> bool:
         self._let_go()
@@ -232,9 +239,9 @@ class NodeClient:
         layer: int,
         expert_ids: Sequence[int],
         counts: Sequence[int],
-        rows: torch.Tensor,
+        rows: Any,
         timeout: float | None = None,
-        out_dtype: torch.dtype | None = None,
+        out_dtype: object | None = None,
         numerics: Numerics = Numerics.NATIVE,
     ) -> ComputeCall:
         """Start computing rows [sum(counts), D] (packed expert-major) of `layer`; outputs come in rows' dtype
@@ -249,14 +256,16 @@ class NodeClient:
             protocol_version=PROTOCOL_VERSION,
             numerics=numerics,
         )
+        as_torch = not is_numpy(rows)
         if self._stream is None:
             future = self._calls.submit(self._call, "Compute", request, pb.ComputeReply, timeout)
-            return ComputeCall(self.address, future)
+            return ComputeCall(self.address, future, torch_rows=as_torch)
         body = request.SerializeToString()
         if self._stream.reachable():
             sent = self._stream.submit(body, timeout)
-            return ComputeCall(self.address, sent.future, sent)
-        return ComputeCall(self.address, self._calls.submit(self._instead_of_stream, body, timeout))
+            return ComputeCall(self.address, sent.future, sent, torch_rows=as_torch)
+        future = self._calls.submit(self._instead_of_stream, body, timeout)
+        return ComputeCall(self.address, future, torch_rows=as_torch)
 
     def _stream_unreachable(
         self, body: bytes, future: Future[pb.ComputeReply], timeout: float | None, error: StreamUnreachable
@@ -293,11 +302,11 @@ class NodeClient:
         layer: int,
         expert_ids: Sequence[int],
         counts: Sequence[int],
-        rows: torch.Tensor,
+        rows: Any,
         timeout: float | None = None,
-        out_dtype: torch.dtype | None = None,
+        out_dtype: object | None = None,
         numerics: Numerics = Numerics.NATIVE,
-    ) -> torch.Tensor:
+    ) -> Any:
         return self.compute_async(layer, expert_ids, counts, rows, timeout, out_dtype, numerics).result()
 
     def fetch(self, path: str, offset: int = 0, timeout: float | None = None) -> FileStream:

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 def run_node(args: argparse.Namespace) -> int:
     from swarm.compute.openmp import set_wait_policy
 
-    set_wait_policy(experts_remote=True, node=True)  # before torch loads: a node shares its device
+    set_wait_policy(experts_remote=True, node=True)  # before ggml loads OpenMP: a node shares its device
     from swarm.compute.malloc import keep_freed_memory
 
     keep_freed_memory()  # a call finds the memory the call before it freed
@@ -50,9 +50,9 @@ def run_node(args: argparse.Namespace) -> int:
     if args.threads is not None:
         if args.threads < 1:
             raise UserError("--threads must be at least 1")
-        import torch
+        from swarm.compute.ggml import set_threads
 
-        torch.set_num_threads(args.threads)
+        set_threads(args.threads)
     key = swarm_key(args, "node")
     tls = _tls(args.tls, key is not None, args.host)
 
@@ -97,8 +97,16 @@ def _tls(mode: str, has_key: bool, host: str) -> bool:
 
 
 def _device(name: str) -> str:
-    import torch
-
+    """The device exact calls compute on; a GPU needs torch (a CPU node never loads it)."""
+    if name == "cpu":
+        return name
+    try:
+        import torch
+    except ImportError:
+        raise UserError(
+            f"--device {name} computes with torch, which is not installed here; install the coordinator's "
+            "extra (pip install 'swarm-moe[coordinator]') or use --device cpu"
+        ) from None
     if name == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: this torch has no CUDA device; use --device cpu")
     if name == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):

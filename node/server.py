@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
-import torch
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
@@ -27,6 +26,7 @@ from swarm.node.files import BadPath, NotOffered, ShardFiles, chunks
 from swarm.node.streams import StreamServer, tls_context
 from swarm.proto import expert_pb2 as pb
 from swarm.proto import expert_pb2_grpc as pb_grpc
+from swarm.proto.arrays import cast_rows
 from swarm.proto.channel import (
     CHANNEL_OPTIONS,
     MAX_MESSAGE_BYTES,
@@ -35,7 +35,7 @@ from swarm.proto.channel import (
 )
 from swarm.proto.codec import (
     CodecError,
-    decode_tensor,
+    decode_array,
     dtype_from_proto,
     encode_tensor,
     held_to_proto,
@@ -117,7 +117,7 @@ def status_of(e: Exception, method: str) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.NOT_FOUND, f"{e.filename}: gone from this node; ask another holder"
     if isinstance(e, BadCall | CodecError | BadPath):
         return grpc.StatusCode.INVALID_ARGUMENT, str(e)
-    if isinstance(e, MemoryError | torch.OutOfMemoryError):
+    if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":  # torch's, on a GPU node
         return grpc.StatusCode.RESOURCE_EXHAUSTED, f"out of memory computing this call ({e}); send fewer rows"
     # the node must outlive any bad call; the log keeps the traceback
     log.error("%s failed", method, exc_info=e)
@@ -197,11 +197,11 @@ class ExpertServicer(pb_grpc.ExpertNodeServicer):
         ok, t0 = False, time.perf_counter()
         try:
             self._check_model(request)
-            rows = decode_tensor(request.rows, "rows")
+            rows = decode_array(request.rows, "rows")
             out_dtype = dtype_from_proto(request.out_dtype) if request.out_dtype else rows.dtype
             numerics = numerics_from_proto(request.numerics)
             out = self.store.compute(request.layer, expert_ids, counts, rows, numerics)  # type: ignore[arg-type]
-            reply = pb.ComputeReply(rows=encode_tensor(out.to(out_dtype)))
+            reply = pb.ComputeReply(rows=encode_tensor(cast_rows(out, out_dtype)))
             ok = True
             return reply
         finally:

@@ -1,4 +1,5 @@
-"""The one place tensors and slab sets cross the wire: torch tensors <-> expert_pb2 messages.
+"""The one place tensors and slab sets cross the wire: arrays (numpy; the coordinator's torch tensors too)
+<-> expert_pb2 messages.
 
 Tensors travel as raw little-endian row-major bytes with shape and dtype (f32, f16, bf16).
 A set of held slabs {(layer, expert)} travels compactly as groups of layer ranges that hold the same
@@ -9,32 +10,34 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable, Sequence
+from typing import Any
 
-import torch
+import numpy as np
 
 from swarm.proto import expert_pb2 as pb
+from swarm.proto.arrays import BF16, F16, F32, row_dtype, to_numpy, to_torch
 from swarm.proto.numerics import Numerics
 
-_TO_TORCH = {pb.F32: torch.float32, pb.F16: torch.float16, pb.BF16: torch.bfloat16}
-_TO_PROTO = {v: k for k, v in _TO_TORCH.items()}
-_SWAP_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
-WIRE_DTYPES = tuple(_TO_PROTO)
+_TO_NUMPY = {pb.F32: F32, pb.F16: F16, pb.BF16: BF16}
+_TO_PROTO = {v: k for k, v in _TO_NUMPY.items()}
 
 
 class CodecError(ValueError):
     """A message that does not decode: the text says which field is wrong and how."""
 
 
-def dtype_to_proto(dtype: torch.dtype) -> int:
+def dtype_to_proto(dtype: object) -> int:
+    """The wire code of a row type: a numpy dtype (uint16: bfloat16 bits), a torch dtype or f32/f16/bf16."""
     try:
-        return _TO_PROTO[dtype]
-    except KeyError:
+        return _TO_PROTO[row_dtype(dtype)]
+    except ValueError:
         raise CodecError(f"dtype {dtype} cannot cross the wire; use float32, float16 or bfloat16") from None
 
 
-def dtype_from_proto(value: int) -> torch.dtype:
+def dtype_from_proto(value: int) -> np.dtype:
+    """The numpy dtype rows of this wire code live in (bfloat16: uint16 bit patterns)."""
     try:
-        return _TO_TORCH[value]
+        return _TO_NUMPY[value]
     except KeyError:
         raise CodecError(
             f"tensor dtype {pb.DType.Name(value) if value in pb.DType.values() else value} is not "
@@ -42,21 +45,19 @@ def dtype_from_proto(value: int) -> torch.dtype:
         ) from None
 
 
-def encode_tensor(t: torch.Tensor) -> pb.Tensor:
-    """A tensor as a wire message (copied to host memory if it lives on a device)."""
-    code = dtype_to_proto(t.dtype)
-    if t.device.type != "cpu" or not t.is_contiguous() or t.requires_grad:
-        t = t.detach().to("cpu").contiguous()
+def encode_tensor(t: Any) -> pb.Tensor:
+    """Rows as a wire message: a numpy array, or a torch tensor (copied to host memory if it lives on a
+    device)."""
+    a = to_numpy(t)
+    code = dtype_to_proto(a.dtype)
+    a = np.ascontiguousarray(a)
     if sys.byteorder != "little":
-        t = t.view(_SWAP_VIEW[t.dtype]).numpy().byteswap()
-        data = t.tobytes()
-    else:
-        data = t.view(torch.uint8).numpy().tobytes()
-    return pb.Tensor(dtype=code, shape=list(t.shape), data=data)
+        a = a.byteswap()
+    return pb.Tensor(dtype=code, shape=list(a.shape), data=a.tobytes())
 
 
-def decode_tensor(msg: pb.Tensor, what: str = "tensor") -> torch.Tensor:
-    """A wire tensor as a CPU torch tensor (its own writable copy of the bytes)."""
+def decode_array(msg: pb.Tensor, what: str = "tensor") -> np.ndarray:
+    """A wire tensor as a numpy array (its own writable copy of the bytes; bfloat16 as uint16 bits)."""
     dtype = dtype_from_proto(msg.dtype)
     shape = tuple(int(d) for d in msg.shape)
     n = 1
@@ -68,21 +69,22 @@ def decode_tensor(msg: pb.Tensor, what: str = "tensor") -> torch.Tensor:
             f"{what} has shape {list(shape)} {pb.DType.Name(msg.dtype)} = {n * itemsize} bytes but carries "
             f"{len(msg.data)} bytes; send exactly prod(shape) * itemsize little-endian bytes"
         )
-    if n == 0:
-        return torch.empty(shape, dtype=dtype)
-    t = torch.frombuffer(bytearray(msg.data), dtype=dtype)
-    if sys.byteorder != "little":
-        t = torch.from_numpy(t.view(_SWAP_VIEW[dtype]).numpy().byteswap()).view(dtype)
-    return t.view(shape)
+    a = np.frombuffer(bytearray(msg.data), dtype=dtype.newbyteorder("<")).astype(dtype, copy=False)
+    return a.reshape(shape)
+
+
+def decode_tensor(msg: pb.Tensor, what: str = "tensor") -> Any:
+    """A wire tensor as a CPU torch tensor (the coordinator's side: a node decodes with decode_array)."""
+    return to_torch(decode_array(msg, what))
 
 
 def compute_request(
     layer: int,
     expert_ids: Sequence[int],
     counts: Sequence[int],
-    rows: torch.Tensor,
+    rows: Any,
     fingerprint: str = "",
-    out_dtype: torch.dtype | None = None,
+    out_dtype: object | None = None,
     protocol_version: int = 0,
     numerics: Numerics = Numerics.NATIVE,
 ) -> pb.ComputeRequest:

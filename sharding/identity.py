@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from swarm.sharding.errors import UserError
-from swarm.sharding.gguf_io import open_gguf
+from swarm.sharding.gguf_io import expert_tensors, open_gguf
 from swarm.sharding.manifest import read_manifest
-from swarm.sharding.slabs import hash_file_range
+from swarm.sharding.slabs import SlabKey, hash_file_range
 
 
 def gguf_header_fingerprint(path: str | Path) -> str:
@@ -71,3 +71,19 @@ def identity_of(path: str | Path) -> ModelIdentity:
         raise UserError(f"{path}: no such file or directory; give a .gguf model or a `swarm shard` directory")
     header = gguf_header_fingerprint(path)
     return ModelIdentity(header, header)
+
+
+def model_identity(path: str | Path) -> tuple[ModelIdentity, list[SlabKey]]:
+    """(what the model is known by: the nodes of it are those it matches, every (layer, expert) slab it needs).
+
+    A shard directory is known by its manifest fingerprint and its source GGUF's header hash, a GGUF by its
+    header hash, so nodes started on either form of the model serve a coordinator started on either."""
+    path = Path(path)
+    identity = identity_of(path)
+    if path.is_dir():
+        manifest = read_manifest(path)
+        needed = [(layer, e) for layer in manifest.moe_layers for e in range(manifest.n_expert)]
+        return identity, needed
+    reader = open_gguf(path)
+    needed = sorted({(et.layer, e) for et in expert_tensors(reader, path) for e in range(et.n_expert)})
+    return identity, needed

@@ -18,6 +18,10 @@ NODE_CLIENT_SIDE = frozenset({"client", "auth", "discovery", "errors"})
 CLI_REGISTRY = ("coordinator/cli/__init__.py", "swarm.node.cli")
 TRANSPORT = frozenset({"grpc", "zeroconf"})
 MAX_LINES = 450
+# A node never loads torch: below the coordinator, only these rooms (the coordinator's dense kernels, its
+# torch dequantizer, exact experts on a GPU) import it when loaded, and nothing else loads them at import.
+TORCH_ROOMS = frozenset({"compute/dense.py", "compute/deltanet.py", "compute/dequant.py", "compute/device_experts.py"})
+TORCH_MODULES = frozenset("swarm." + r.removesuffix(".py").replace("/", ".") for r in TORCH_ROOMS)
 
 
 def imports_of(path: Path) -> list[tuple[int, str]]:
@@ -34,8 +38,33 @@ def imports_of(path: Path) -> list[tuple[int, str]]:
     return found
 
 
-def violations(root: Path) -> list[str]:
+def loaded_at_import(path: Path) -> list[tuple[int, str]]:
+    """The modules a file imports when it is loaded: its top-level imports, not those inside functions or under
+    `if TYPE_CHECKING:`."""
+    found = []
+    for n in ast.parse(path.read_text(), str(path)).body:
+        if isinstance(n, ast.Import):
+            found += [(n.lineno, a.name) for a in n.names]
+        elif isinstance(n, ast.ImportFrom) and n.module and n.level == 0:
+            found += [(n.lineno, n.module)] + [(n.lineno, f"{n.module}.{a.name}") for a in n.names]
+    return found
+
+
+def torch_at_import(root: Path) -> list[str]:
     bad = []
+    for floor in FLOORS[:-1]:
+        for path in sorted((root / floor).rglob("*.py")):
+            rel = path.relative_to(root).as_posix()
+            if rel in TORCH_ROOMS:
+                continue
+            for line, mod in loaded_at_import(path):
+                if mod.split(".")[0] == "torch" or mod in TORCH_MODULES:
+                    bad.append(f"{rel}:{line} imports {mod} when loaded: a node never loads torch")
+    return bad
+
+
+def violations(root: Path) -> list[str]:
+    bad = torch_at_import(root)
     for rank, floor in enumerate(FLOORS):
         for path in sorted((root / floor).rglob("*.py")):
             rel = path.relative_to(root).as_posix()
@@ -86,6 +115,8 @@ def test_no_source_file_is_over_450_lines() -> None:
         ("coordinator", "from swarm.node.server import Servicer\n", "only node's client side"),
         ("coordinator", "from swarm.node import store\n", "only node's client side"),
         ("coordinator/models", "import grpc\n", "model files hold no transport"),
+        ("node", "import torch\n", "a node never loads torch"),
+        ("compute", "from swarm.compute.dense import linear\n", "a node never loads torch"),
     ],
 )
 def test_the_checker_catches_an_import_that_breaks_the_rule(

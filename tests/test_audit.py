@@ -90,7 +90,10 @@ def test_a_damaged_node_is_banned_and_the_logits_are_still_exact(tmp_path):
     local = open_engine(honest_dir, local=True, device="cpu")
     swarm = _swarm(honest_dir, rate=1.0)
     try:
-        assert {honest.address, liar.address} <= set(swarm.experts.clients)
+        # the admission probe draws 4 of the liar's slabs at random (in the order the nodes were found) and
+        # may catch it there; otherwise the audits of its answers do
+        assert honest.address in swarm.experts.clients
+        assert liar.address in set(swarm.experts.clients) | set(swarm.checker.report.banned)
         tokens = list(range(3, 40))
         expect = forward_one(local.model, tokens, local.model.new_state(), "cpu")
         got = checked_logits(swarm.model, tokens, swarm.model.new_state(), "cpu", swarm.checker)
@@ -98,9 +101,9 @@ def test_a_damaged_node_is_banned_and_the_logits_are_still_exact(tmp_path):
         report = swarm.checker.report
         assert set(report.banned) == {liar.address}, report
         assert "differs from the model's slab" in report.banned[liar.address]
-        calls = swarm.experts.calls_per_node[liar.address]
+        calls = swarm.experts.calls_per_node.get(liar.address, 0)
         forward_one(swarm.model, tokens[:5], swarm.model.new_state(), "cpu")
-        assert swarm.experts.calls_per_node[liar.address] == calls, "a banned node got another pair"
+        assert swarm.experts.calls_per_node.get(liar.address, 0) == calls, "a banned node got another pair"
     finally:
         swarm.close()
         local.close()

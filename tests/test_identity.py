@@ -20,7 +20,7 @@ import torch
 from conftest import FIXTURES
 from reference import assert_logits_close
 
-from swarm.coordinator.engine import model_identity, open_engine
+from swarm.coordinator.engine import open_engine
 from swarm.coordinator.generate import forward_one
 from swarm.coordinator.remote.discovery import connect
 from swarm.coordinator.spawn import start_nodes, stop_nodes
@@ -28,7 +28,7 @@ from swarm.node.client import NodeCallError, NodeClient
 from swarm.node.discovery import Advertiser, browse, node_properties
 from swarm.sharding.errors import UserError
 from swarm.sharding.gguf_io import open_gguf
-from swarm.sharding.identity import Match, ModelIdentity, identity_of
+from swarm.sharding.identity import Match, ModelIdentity, identity_of, model_identity
 from swarm.sharding.shard import shard_model
 from swarm.sharding.slabs import read_manifest
 

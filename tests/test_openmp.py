@@ -66,13 +66,14 @@ def test_too_late_once_torch_is_loaded(clean_env: pytest.MonkeyPatch) -> None:
     assert SPIN_COUNT not in os.environ and WAIT_POLICY not in os.environ
 
 
-# Through the real CLI: what OpenMP's variables hold at the moment torch is first imported (libgomp reads
-# them then), for each command. Building the parser must not load torch, or every command is too late.
+# Through the real CLI: what OpenMP's variables hold at the moment torch or ggml is first imported (libgomp
+# reads them then: a node loads it with ggml, never torch), for each command. Building the parser must load
+# neither, or every command is too late.
 AT_TORCH_IMPORT = (
     "import os, sys\n"
     "class AtTorch:\n"
     "    def find_spec(self, name, path=None, target=None):\n"
-    "        if name == 'torch':\n"
+    "        if name in ('torch', 'ggml'):\n"
     "            print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'), flush=True)\n"
     "            os._exit(0)\n"
     "sys.meta_path.insert(0, AtTorch())\n"
@@ -94,7 +95,7 @@ AT_TORCH_IMPORT = (
         ("demo --workdir {tmp}/demo", f"None {BRIEF_SPIN}"),
     ],
 )
-def test_every_command_sets_the_wait_before_torch_loads(
+def test_every_command_sets_the_wait_before_torch_or_ggml_loads(
     command: str, expected: str, fixtures_dir: Path, tmp_path: Path
 ) -> None:
     gguf = f"{fixtures_dir}/qwen35moe-tiny/model-bf16.gguf"

@@ -27,6 +27,11 @@ COMMAND_MODULES = (
 )
 
 
+# What the `coordinator` extra adds to a node's install (pyproject.toml): a command that needs one of them
+# on an install without it says how to get it.
+COORDINATOR_PACKAGES = frozenset({"torch", "tokenizers", "jinja2", "starlette", "uvicorn"})
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="swarm",
@@ -52,3 +57,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"swarm {args.command}: interrupted", file=sys.stderr)
         return 130
+    except ImportError as e:
+        if e.name is None or e.name.split(".")[0] not in COORDINATOR_PACKAGES:
+            raise
+        print(
+            f"swarm {args.command}: error: this command runs the coordinator, which needs {e.name.split('.')[0]}; "
+            "this install is a node's (no torch): install the coordinator's packages with "
+            "pip install 'swarm-moe[coordinator]'",
+            file=sys.stderr,
+        )
+        return 2

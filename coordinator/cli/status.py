@@ -23,6 +23,7 @@ from swarm.coordinator.session import add_discovery_args
 from swarm.node.auth import swarm_key
 from swarm.proto.numerics import Numerics
 from swarm.sharding.errors import UserError
+from swarm.sharding.identity import model_identity
 from swarm.sharding.ranges import format_ranges, format_slabs
 
 
@@ -46,7 +47,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from swarm.coordinator.engine import model_identity
     from swarm.coordinator.remote.placement import describe_missing
     from swarm.node.client import NodeCallError, NodeClient
     from swarm.node.discovery import browse
@@ -68,13 +68,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             + ("" if key else " (nodes started with a swarm key show only with that --key-file)")
         )  # fmt: skip
 
-    auditor = None
-    if args.model and not args.no_probe:
-        import torch
-
-        from swarm.coordinator.engine import make_auditor
-
-        auditor = make_auditor(args.model, Numerics.NATIVE, torch.float32, 1.0, None)
+    auditor = _auditor(args.model) if args.model and not args.no_probe else None
     holders: Counter[tuple[int, int]] = Counter()
     nodes: list[dict[str, Any]] = []
     for address in addresses:
@@ -198,6 +192,22 @@ def _print_nodes(nodes: list[dict[str, Any]]) -> None:
     header = ["node", "model", "holds (layers:experts)", "device", "numerics", "memory", "calls", "load", "ms/call",
               "cache hits", "answers"]  # fmt: skip
     _table(header, rows)
+
+
+def _auditor(model: str) -> Any:
+    """The model's own slabs to probe the nodes with; None where this install has no coordinator (torch)."""
+    try:
+        import torch
+    except ImportError:
+        print(
+            "swarm status: the nodes' answers are not probed: that needs the coordinator's packages "
+            "(pip install 'swarm-moe[coordinator]'); --no-probe says so without this note",
+            file=sys.stderr,
+        )
+        return None
+    from swarm.coordinator.engine import make_auditor
+
+    return make_auditor(model, Numerics.NATIVE, torch.float32, 1.0, None)
 
 
 STATUS_PROBE_SLABS = 32  # a status check has time to look further than a coordinator's admission probe
