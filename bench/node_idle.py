@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     pythons = {"before": args.base / ".venv" / "bin" / "python", "after": Path(sys.executable)}
     runs: dict[str, list[dict[str, float]]] = {k: [] for k in pythons}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, python in pythons.items():
+        for python in pythons.values():
             one_run(python, shard_dir, Path(tmp))  # cold page cache: not counted
         for _ in range(args.reps):
             for name, python in pythons.items():
