@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -89,7 +90,12 @@ def test_the_node_side_commands_run_without_torch_and_the_coordinator_says_what_
     out = tmp_path / "m.swarm"
     done = swarm(["shard", str(TINY), "-o", str(out)], no_torch)
     assert done.returncode == 0, done.stderr
-    for args in (["inspect", str(out)], ["keygen", "--out", str(tmp_path / "k.key")], ["node", "--help"]):
+    for args in (
+        ["inspect", str(out)],
+        ["keygen", "--out", str(tmp_path / "k.key")],
+        ["plan", str(out), "--capacities", "4MiB,4MiB", "--replicas", "1"],
+        ["node", "--help"],
+    ):
         done = swarm(args, no_torch)
         assert done.returncode == 0, (args, done.stderr)
         assert "Traceback" not in done.stderr
@@ -100,6 +106,17 @@ def test_the_node_side_commands_run_without_torch_and_the_coordinator_says_what_
         status = json.loads(done.stdout)
         assert [n["address"] for n in status["nodes"]] == [node.address]
         assert "not probed" in done.stderr and "swarm-moe[coordinator]" in done.stderr
+        fetch_args = ["--fetch", "--experts", "0-3", "--no-mdns", "--peer", node.address]
+        (fetched,) = start_nodes([(tmp_path / "empty", fetch_args)], tmp_path / "fetched", env=no_torch)
+        try:  # it serves each slab as soon as it has fetched and verified it
+            with NodeClient(fetched.address, key=None) as client:
+                deadline = time.monotonic() + 60
+                while len(client.info().held) < 16:
+                    assert time.monotonic() < deadline, "the fetching node did not get its 16 slabs in 60 s"
+                    time.sleep(0.1)
+            assert "libtorch" not in mapped_libraries(fetched.process.pid)
+        finally:
+            assert stop_nodes([fetched]) == [0]
     finally:
         stop_nodes([node])
     done = swarm(["run", str(out), "--prompt", "hi", "--max-tokens", "2", "--local"], no_torch)
