@@ -2,15 +2,20 @@
 disk, a stray write) stops being served before it shapes an answer, on an honest device, with no coordinator
 needed to notice.
 
-One thread, at the idle scheduling priority (Linux SCHED_IDLE: it runs in the time the node's calls leave
-free, and its reads get the idle I/O class where the block scheduler has one), keeps two watches over the
-slab files of a shard directory:
-- stat: every WATCH_SECONDS each file's (size, mtime, ctime, inode, device), nothing read; a file whose stat
-  changed is hashed against the manifest at once. Stat costs a few microseconds a file, so a node of 10,000
-  slabs stats less often: never more than WATCH_SHARE of a core.
-- rounds: every `interval` seconds (a full pass, then that pause) every file it serves is hashed against
-  the manifest, READ_CHUNK bytes at a time: what a stat cannot see, bytes that rot on the medium or a write
-  through a memory map. A file the stat watch hashed during a round is not hashed again in it.
+Two watches over the slab files of a shard directory, each on a thread of its own:
+- stat, at the node's own priority: every WATCH_SECONDS each file's (size, mtime, ctime, inode, device),
+  nothing read; a file whose stat changed is hashed against the manifest at once (paced to
+  SHARE_WITHOUT_IDLE of a core). A changed file is an event, and the node may be serving its bytes: it is
+  checked now even on a machine whose cores are all busy. Stat costs a few microseconds a file, so a node of
+  10,000 slabs stats less often: never more than WATCH_SHARE of a core.
+- rounds, at the idle scheduling priority (Linux SCHED_IDLE: in the time the node's calls and everything
+  else on the device leave free; its reads get the idle I/O class where the block scheduler has one): every
+  `interval` seconds (a full pass, then that pause) every file it serves is hashed against the manifest,
+  READ_CHUNK bytes at a time: what a stat cannot see, bytes that rot on the medium or a write through a
+  memory map. The rounds thread only hashes; what it finds goes to the stat thread, which alone keeps the
+  state and calls back (so an idle-priority thread that the machine leaves without a core never holds
+  anything the node waits for). A round's verdict on a file whose stat changed since it was read is
+  dropped: the stat watch hashes the file as it is now.
 
 A slab whose file fails (missing, unreadable, another size, a SHA-256 that differs) goes to `on_failed`,
 once: the node stops serving it, announcing it and giving its file out (swarm.node.daemon). That holds for a
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
 import time
 from collections import Counter
@@ -127,11 +133,21 @@ class _Watched:
     round: int  # the round it was last hashed in
 
 
+class _Verdict(NamedTuple):
+    """What a round found of one file (entry None: the round `round` ended)."""
+
+    entry: SlabEntry | None
+    stat: FileStat | None
+    bad: str | None
+    round: int
+
+
 class SlabSelfCheck:
     """The node's watch over its slab files (see the module docstring). `watch(entry)` adds a slab the node
-    serves; `on_failed(entry, why)` is called (on the check's thread) when its file fails, and
+    serves; `on_failed(entry, why)` is called (on the stat thread) when its file fails, and
     `on_restored(entry)` when a failed one matches the manifest again (it may raise OSError or ValueError:
-    the slab then stays dropped, and its file is checked again at its next change)."""
+    the slab then stays dropped, and its file is checked again at its next change). `idle=False`: rounds at
+    the node's own priority, paced to SHARE_WITHOUT_IDLE of a core, as where no idle priority is to be had."""
 
     def __init__(
         self,
@@ -141,6 +157,7 @@ class SlabSelfCheck:
         on_restored: Callable[[SlabEntry], None],
         watch_seconds: float = WATCH_SECONDS,
         chunk: int = READ_CHUNK,
+        idle: bool = True,
     ) -> None:
         if interval <= 0:
             raise ValueError(f"interval {interval}: the pause between rounds must be positive")
@@ -150,19 +167,23 @@ class SlabSelfCheck:
         self.chunk = chunk
         self.on_failed = on_failed
         self.on_restored = on_restored
+        self.want_idle = idle
         self.rounds = 0  # full rounds ended
         self.sweeps = 0  # stat sweeps ended
         self.hashes: Counter[SlabKey] = Counter()  # files hashed, per slab
-        self.idle: bool | None = None  # whether the thread got an idle priority (None: not started yet)
-        self.native_id: int | None = None  # the thread's id as the OS knows it
-        self._new: list[tuple[SlabEntry, int | None]] = []  # from watch(), taken in by the thread
-        self._served: dict[SlabKey, _Watched] = {}
+        self.idle: bool | None = None  # whether the rounds thread got an idle priority (None: not started yet)
+        self.native_id: int | None = None  # the rounds thread's id as the OS knows it
+        self._new: list[tuple[SlabEntry, int | None]] = []  # from watch(), taken in by the stat thread
+        self._served: dict[SlabKey, _Watched] = {}  # these two: the stat thread's alone
         self._dropped: dict[SlabKey, _Watched] = {}
         self._round = 0
-        self._lock = threading.Lock()  # guards _new only: everything else is the thread's
+        self._lock = threading.Lock()  # guards _new only
         self._stop = threading.Event()
-        self._pace = _Pace(self._stop, None)
+        self._wake = threading.Event()  # a round's verdict is waiting for the stat thread
+        self._todo: queue.SimpleQueue[tuple[int, list[SlabEntry]] | None] = queue.SimpleQueue()
+        self._verdicts: queue.SimpleQueue[_Verdict] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="swarm-selfcheck", daemon=True)
+        self._rounds_thread = threading.Thread(target=self._rounds, name="swarm-selfcheck-rounds", daemon=True)
 
     def watch(self, entry: SlabEntry, since_ns: int | None = None) -> None:
         """Watch this slab's file from now on (it verified against the manifest). `since_ns`: when the check
@@ -172,35 +193,83 @@ class SlabSelfCheck:
             self._new.append((entry, since_ns))
 
     def start(self) -> SlabSelfCheck:
+        self._rounds_thread.start()
         self._thread.start()
         return self
 
     def close(self, timeout: float = 5.0) -> None:
         self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
+        self._wake.set()
+        self._todo.put(None)
+        for t in (self._thread, self._rounds_thread):
+            if t.is_alive():
+                t.join(timeout)
 
     def _run(self) -> None:
-        self.native_id = threading.get_native_id()
-        self.idle = idle_priority()
-        self._pace = _Pace(self._stop, None if self.idle else SHARE_WITHOUT_IDLE)
+        """The stat thread: sweeps, the verdicts of rounds, and when the next round starts."""
+        pace = _Pace(self._stop, SHARE_WITHOUT_IDLE)
         next_round = time.monotonic() + self.interval  # every file was hashed just before the node served it
         next_watch = 0.0
+        in_round = False
         try:
             while not self._stop.is_set():
+                if self._take_verdicts():  # the round ended: the next one after the pause
+                    in_round, next_round = False, time.monotonic() + self.interval
                 now = time.monotonic()
                 if now >= next_watch:
-                    next_watch = now + self._sweep()
-                if now >= next_round:
-                    self._full_round()
-                    next_round = time.monotonic() + self.interval
-                self._stop.wait(max(0.0, min(next_watch, next_round) - time.monotonic()))
+                    next_watch = now + self._sweep(pace)
+                if not in_round and now >= next_round:
+                    self._round += 1
+                    self._todo.put((self._round, [w.entry for w in self._served.values()]))
+                    in_round, next_round = True, float("inf")
+                self._wake.wait(max(0.0, min(next_watch, next_round) - time.monotonic()))
+                self._wake.clear()
         except _Stopped:
             pass
         except Exception:
             log.exception("the check of this node's slab files stopped; restart the node to check them again")
 
-    def _sweep(self) -> float:
+    def _take_verdicts(self) -> bool:
+        """Apply what the rounds thread found; whether the round in progress ended."""
+        ended = False
+        while True:
+            try:
+                v = self._verdicts.get_nowait()
+            except queue.Empty:
+                return ended
+            if v.entry is None:  # the round ended
+                self.rounds += 1
+                ended = True
+                log.debug("round %d ended: %d slab files match, %d dropped", self.rounds, len(self._served),
+                          len(self._dropped))  # fmt: skip
+                continue
+            key = (v.entry.layer, v.entry.expert)
+            if key not in self._served and key not in self._dropped:
+                continue  # no longer watched
+            if file_stat(self._path(v.entry)) != v.stat:
+                continue  # changed since the round read it: the stat watch hashes it as it is now
+            self._apply(v.entry, v.stat, v.bad, v.round)
+
+    def _rounds(self) -> None:
+        """The rounds thread: hashes the files of each round it is given, at the idle priority."""
+        self.native_id = threading.get_native_id()
+        self.idle = idle_priority() if self.want_idle else False
+        pace = _Pace(self._stop, None if self.idle else SHARE_WITHOUT_IDLE)
+        try:
+            while (task := self._todo.get()) is not None:
+                number, entries = task
+                for entry in entries:
+                    stat, bad = self._hash(entry, pace)
+                    self._verdicts.put(_Verdict(entry, stat, bad, number))
+                    self._wake.set()
+                self._verdicts.put(_Verdict(None, None, None, number))
+                self._wake.set()
+        except _Stopped:
+            pass
+        except Exception:
+            log.exception("the rounds over this node's slab files stopped; restart the node to check them again")
+
+    def _sweep(self, pace: _Pace) -> float:
         """Stat every watched file, then hash those that changed; the seconds until the next sweep."""
         t0 = time.monotonic()
         with self._lock:
@@ -220,44 +289,30 @@ class SlabSelfCheck:
         self.sweeps += 1
         for entry in changed:
             log.debug("slab %d:%d: %s changed; checking it", entry.layer, entry.expert, entry.path)
-            self._check(entry)
+            stat, bad = self._hash(entry, pace)
+            self._apply(entry, stat, bad, self._round)
         return max(self.watch_seconds, spent / WATCH_SHARE)
-
-    def _full_round(self) -> None:
-        """Hash every file served; between files, the stat watch keeps its pace."""
-        self._round += 1
-        next_watch = time.monotonic() + self.watch_seconds
-        for key in sorted(self._served):
-            w = self._served.get(key)
-            if w is None or w.round == self._round:
-                continue  # dropped meanwhile, or the stat watch hashed it in this round already
-            self._check(w.entry)
-            if time.monotonic() >= next_watch:
-                next_watch = time.monotonic() + self._sweep()
-        self.rounds += 1
-        log.debug(
-            "round %d ended: %d slab files match, %d dropped",
-            self.rounds,
-            len(self._served),
-            len(self._dropped),
-        )
 
     def _path(self, entry: SlabEntry) -> Path:
         return self.directory / entry.path
 
-    def _check(self, entry: SlabEntry) -> None:
-        """Hash one file against its manifest entry; drop its slab when it fails, take it back when it passes
-        again."""
+    def _hash(self, entry: SlabEntry, pace: _Pace) -> tuple[FileStat | None, str | None]:
+        """(the file's stat before it was read, what fails in it or None) against its manifest entry."""
         from swarm.sharding.slabs import check_slab_file
 
-        key = (entry.layer, entry.expert)
         path = self._path(entry)
         stat = file_stat(path)  # before reading: a change while it is read shows at the next sweep
-        self._pace.restart()
-        bad = check_slab_file(self.directory, entry, self.chunk, self._pace)
+        pace.restart()
+        bad = check_slab_file(self.directory, entry, self.chunk, pace)
         _forget_pages(path)
+        return stat, bad
+
+    def _apply(self, entry: SlabEntry, stat: FileStat | None, bad: str | None, round_: int) -> None:
+        """A file's verdict (on the stat thread): drop its slab when it fails, take it back when it passes
+        again."""
+        key = (entry.layer, entry.expert)
         self.hashes[key] += 1
-        watched = _Watched(entry, stat, self._round)
+        watched = _Watched(entry, stat, round_)
         was_dropped = key in self._dropped
         if bad is None and was_dropped:
             try:
