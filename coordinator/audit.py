@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import random
 import threading
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -108,6 +109,7 @@ class AuditReport:
     audits: int = 0
     probes: int = 0
     banned: dict[str, str] = field(default_factory=dict)  # address -> why
+    passed: Counter[str] = field(default_factory=Counter)  # address -> audits of its answers that passed
 
 
 class Auditor(Recomputer):
@@ -210,7 +212,11 @@ class Auditor(Recomputer):
         own = self.expected(layer, unique, [per_row.count(e) for e in unique], rows)
         with self._lock:
             self.report.audits += 1
-        if self._agrees(address, layer, per_row, rows, own, theirs) or not self._ours_verify(layer, unique):
+        if self._agrees(address, layer, per_row, rows, own, theirs):
+            with self._lock:
+                self.report.passed[address] += 1
+            return True
+        if not self._ours_verify(layer, unique):
             return True
         self._ban(
             address,
@@ -321,6 +327,7 @@ class Auditor(Recomputer):
         with self._lock:
             book = self._books.setdefault(address, _NodeBook())
             self.report.audits += counted
+            self.report.passed[address] += counted
             if book.last_call is call:
                 book.open_calls = 0
 

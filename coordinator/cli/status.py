@@ -4,6 +4,7 @@ covered.
     swarm status                    every node mDNS finds (any model), one line each
     swarm status q36.swarm          the nodes of that model, and whether every expert has a holder
     swarm status q36.swarm --json   the same for scripts: nodes, their load and answers, the coverage map
+                                    (coordinator/serve/swarm_view.py: the structure `swarm serve`'s /swarm.json has)
 
 Nodes are found as a coordinator finds them (mDNS, and --peer for those it does not reach) and asked for
 their Info and Stats over gRPC. With a model, the exit status says whether a coordinator could start on
@@ -19,12 +20,13 @@ from collections import Counter
 from typing import Any
 
 from swarm.compute.numclass import numerics_class, same_class
+from swarm.coordinator.serve import swarm_view
 from swarm.coordinator.session import add_discovery_args
 from swarm.node.auth import swarm_key
 from swarm.proto.numerics import Numerics
 from swarm.sharding.errors import UserError
 from swarm.sharding.identity import model_identity
-from swarm.sharding.ranges import format_ranges, format_slabs
+from swarm.sharding.ranges import format_ranges
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -71,6 +73,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     auditor = _auditor(args.model) if args.model and not args.no_probe else None
     holders: Counter[tuple[int, int]] = Counter()
     nodes: list[dict[str, Any]] = []
+    every_stats = []
+    layer_bytes = swarm_view.layer_slab_bytes(args.model) if args.model else None
     for address in addresses:
         client = NodeClient(address, key=key, tls=found.get(address))
         try:
@@ -80,16 +84,23 @@ def cmd_status(args: argparse.Namespace) -> int:
                 continue  # a static peer of another model
             checked = _probe(auditor, client, info)
         except NodeCallError as e:
-            nodes.append({"address": address, "answering": False, "error": e.code.name})
+            nodes.append(swarm_view.node_record(address, None, None, answering=False, error=e.code.name))
             continue
         finally:
             client.close()
         if not checked.startswith("BANNED"):
             holders.update(info.held)
-        nodes.append(_node_record(address, info, stats, checked))
-    coverage = _coverage(needed, holders) if identity is not None else []
+        every_stats.append(stats)
+        why = checked.split(": ", 1)[1] if checked.startswith("BANNED") else None
+        nodes.append(swarm_view.node_record(
+            address, info, stats, answers=checked.split(":")[0], banned_because=why, layer_bytes=layer_bytes
+        ))  # fmt: skip
+    report = swarm_view.snapshot(
+        args.model, nodes, needed, holders, swarm_view.routing_from_nodes(every_stats)
+    )
+    coverage = report["coverage"]
     if args.json:
-        print(json.dumps({"model": args.model, "nodes": nodes, "coverage": coverage}, indent=1))
+        print(json.dumps(report, indent=1))
     else:
         _print_nodes(nodes)
     if identity is None:
@@ -110,45 +121,6 @@ def cmd_status(args: argparse.Namespace) -> int:
     spread = ", ".join(f"{n} with {k} holder{'s' if k > 1 else ''}" for k, n in sorted(replicas.items()))
     print(f"\nevery expert of {args.model} has a holder: {len(needed)} slabs, {spread}")
     return 0
-
-
-def _node_record(address: str, info: Any, stats: Any, checked: str) -> dict[str, Any]:
-    lookups = stats.cache_hits + stats.cache_misses
-    return {
-        "address": address,
-        "answering": True,
-        "name": info.name,
-        "fingerprint": info.fingerprint,
-        "held": format_slabs(info.held),
-        "slabs": len(info.held),
-        "device": info.device,
-        "numerics_class": info.numerics_class,  # its ggml build's (swarm.compute.numclass); "" from an older node
-        "memory_budget_bytes": info.memory_budget_bytes,
-        "calls": stats.calls,
-        "rows": stats.rows,
-        "errors": stats.errors,
-        "in_flight": stats.in_flight,
-        "load": stats.busy_seconds / stats.uptime_seconds if stats.uptime_seconds > 0 else 0.0,
-        "ms_per_call": 1e3 * stats.busy_seconds / stats.calls if stats.calls else None,
-        "cache_hit_rate": stats.cache_hits / lookups if lookups else None,
-        "busy_seconds": stats.busy_seconds,
-        "uptime_seconds": stats.uptime_seconds,
-        "answers": checked.split(":")[0],
-        "banned_because": checked.split(": ", 1)[1] if checked.startswith("BANNED") else None,
-        "dropped": format_slabs(stats.dropped),  # slabs whose files failed the node's own check
-        "dropped_slabs": len(stats.dropped),
-    }
-
-
-def _coverage(needed: list[tuple[int, int]], holders: Counter[tuple[int, int]]) -> list[dict[str, int]]:
-    """Per layer: how many of its slabs have 0, 1 and 2+ live (not banned) holders."""
-    by_layer: dict[int, list[int]] = {}
-    for layer, expert in needed:
-        by_layer.setdefault(layer, [0, 0, 0])[min(2, holders[(layer, expert)])] += 1
-    return [
-        {"layer": layer, "none": c[0], "one": c[1], "two_or_more": c[2]}
-        for layer, c in sorted(by_layer.items())
-    ]
 
 
 def _coverage_lines(coverage: list[dict[str, int]]) -> list[str]:

@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP face of `swarm serve`, on Starlette (served by uvicorn).
 
-/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics. A request is checked here (the key,
-the model), read into a Job (swarm.coordinator.serve.openai_request: prompt tokens, the GGUF's chat template
-for chats), handed to the Scheduler, and its tokens come back as text (openai_answer's shapes): all at once,
-or streamed as server-sent events. Errors are OpenAI error objects.
+/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics; the pages beside them are page.py's.
+A request is checked here (the key, the model), read into a Job (swarm.coordinator.serve.openai_request:
+prompt tokens, the GGUF's chat template for chats), handed to the Scheduler, and its tokens come back as
+text (openai_answer's shapes): all at once, or streamed as server-sent events. Errors are OpenAI error
+objects.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +44,12 @@ class ServeConfig:
 def build_app(
     engine: Any, scheduler: sched.Scheduler, config: ServeConfig, metrics: ServeMetrics
 ) -> Starlette:
-    return OpenAIApi(engine, scheduler, config, metrics).app()
+    from swarm.coordinator.serve.page import page_routes
+    from swarm.coordinator.serve.watch import SwarmWatch
+
+    api = OpenAIApi(engine, scheduler, config, metrics)
+    watch = SwarmWatch(engine, scheduler, metrics, config.model_id).start()
+    return api.app(page_routes(watch, api.check_key))
 
 
 class OpenAIApi:
@@ -58,9 +64,11 @@ class OpenAIApi:
         self.jobs = JobReader(self.tokenizer, ChatTemplate.from_tokenizer(self.tokenizer), config.ctx_size)
         self.scheduler, self.config, self.metrics = scheduler, config, metrics
 
-    def app(self) -> Starlette:
+    def app(self, pages: Sequence[Route] = ()) -> Starlette:
+        """The API's routes, and `pages` beside them (the chat at /, the swarm's map at /swarm: page.py)."""
         return Starlette(
             routes=[
+                *pages,
                 Route("/v1/chat/completions", self.chat, methods=["POST"]),
                 Route("/v1/completions", self.completion, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
