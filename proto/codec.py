@@ -19,6 +19,8 @@ from swarm.proto.arrays import BF16, F16, F32, row_dtype, to_numpy, to_torch
 from swarm.proto.numerics import Numerics
 
 _TO_NUMPY = {pb.F32: F32, pb.F16: F16, pb.BF16: BF16}
+MAX_DIMS = 8  # rows are 2-D; a shape is refused before any memory is sized by it
+MAX_DIM = 1 << 31
 _TO_PROTO = {v: k for k, v in _TO_NUMPY.items()}
 
 
@@ -60,6 +62,11 @@ def decode_array(msg: pb.Tensor, what: str = "tensor") -> np.ndarray:
     """A wire tensor as a numpy array (its own writable copy of the bytes; bfloat16 as uint16 bits)."""
     dtype = dtype_from_proto(msg.dtype)
     shape = tuple(int(d) for d in msg.shape)
+    if len(shape) > MAX_DIMS or any(not 0 <= d < MAX_DIM for d in shape):
+        shown = ", ".join(str(d) for d in shape[:MAX_DIMS + 1]) + (", ..." if len(shape) > MAX_DIMS + 1 else "")
+        raise CodecError(
+            f"{what} has shape [{shown}]; send at most {MAX_DIMS} dimensions, each from 0 to {MAX_DIM - 1}"
+        )
     n = 1
     for d in shape:
         n *= d
@@ -70,7 +77,10 @@ def decode_array(msg: pb.Tensor, what: str = "tensor") -> np.ndarray:
             f"{len(msg.data)} bytes; send exactly prod(shape) * itemsize little-endian bytes"
         )
     a = np.frombuffer(bytearray(msg.data), dtype=dtype.newbyteorder("<")).astype(dtype, copy=False)
-    return a.reshape(shape)
+    try:
+        return a.reshape(shape)
+    except ValueError as e:  # an empty shape whose other dimensions multiply past what numpy can size
+        raise CodecError(f"{what} has shape {list(shape)}, which no array can have ({e}); send its real shape") from None
 
 
 def decode_tensor(msg: pb.Tensor, what: str = "tensor") -> Any:

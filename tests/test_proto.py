@@ -12,6 +12,7 @@ from swarm.proto.channel import CHANNEL_OPTIONS, MAX_MESSAGE_BYTES
 from swarm.proto.codec import (
     CodecError,
     compute_request,
+    decode_array,
     decode_tensor,
     encode_tensor,
     group_slabs,
@@ -98,3 +99,13 @@ def test_channel_options_carry_the_size_limit_both_ways():
     opts = dict(CHANNEL_OPTIONS)
     assert opts["grpc.max_send_message_length"] == MAX_MESSAGE_BYTES
     assert opts["grpc.max_receive_message_length"] == MAX_MESSAGE_BYTES
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [[1] * 100, [0, 2**40, 2**40], [0, 2**31 - 1, 2**31 - 1, 2**31 - 1, 2**31 - 1, 2**31 - 1]],
+)
+def test_a_shape_no_array_can_have_is_a_codec_error(shape):
+    """Refused as a bad message (INVALID_ARGUMENT on a node), never numpy's own error (INTERNAL)."""
+    with pytest.raises(CodecError, match="shape"):
+        decode_array(pb.Tensor(dtype=pb.F32, shape=shape, data=b""))
