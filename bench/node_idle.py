@@ -110,7 +110,10 @@ def render(trees: dict[str, list[dict[str, float]]], held: int, cmd: str, base_r
         "",
         "Q4_K slabs are multiplied as ggml's repacked copies on x86 (anonymous memory that takes the slab "
         "pages' place), so the slab bytes show up as anonymous pages there and as file pages for types "
-        "multiplied in place.",
+        "multiplied in place. Start to serving is the imports, then every slab hashed against the manifest "
+        "and repacked before the node serves (its log's `experts ready for ggml's kernels in N s` line gives "
+        "the repacking's part): the 1 s goal needs both moved off the path to serving, each slab verified and "
+        "repacked before its own first call instead.",
     ]
     return "\n".join(lines)
 
