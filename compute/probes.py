@@ -54,7 +54,6 @@ def rows_independent(qtype: int) -> bool:
     return _independent[qtype]
 
 
-tinyblas_exact = rows_independent  # the name compute/graph.py imports until it takes rows_independent
 
 
 def batch_keeps_rows(batched: Mapping[int, np.ndarray], alone: np.ndarray) -> bool:
