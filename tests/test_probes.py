@@ -22,7 +22,7 @@ from swarm.compute import ffn, probes, weights
 from swarm.compute.graph import Graph
 
 Q = GGMLQuantizationType
-I8MM_ROWS = FIXTURES / "numerics" / "dotprod-i8mm-batch-rows.npz"
+I8MM_ROWS = FIXTURES / "probes" / "dotprod-i8mm-batch-rows.npz"
 # the types whose ggml vec_dot takes two rows at once on a CPU with int8 matrix instructions
 TWO_ROW_TYPES = {"Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"}
 # every type `swarm synth` writes and real Qwen files use (test_kernels' list)

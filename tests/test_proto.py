@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import random
+import re
+import tomllib
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +25,8 @@ from swarm.proto.codec import (
 )
 from swarm.proto.regen import PROTO_DIR, generate, generated_names
 
+ROOT = Path(__file__).resolve().parents[1]
+
 
 def test_regenerating_changes_nothing(tmp_path):
     written = generate(tmp_path)
@@ -31,6 +36,27 @@ def test_regenerating_changes_nothing(tmp_path):
         assert p.read_bytes() == committed, (
             f"{p.name} differs from a fresh protoc run; run python -m swarm.proto.regen"
         )
+
+
+def _floor(requirement: str) -> tuple[int, ...]:
+    spec = next(
+        r
+        for r in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+        if re.match(rf"{requirement}\b(?!-)", r)
+    )
+    return tuple(int(x) for x in re.search(r">=([0-9.]+)", spec).group(1).split("."))
+
+
+def test_the_install_floors_are_what_the_generated_code_checks():
+    """The generated modules refuse an older grpcio or protobuf at import: pyproject must not promise less."""
+    grpc_text = (PROTO_DIR / "expert_pb2_grpc.py").read_text()
+    grpc_needs = re.search(r"GRPC_GENERATED_VERSION = '([0-9.]+)'", grpc_text).group(1)
+    pb_text = (PROTO_DIR / "expert_pb2.py").read_text()
+    pb_needs = re.search(r"Protobuf Python Version: ([0-9.]+)", pb_text).group(1)
+    assert _floor("grpcio") == tuple(int(x) for x in grpc_needs.split("."))
+    assert _floor("protobuf") == tuple(int(x) for x in pb_needs.split("."))
+    pinned = re.search(r"^grpcio-tools==([0-9.]+)$", (ROOT / "constraints.txt").read_text(), re.M)
+    assert pinned and pinned.group(1) == grpc_needs, "constraints.txt pins the grpcio-tools that made proto/"
 
 
 def test_generated_grpc_module_imports_the_package_path():
