@@ -89,6 +89,7 @@ def load_from_shard(
     slab_keys: Iterable[SlabKey],
     verify: bool = True,
     progress: Callable[[int, int], None] | None = None,
+    map_only: bool = False,
 ) -> LoadedSlabs:
     from swarm.sharding.slabs import read_manifest, slabs_from_shard
 
@@ -98,14 +99,14 @@ def load_from_shard(
     slabs: dict[SlabKey, ExpertSlab] = {}
     problems: list[str] = []
     if layers is not None or experts is not None or not slab_keys:
-        got, bad = slabs_from_shard(directory, layers, experts, verify=verify, progress=progress)
+        got, bad = slabs_from_shard(directory, layers, experts, verify, progress, map_only)
         slabs.update(got)
         problems += bad
     by_layer: dict[int, list[int]] = {}
     for layer, e in sorted(slab_keys - set(slabs)):
         by_layer.setdefault(layer, []).append(e)
     for layer, es in by_layer.items():
-        got, bad = slabs_from_shard(directory, [layer], es, verify=verify)
+        got, bad = slabs_from_shard(directory, [layer], es, verify, map_only=map_only)
         slabs.update(got)
         problems += bad
     return LoadedSlabs(slabs, manifest.fingerprint, problems, str(directory), manifest.source.header_sha256)
@@ -146,16 +147,19 @@ def load_slabs(
     slab_keys: Iterable[SlabKey] = (),
     verify: bool = True,
     progress: Callable[[int, int], None] | None = None,
+    map_only: bool = False,
 ) -> LoadedSlabs:
     """The requested slabs: layers x experts (either None = all) plus individual (layer, expert) keys.
 
     With no selection at all, every slab of the model. Requested slabs that cannot be served are listed in
     `problems` (one line each) and left out. `progress(done, total)` follows the layers x experts slabs of
-    a shard directory (checked one by one); a whole GGUF is only mapped, which is quick.
+    a shard directory (checked one by one); a whole GGUF is only mapped, which is quick. `map_only` (without
+    `verify`): a shard directory's slab files are mapped, nothing of them read, for a caller that hashes
+    each before its first use (swarm.node.first_use).
     """
     path = Path(source)
     if path.is_dir():
-        return load_from_shard(path, layers, experts, slab_keys, verify, progress)
+        return load_from_shard(path, layers, experts, slab_keys, verify, progress, map_only)
     if not path.exists():
         raise UserError(f"{path}: no such file or directory; give a shard directory or a .gguf model")
     return load_from_gguf(path, layers, experts, slab_keys)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -127,6 +127,9 @@ class ExpertStore:
         if not lazy:
             pages.populate(multiplied_in_place(slabs.values()))
         self._dropped: frozenset[SlabKey] = frozenset()
+        # called with a call's (layer, expert ids) once they are known held, before any of their bytes are
+        # used: a node hashes each slab against its manifest there before its first call (swarm.node.first_use)
+        self.before_use: Callable[[int, Sequence[int]], None] | None = None
 
     def add(self, key: SlabKey, parts: ExpertSlab) -> None:
         """Serve one more slab from now on (a fetched slab, once it verified). Calls in flight read the
@@ -233,6 +236,8 @@ class ExpertStore:
                 "check that the node serves the same model (fingerprint)"
             )
         self._check_held(layer, expert_ids)
+        if self.before_use is not None:
+            self.before_use(layer, expert_ids)
 
     def _check_held(self, layer: int, expert_ids: Iterable[int]) -> None:
         """Raise MissingSlabs naming the experts of `layer` this store does not hold."""
@@ -315,6 +320,18 @@ class ExpertStore:
                 "copied when a call needs them (slower calls): give more memory (--memory) to keep them all",
                 made, total, self.memory_budget / 2**30,
             )  # fmt: skip
+
+    def prepare_expert(self, layer: int, expert: int) -> bool:
+        """Put one held expert in the form native calls multiply it in now, if the memory budget has room for
+        its copy; whether it is ready (False: not held any more, or no room)."""
+        key = (layer, expert)
+        parts = self.slabs.get(key)
+        if parts is None:
+            return False
+        if key not in self._copies.native and not self._copies.fits(copied_bytes(parts)):
+            return False
+        self.ffn(layer, expert, Numerics.NATIVE)
+        return True
 
     def compute(
         self,

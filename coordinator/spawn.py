@@ -68,6 +68,16 @@ class LocalNode:
         self.ready = json.loads(self.ready_file.read_text())
         return self
 
+    def wait_prepared(self, timeout: float) -> LocalNode:
+        """Wait until the node's start-up pass has hashed and readied every slab (its ready file says so)."""
+        deadline = time.monotonic() + timeout
+        while not json.loads(self.wait_ready(timeout).ready_file.read_text()).get("prepared"):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"swarm {self.what} did not prepare its slabs in {timeout} s:\n{self.log_tail()}")
+            time.sleep(0.05)
+        self.ready = json.loads(self.ready_file.read_text())
+        return self
+
     def terminate(self) -> None:
         """Send SIGTERM once: a second one could land while Python is finalizing, after the node's handler is
         gone, and kill it mid-goodbye."""

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from swarm.node.auth import swarm_key
 from swarm.node.holding import make_store, open_store, planned_model, report_problems, requested_slabs
-from swarm.node.slab_files import shard_files, start_self_check, verified_manifest
+from swarm.node.slab_files import shard_files, start_first_use, start_self_check, verified_manifest
 from swarm.sharding.errors import UserError
 from swarm.sharding.ranges import format_slabs, parse_size
 
@@ -56,11 +56,12 @@ def run_node(args: argparse.Namespace) -> int:
     key = swarm_key(args, "node")
     tls = _tls(args.tls, key is not None, args.host)
 
-    checked_from = time.time_ns()  # the slab files are checked from here on: the later watch starts from it
+    checked_from = None  # slabs are hashed before their first use (swarm.node.first_use)
     fetch = None
     if args.fetch:
         from swarm.node.fetch_cli import NodeFetch
 
+        checked_from = time.time_ns()  # --fetch hashes the slabs it finds: the later watch starts from here
         fetch = NodeFetch(args, key, requested_slabs(args), planned_model(args.plan))
         try:
             loaded = fetch.loaded()
@@ -129,7 +130,7 @@ def _serve(
     memory: int,
     parent: int | None,
     fetch: NodeFetch | None,
-    checked_from: int,
+    checked_from: int | None,
 ) -> int:
     """Serve (and fetch, with --fetch) until a signal, or the process that started this node is gone; with
     --recheck, drop the slabs whose files stop matching the manifest, and take them back once they match."""
@@ -141,18 +142,20 @@ def _serve(
     node = _Serving(args, loaded, store, server, key, tls, memory, files, fetch)
     metrics_server = _serve_metrics(node)
     stop = _stop_on_signals()
-    _say_started(node)
-    freeze_startup()
-    node.write_ready()
-    advertiser = _advertise(node) if not args.no_mdns else None
     grown = threading.Event()  # slabs fetched since the last announcement
     checked = threading.Event()  # slabs dropped or taken back by the check since the last announcement
     check = start_self_check(args, store, files, manifest, checked_from, checked)
+    _say_started(node)
+    freeze_startup()
+    node.write_ready()
+    node.first_use = start_first_use(args, store, files, manifest, check, checked, checked_from is None)
+    advertiser = _Announcement(node).start() if not args.no_mdns else None
     if fetch is not None:
         _start_fetch(node, fetch, check, stop, grown)
     try:
         _keep_announced(node, stop, parent, advertiser, grown, checked)
     finally:
+        node.first_use.close()
         _shut_down(node, stop, check, advertiser, metrics_server)
     print("swarm node: stopped", flush=True)
     return 0
@@ -173,6 +176,8 @@ class _Serving:
     fetch: NodeFetch | None
     metrics_port: int | None = None
     fetching: bool = False  # its --fetch has started and not ended
+    first_use: Any = None  # its start-up pass over the slabs (swarm.node.first_use), once started
+    said_prepared: bool = False  # the ready file has said that pass ended
 
     def properties(self) -> dict[str, str]:
         """Its mDNS record."""
@@ -217,6 +222,8 @@ class _Serving:
                     # --fetch: slabs still to fetch, and those it could not (rewritten when the fetch ends)
                     "pending": fetch.pending if fetch is not None else 0,
                     "fetch_failed": fetch.failed() if fetch is not None else [],
+                    # every slab hashed (before its first use) and made ready for the kernels
+                    "prepared": self.said_prepared,
                 },
             )
 
@@ -305,6 +312,52 @@ def _advertise(node: _Serving) -> Any:
         return None
 
 
+class _Announcement:
+    """The node's mDNS record, registered on a thread of its own: zeroconf probes for the name and announces
+    it for about half a second, through which the node already serves (--peer reaches it, and its ready
+    file says so)."""
+
+    def __init__(self, node: _Serving) -> None:
+        self.node = node
+        self._advertiser: Any = None
+        self._lock = threading.Lock()
+        self._stale = False  # properties changed while it registered
+        self._closed = False
+        self._thread = threading.Thread(target=self._register, name="swarm-mdns-register", daemon=True)
+
+    def start(self) -> _Announcement:
+        self._thread.start()
+        return self
+
+    def _register(self) -> None:
+        advertiser = _advertise(self.node)
+        with self._lock:
+            if self._closed or advertiser is None:
+                if advertiser is not None:
+                    advertiser.close()
+                return
+            self._advertiser, stale = advertiser, self._stale
+        if stale:
+            advertiser.update(self.node.properties())
+
+    def update(self) -> None:
+        """Announce the node's properties as they are now."""
+        with self._lock:
+            advertiser = self._advertiser
+            if advertiser is None:
+                self._stale = True
+                return
+        advertiser.update(self.node.properties())
+
+    def close(self) -> None:
+        self._thread.join(10.0)
+        with self._lock:
+            self._closed = True
+            advertiser, self._advertiser = self._advertiser, None
+        if advertiser is not None:
+            advertiser.close()
+
+
 def _start_fetch(
     node: _Serving,
     fetch: NodeFetch,
@@ -349,13 +402,16 @@ def _keep_announced(
         if grown.is_set() or checked.is_set() or fetch_ended:
             grown.clear()
             if advertiser is not None:
-                advertiser.update(node.properties())
+                advertiser.update()
         if checked.is_set():
             checked.clear()
             dropped = node.store.dropped()
             node.say_serving(
                 f" dropped={format_slabs(dropped)} (their files failed the check)" if dropped else ""
             )
+            node.write_ready()
+        if not node.said_prepared and node.first_use is not None and node.first_use.done.is_set():
+            node.said_prepared = True
             node.write_ready()
         if fetch_ended:
             assert fetch is not None

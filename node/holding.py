@@ -8,7 +8,6 @@ import json
 import logging
 import re
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -95,14 +94,16 @@ def report_problems(problems: list[str]) -> None:
 
 
 def open_store(args: argparse.Namespace, device: str = "cpu", memory: int = 0) -> tuple[Any, Any]:
-    """The slabs `swarm node` was asked for, checked and opened: (LoadedSlabs, ExpertStore). Slabs refused
-    are named on stderr (one line each, then a count); a source with none to serve is a UserError."""
+    """The slabs `swarm node` was asked for, opened: (LoadedSlabs, ExpertStore). A shard directory's slab
+    files are mapped and their sizes checked, nothing read: each is hashed against the manifest before its
+    first use (swarm.node.first_use). Slabs refused are named on stderr (one line each, then a count); a
+    source with none to serve is a UserError."""
     from swarm.compute.slabs import load_slabs, slab_progress
 
     layers, experts, slab_keys = requested_slabs(args)
-    with slab_progress("checking slabs" if not args.no_verify else "opening slabs") as progress:
+    with slab_progress("opening slabs") as progress:
         loaded = load_slabs(
-            args.source, layers, experts, slab_keys, verify=not args.no_verify, progress=progress
+            args.source, layers, experts, slab_keys, verify=False, progress=progress, map_only=True
         )
     report_problems(loaded.problems)
     if not loaded.slabs:
@@ -111,15 +112,11 @@ def open_store(args: argparse.Namespace, device: str = "cpu", memory: int = 0) -
 
 
 def make_store(loaded: Any, device: str, memory: int, source: str) -> Any:
-    """The ExpertStore over the loaded slabs, its repacked copies made (a UserError naming `source` when the
-    slabs do not fit together)."""
+    """The ExpertStore over the loaded slabs (a UserError naming `source` when the slabs do not fit
+    together). Its repacked copies are made once the node serves (swarm.node.first_use)."""
     from swarm.compute.store import ExpertStore
 
     try:
-        store = ExpertStore(loaded.slabs, device=device, memory_budget=memory)
+        return ExpertStore(loaded.slabs, device=device, memory_budget=memory)
     except ValueError as e:
         raise UserError(f"{source}: {e}") from e
-    t0 = time.perf_counter()
-    store.prepare()  # the repacked copies, before the node is announced: no slow first calls
-    log.info("experts ready for ggml's kernels in %.1f s", time.perf_counter() - t0)
-    return store

@@ -173,7 +173,7 @@ class SlabSelfCheck:
         self.hashes: Counter[SlabKey] = Counter()  # files hashed, per slab
         self.idle: bool | None = None  # whether the rounds thread got an idle priority (None: not started yet)
         self.native_id: int | None = None  # the rounds thread's id as the OS knows it
-        self._new: list[tuple[SlabEntry, int | None]] = []  # from watch(), taken in by the stat thread
+        self._new: list[tuple[SlabEntry, int | None, bool]] = []  # from watch(), taken in by the stat thread
         self._served: dict[SlabKey, _Watched] = {}  # these two: the stat thread's alone
         self._dropped: dict[SlabKey, _Watched] = {}
         self._round = 0
@@ -185,12 +185,13 @@ class SlabSelfCheck:
         self._thread = threading.Thread(target=self._run, name="swarm-selfcheck", daemon=True)
         self._rounds_thread = threading.Thread(target=self._rounds, name="swarm-selfcheck-rounds", daemon=True)
 
-    def watch(self, entry: SlabEntry, since_ns: int | None = None) -> None:
+    def watch(self, entry: SlabEntry, since_ns: int | None = None, failed: bool = False) -> None:
         """Watch this slab's file from now on (it verified against the manifest). `since_ns`: when the check
         it passed began (time.time_ns()), if that was not just now: a file changed after it is hashed again at
-        once."""
+        once. `failed`: it failed its check and was dropped (on_failed is not called for it again); it is
+        taken back once it matches."""
         with self._lock:
-            self._new.append((entry, since_ns))
+            self._new.append((entry, since_ns, failed))
 
     def start(self) -> SlabSelfCheck:
         self._rounds_thread.start()
@@ -275,7 +276,10 @@ class SlabSelfCheck:
         with self._lock:
             new, self._new = self._new, []
         changed: list[SlabEntry] = []
-        for entry, since in new:
+        for entry, since, failed in new:
+            if failed:  # hashed once more at this sweep (no stat to compare with), then watched for a change
+                self._dropped[(entry.layer, entry.expert)] = _Watched(entry, None, self._round)
+                continue
             stat = file_stat(self._path(entry))
             if since is not None and (
                 stat is None or max(stat.mtime_ns, stat.ctime_ns) >= since - CLOCK_SLACK_NS

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import mmap
+import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -20,10 +22,12 @@ from gguf import GGMLQuantizationType, GGUFReader
 from swarm.sharding.errors import UserError
 from swarm.sharding.gguf_io import (
     EXPERT_TENSOR_RE,
+    TOO_MANY_FILES,
     GGUFError,
     expert_tensors,
     open_gguf,
     read_metadata,
+    too_many_open_files,
     torch_shape,
 )
 from swarm.sharding.manifest import Manifest, SlabEntry, read_manifest
@@ -230,16 +234,20 @@ def slabs_from_shard(
     experts: Iterable[int] | None = None,
     verify: bool = True,
     progress: Callable[[int, int], None] | None = None,
+    map_only: bool = False,
 ) -> tuple[dict[SlabKey, ExpertSlab], list[str]]:
     """Load the requested slabs of a shard directory, memory-mapped; `progress(done, total)` after each.
 
     With `verify`, each slab file is hashed against the manifest first (header and data, every byte); a
     slab that does not verify, is missing, or is not part of this (partial) shard is left out and named in
     the returned `problems`. Requested ids outside the model (layer without experts, expert >= n_expert)
-    are problems too.
+    are problems too. `map_only` (no `verify`): each file is mapped where its layer's first file has its
+    tensors, its size checked and nothing of it read (LazySlabs): tens of microseconds a slab rather than a
+    header parse, for a caller that hashes each slab before its first use.
     """
     directory = Path(directory)
     manifest = read_manifest(directory)
+    mapper = LazySlabs(directory, manifest) if map_only and not verify else None
     want_layers = sorted(set(layers)) if layers is not None else list(manifest.moe_layers)
     want_experts = sorted(set(experts)) if experts is not None else list(range(manifest.n_expert))
     moe = set(manifest.moe_layers)
@@ -253,7 +261,7 @@ def slabs_from_shard(
             continue
         for expert in want_experts:
             try:
-                out[(layer, expert)] = _shard_slab(directory, manifest, layer, expert, verify)
+                out[(layer, expert)] = _shard_slab(directory, manifest, layer, expert, verify, mapper)
             except _Refused as e:
                 problems.append(f"layer {layer} expert {expert}: {e}")
             done += 1
@@ -290,6 +298,7 @@ class LazySlabs(Mapping[SlabKey, ExpertSlab]):
         self._layouts: dict[int, dict[str, tuple[int, GGMLQuantizationType, tuple[int, ...], int]]] = {}
         self._lock = threading.Lock()
         self._warned = False
+        self.errors: dict[SlabKey, Exception] = {}  # why a slab's file cannot be read
 
     def __getitem__(self, key: SlabKey) -> ExpertSlab:
         parts = self._read.get(key, _UNREAD)
@@ -304,18 +313,16 @@ class LazySlabs(Mapping[SlabKey, ExpertSlab]):
         return parts  # type: ignore[return-value]
 
     def _read_file(self, key: SlabKey, entry: SlabEntry) -> ExpertSlab | None:
-        path = self.directory / entry.path
+        path = os.path.join(self.directory, entry.path)  # a str: pathlib costs more than the mapping
         try:
             layout = self._layouts.get(key[0])
             first = layout is None
             if layout is None:
-                layout = _slab_layout(path, entry)
-            size, region_bytes = path.stat().st_size, entry.size - entry.data_offset
+                layout = _slab_layout(Path(path), entry)
+            size, region_bytes = os.stat(path).st_size, entry.size - entry.data_offset
             if size != entry.size or any(at + n > region_bytes for at, _, _, n in layout.values()):
                 raise ValueError(f"{entry.path} is {size} bytes, not the manifest's {entry.size}")
-            region = np.memmap(
-                path, dtype=np.uint8, mode="r", offset=entry.data_offset, shape=(region_bytes,)
-            )
+            region = _map_region(path, entry.data_offset, region_bytes)
             parts = ExpertSlab.of(SlabTensor(kind, qtype, shape, region[at : at + n])
                                   for kind, (at, qtype, shape, n) in layout.items())  # fmt: skip
             if first:
@@ -324,6 +331,7 @@ class LazySlabs(Mapping[SlabKey, ExpertSlab]):
                 self._layouts[key[0]] = layout
             return parts
         except (OSError, UserError, ValueError) as e:
+            self.errors[key] = e
             if not self._warned:
                 self._warned = True
                 log.warning("%s: %s; slabs whose file cannot be read here are not used", self.directory, e)
@@ -339,6 +347,20 @@ class LazySlabs(Mapping[SlabKey, ExpertSlab]):
 
 
 _UNREAD: Any = object()
+
+
+def _map_region(path: str, offset: int, size: int) -> np.ndarray:
+    """`size` bytes of a file from `offset`, memory-mapped read-only (what np.memmap does, without its
+    resolving the path: a node maps thousands of slab files as it starts)."""
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY
+    try:
+        with open(path, "rb") as f:
+            mapped = mmap.mmap(f.fileno(), offset - start + size, access=mmap.ACCESS_READ, offset=start)
+    except OSError as e:
+        if e.errno in TOO_MANY_FILES:
+            raise too_many_open_files(Path(path)) from None
+        raise
+    return np.frombuffer(mapped, dtype=np.uint8, count=size, offset=offset - start)
 
 
 def _slab_layout(
@@ -359,7 +381,9 @@ class _Refused(Exception):
     """A slab a shard directory cannot serve; the text says why."""
 
 
-def _shard_slab(directory: Path, manifest: Manifest, layer: int, expert: int, verify: bool) -> ExpertSlab:
+def _shard_slab(
+    directory: Path, manifest: Manifest, layer: int, expert: int, verify: bool, mapper: LazySlabs | None
+) -> ExpertSlab:
     if expert >= manifest.n_expert:
         raise _Refused(f"the model has only {manifest.n_expert} experts per layer")
     entry = manifest.slab(layer, expert)
@@ -372,6 +396,15 @@ def _shard_slab(directory: Path, manifest: Manifest, layer: int, expert: int, ve
         bad = check_slab_file(directory, entry)
         if bad is not None:
             raise _Refused(bad)
+    if mapper is not None:
+        parts = mapper.get((layer, expert))
+        if parts is None:
+            why = mapper.errors.get((layer, expert))
+            # not this file's fault but the process's own limit (open files): no other slab would load either
+            if isinstance(why, UserError) and not isinstance(why, GGUFError):
+                raise why
+            raise _Refused(str(why or "cannot be read"))
+        return parts
     try:
         return read_slab_file(directory / entry.path)
     except GGUFError as e:

@@ -127,3 +127,37 @@ def test_the_checker_catches_an_import_that_breaks_the_rule(
     assert any(complaint in v for v in violations(tmp_path))
     (tmp_path / floor / "bad.py").write_text("from swarm.proto import codec\n")  # down to the lowest floor: fine
     assert violations(tmp_path) == []
+
+
+def test_each_command_module_registers_the_commands_the_registry_lists() -> None:
+    """`swarm CMD` imports only CMD's module (coordinator/cli COMMAND_MODULES): the list must be what each
+    module registers, or a command would be missing from its own command line."""
+    import argparse
+    import importlib
+
+    from swarm.coordinator.cli import COMMAND_MODULES, build_parser
+
+    for module, commands in COMMAND_MODULES.items():
+        sub = argparse.ArgumentParser().add_subparsers()
+        importlib.import_module(module).register(sub)
+        assert tuple(sub.choices) == commands, module
+        for command in commands:
+            only = build_parser([command, "--help"])._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+            assert set(only) == set(commands), command
+    everything = build_parser()._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    assert set(everything) == {c for cs in COMMAND_MODULES.values() for c in cs}
+
+
+def test_swarm_node_loads_no_coordinator_module(tmp_path: Path) -> None:
+    """A node's command line registers only the node's commands: none of the coordinator's modules is loaded
+    on its way to serving (a phone's start-up time)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from swarm.coordinator.cli import main\n"
+        "try:\n    main(['node', '--help'])\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in sys.modules if m.startswith('swarm.coordinator.') and m != 'swarm.coordinator.cli'))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-2000:]

@@ -73,6 +73,7 @@ def sources(model, work, env):
     a, b = start_nodes(
         [(model, []), (copy, ["--no-mdns", "--recheck", "0"])], work / "sources", prefix="source", env=env
     )
+    b.wait_prepared(60)  # every slab of b hashed before the damage
     entry = read_manifest(copy).slab(*DAMAGED)
     with open(copy / entry.path, "r+b") as f:
         f.seek(entry.data_offset + 1000)

@@ -15,16 +15,18 @@ from collections.abc import Sequence
 
 from swarm.sharding.errors import UserError
 
-# Each module defines `register(subparsers)`, adding subcommands whose `func(args) -> int` runs the job.
-# Registration must stay cheap: heavy imports (torch, grpc) happen inside the handlers.
-COMMAND_MODULES = (
-    "swarm.sharding.cli",
-    "swarm.sharding.synth_cli",
-    "swarm.node.cli",
-    "swarm.coordinator.cli.commands",
-    "swarm.coordinator.cli.status",
-    "swarm.coordinator.serve.cli",
-)
+# Each module defines `register(subparsers)`, adding the subcommands listed beside it, whose
+# `func(args) -> int` runs the job. Registration must stay cheap: heavy imports (torch, grpc) happen inside
+# the handlers. A command line naming one of them imports only its module: a node on a phone starts serving
+# sooner without the coordinator's command modules loaded first.
+COMMAND_MODULES: dict[str, tuple[str, ...]] = {
+    "swarm.sharding.cli": ("shard", "inspect", "plan"),
+    "swarm.sharding.synth_cli": ("synth",),
+    "swarm.node.cli": ("keygen", "node"),
+    "swarm.coordinator.cli.commands": ("run", "logits", "perplexity", "demo"),
+    "swarm.coordinator.cli.status": ("status",),
+    "swarm.coordinator.serve.cli": ("serve",),
+}
 
 
 # What the `coordinator` extra adds to a node's install (pyproject.toml): a command that needs one of them
@@ -32,20 +34,32 @@ COMMAND_MODULES = (
 COORDINATOR_PACKAGES = frozenset({"torch", "tokenizers", "jinja2", "starlette", "uvicorn"})
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _modules_for(argv: Sequence[str] | None) -> list[str]:
+    """The command modules to register for this command line: the one whose command it names, else all (for
+    --help, and for the error that names every command)."""
+    words = [a for a in argv or () if not a.startswith("-")]
+    if argv is not None and words:
+        for module, commands in COMMAND_MODULES.items():
+            if words[0] in commands:
+                return [module]
+    return list(COMMAND_MODULES)
+
+
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The `swarm` parser; given the command line, with only the subcommand it names (every one without)."""
     parser = argparse.ArgumentParser(
         prog="swarm",
         description="Run mixture-of-experts language models on a swarm of ordinary devices.",
     )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in COMMAND_MODULES:
+    for name in _modules_for(argv):
         importlib.import_module(name).register(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    parser = build_parser(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
