@@ -9,8 +9,8 @@ lowest floor, so the codec carries it as itself) to the kernels.
 
 Each activation row is quantized on its own, and every output element is computed by one kernel whatever the
 batch: a row's result does not depend on how many rows share the matmul, which other sequences are in the
-step, or which process on the same CPU computes it (swarm.compute.probes: tinyBLAS is used only where it sums
-as `vec_dot` does). A different SIMD level rounds differently: see swarm.compute.numclass.
+step, or which process on the same CPU computes it (swarm.compute.probes: a type whose rows a batch changes
+on this build, as tinyBLAS's or ARM's 2-row int8-matmul kernels do, is multiplied one row at a time). A different SIMD level rounds differently: see swarm.compute.numclass.
 """
 
 from __future__ import annotations
