@@ -5,6 +5,7 @@ Dimension letters: T tokens, V vocabulary.
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -58,17 +59,30 @@ class GenerationStats:
         return steps / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def position_uniform(seed: int, position: int) -> float:
+    """A number in [0, 1) that depends on (seed, position) alone (splitmix64 of their mix): the token sampled at
+    a position is the same however the pass that reached it was made (one token per pass, several drafts
+    checked in one window, a redo after a caught node, the same sequence alone or beside others)."""
+    z = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return ((z ^ (z >> 31)) >> 11) / float(1 << 53)
+
+
 class Sampler:
+    """Picks each next token: greedy at temperature 0, else from the temperature / top-k / top-p distribution
+    by the inverse of its cumulative sum at position_uniform(seed, position) (a seed drawn at random when the
+    request gives none). It keeps no state between calls."""
+
     def __init__(self, params: SamplingParams, device: torch.device | str = "cpu") -> None:
         self.params = params
-        self.generator = torch.Generator(device="cpu")
-        if params.seed is not None:
-            self.generator.manual_seed(params.seed)
-        else:
-            self.generator.seed()
+        self.seed = params.seed if params.seed is not None else secrets.randbits(63)
 
-    def __call__(self, logits: torch.Tensor) -> int:
-        """logits [V] -> the next token id."""
+    def __call__(self, logits: torch.Tensor, position: int) -> int:
+        """logits [V] of the token at `position` (the tokens before it) -> its id."""
         p = self.params
         if p.temperature <= 0:
             return int(torch.argmax(logits).item())
@@ -83,7 +97,9 @@ class Sampler:
             cut = torch.cumsum(sorted_probs, 0) - sorted_probs >= p.top_p
             sorted_probs[cut] = 0.0
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-        return int(torch.multinomial(probs, 1, generator=self.generator).item())
+        cdf = torch.cumsum(probs.double(), 0)
+        at = torch.searchsorted(cdf, position_uniform(self.seed, position) * float(cdf[-1]), right=True)
+        return min(int(at), int(torch.nonzero(probs).max()))  # never past the last token with mass
 
 
 def forward_one(
@@ -122,9 +138,7 @@ class Seq:
     ready: list[Any] = field(default_factory=list)
     held: list[Any] = field(default_factory=list)
     last: Any = None
-    anchor: Any = (
-        None  # (state checkpoint, sampler RNG state, last) at the settled point: a redo starts there
-    )
+    anchor: Any = None  # (state checkpoint, last) at the settled point: a redo starts there
 
     def take(self) -> list[Any]:
         out, self.ready = self.ready, []
@@ -192,8 +206,7 @@ class Steps:
 
     @staticmethod
     def _checkpoint(seq: Seq) -> Any:
-        rng = seq.sampler.generator.get_state() if seq.sampler is not None else None
-        return seq.state.checkpoint(), rng, seq.last
+        return seq.state.checkpoint(), seq.last
 
     def _pass(self, entries: list[Entry]) -> None:
         feeds = [list(e.tokens) if e.tokens is not None else [int(e.seq.last)] for e in entries]
@@ -215,7 +228,8 @@ class Steps:
             rows = logits[start : start + len(f)] if every_row else logits[i : i + 1]  # [T or 1, V]
             start += len(f)
             if e.output:
-                out = e.seq.sampler(rows[-1]) if e.seq.sampler is not None else rows
+                sampler = e.seq.sampler
+                out = sampler(rows[-1], e.seq.state.length) if sampler is not None else rows
                 e.seq.held.append(out)
                 e.seq.last = out
 
@@ -245,10 +259,8 @@ class Steps:
 
     def _redo(self) -> None:
         for seq in self.open.values():
-            state_cp, rng, seq.last = seq.anchor
+            state_cp, seq.last = seq.anchor
             seq.state.restore(state_cp)
-            if seq.sampler is not None and rng is not None:
-                seq.sampler.generator.set_state(rng)
             seq.held.clear()
         self.redone += len(self.passes)
         for entries in self.passes:
