@@ -1,0 +1,29 @@
+"""Draft tokens from the conversation itself (prompt lookup): where the last few tokens of a sequence occurred
+before in it, the tokens that followed them then are proposed as what comes next. No model: it costs a scan
+of the sequence's tokens, and on text that repeats (code being edited, a quoted passage, a list continued) a
+pass that checks k drafts at once yields up to k + 1 tokens for one round trip per layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+# The longest suffix looked up first: a longer match predicts better; shorter ones are tried when it fails.
+MAX_NGRAM = 4
+MIN_NGRAM = 2  # a single repeated token is too weak a hint in most text
+
+
+def lookup_drafts(tokens: Sequence[int], k: int, max_n: int = MAX_NGRAM, min_n: int = MIN_NGRAM) -> list[int]:
+    """Up to k tokens that followed the most recent earlier occurrence of the sequence's last n tokens (n
+    from max_n down to min_n; the first n that occurs wins); [] when none occurs. Drafts run past the end of
+    the occurrence's continuation only as far as the sequence goes."""
+    if k <= 0:
+        return []
+    t = list(tokens)
+    for n in range(min(max_n, len(t) - 1), min_n - 1, -1):
+        tail = t[-n:]
+        # the latest start i < len(t) - n whose n tokens equal the tail, scanning backwards
+        for i in range(len(t) - n - 1, -1, -1):
+            if t[i : i + n] == tail:
+                return t[i + n : i + n + k]
+    return []
