@@ -129,6 +129,14 @@ def copied_bytes(slab: ExpertSlab) -> int:
     return sum(s.data.nbytes for s in slab.values() if not _in_place(s))
 
 
+def call_bytes(slab: ExpertSlab, native: bool) -> int:
+    """The bytes of the copy a call multiplies this expert as: its repacked parts (native, 0 when ggml
+    multiplies every part in place) or its float32 working copy (exact, or a type without a ggml kernel)."""
+    if native and all(probes.has_kernel(s.qtype) for s in slab.matrices().values()):
+        return copied_bytes(slab)
+    return sum(4 * int(np.prod(s.shape)) for s in slab.values())
+
+
 def _in_place(s: SlabTensor) -> bool:
     rows = int(np.prod(s.shape[:-1])) if len(s.shape) > 1 else 1
     return s.kind.endswith(".bias") or not weights.repackable(int(s.qtype), rows)

@@ -16,7 +16,7 @@ import numpy as np
 
 from swarm.compute.ggml import F32, compute_lock, ggml_lib, threads
 from swarm.compute.probes import rows_independent
-from swarm.compute.weights import Weight
+from swarm.compute.weights import Weight, repack_anchor
 
 log = logging.getLogger(__name__)
 
@@ -142,18 +142,19 @@ class Graph:
     def weight_slot(self, w: Weight) -> object:
         """A weight of w's type and shape whose matrix is given on each run (`run(weights=...)`), so one
         graph serves every matrix of that shape: a node's call for other experts of the same layer shape."""
-        t = self._matrix(w)
+        t = self._matrix(w, slot=True)
         self.weight_slots.append((t.contents, w.nbytes, w.repack is not None))
-        self._weights.append(
-            w.keep
-        )  # a repacked slot points at this weight's buffer (its type is all ggml reads)
         return t
 
-    def _matrix(self, w: Weight) -> object:
+    def _matrix(self, w: Weight, slot: bool = False) -> object:
         t = self.placed(w.qtype, w.cols, w.rows, *([w.experts] if w.experts > 1 else []))
         if w.repack is not None:  # ggml runs the repacked kernels for a weight in a CPU_REPACK buffer
-            t.contents.buffer = ctypes.cast(w.repack.buffer, ctypes.c_void_p)
+            # a slot's buffer only tells ggml the buffer type (its matrix comes with each run): a kept graph
+            # holding the weight it was built with would keep that expert's copy alive past its eviction
+            owner = repack_anchor() if slot else w.repack
+            t.contents.buffer = ctypes.cast(owner.buffer, ctypes.c_void_p)
             t.contents.extra = w.repack.extra
+            self._weights.append(owner)
         return t
 
     def input(self, *ne: int, qtype: int = F32) -> object:

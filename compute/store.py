@@ -17,6 +17,7 @@ that row and its expert's weights: the same on a node as in process, alone or be
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -360,12 +361,22 @@ class ExpertStore:
             ids = np.repeat(np.asarray(expert_ids, np.int32), np.asarray(counts, np.int64))
             ffn.moe_rows(stack, ids[:, None], x, out)
             return as_given(out, rows)
-        blocks, start = [], 0
+        # in groups whose copies fit the memory budget when the call's do not (swarm.compute.expert_copies)
+        todo, start, native, copies, slabs = [], 0, numerics == Numerics.NATIVE, self._copies, self.slabs
         for expert, n in zip(expert_ids, counts, strict=True):
             if n:
-                blocks.append((self.ffn(layer, expert, numerics), start, n))
+                todo.append(((layer, expert), start, n))
             start += n
-        ffn.ffn_rows(blocks, x, out)
+        sizes = [copies.size(k, slabs[k], native) if k in slabs else 0 for k, _, _ in todo if copies.budget]
+        groups = copies.groups(todo, sizes, native)
+        with copies.split_lock if len(groups) > 1 else contextlib.nullcontext():
+            for group in groups:
+                blocks = [(self.ffn(layer, k[1], numerics), a, n) for k, a, n in group]
+                ffn.ffn_rows(blocks, x, out)
+                if len(groups) > 1:
+                    del blocks  # this group's copies, evicted for the next group's, are freed now
+                    with self._lock:
+                        copies.hand_back()
         return as_given(out, rows)
 
     def held_stack(self, layer: int, ids: Array) -> ffn.ExpertStack | None:

@@ -101,6 +101,7 @@ class Repacked:
 
 _repack_buft: list[object] = []  # [the CPU_REPACK buffer type, or None where ggml has none]
 _repackable: dict[tuple[int, int], bool] = {}
+_anchor: list[Repacked] = []  # [a small CPU_REPACK buffer kept for the process's life]
 
 
 def _repack_buffer_type() -> object | None:
@@ -151,8 +152,18 @@ def repackable(qtype: int, rows: int) -> bool:
         made = _new_repacked(int(qtype), (block, int(rows))) if block > 1 else None
         known = _repackable[key] = made is not None
         if made is not None:
-            Repacked(*made, np.empty(0, np.uint8))  # freed at once
+            rp = Repacked(*made, np.empty(0, np.uint8))
+            if not _anchor:
+                _anchor.append(rp)  # kept: the first is repack_anchor()
     return known
+
+
+def repack_anchor() -> Repacked:
+    """A small buffer of ggml's CPU_REPACK type, alive as long as the process: what a graph's weight slot for
+    repacked matrices points at, since ggml reads only the buffer's type there (the matrix comes with each
+    run). Only asked for once some matrix was found repackable."""
+    assert _anchor, "repack_anchor() before any repackable() found a repacked layout"
+    return _anchor[0]
 
 
 def repacked(w: Weight) -> Weight:

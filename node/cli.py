@@ -99,13 +99,17 @@ def _add_compute_arguments(p: argparse.ArgumentParser) -> None:
         "--memory",
         default=None,
         help="budget for the copies of experts this node keeps, e.g. 4GiB, 0 for unlimited (default: half "
-        "the RAM), least recently used first out. Native calls (the default) multiply the memory-mapped slabs, "
-        "whose pages the OS keeps resident while they are used and can drop under pressure, or, for the types "
-        "ggml has repacked kernels for on this CPU (Q4_0, Q4_K, IQ4_NL on x86), a repacked copy (about the "
+        "the RAM, or under a cgroup memory limit that leaves less, as a phone app or a container has: the "
+        "limit less the node's own memory and a margin, so that the node stays within the limit; the node "
+        "logs what it chose), least recently used first out. Native calls (the default) multiply the "
+        "memory-mapped slabs, whose pages the OS keeps resident while they are used and can drop under "
+        "pressure, or, for the types ggml has repacked kernels for on this CPU (Q4_0, Q4_K, IQ4_NL on x86), "
+        "a repacked copy (about the "
         "slab's own size) that takes the slab pages' place: made at start-up for as many experts as the "
         "budget holds, the others when a call needs them. Exact-numerics calls (swarm run --exact) and slab "
         "types without a ggml kernel use float32 copies (4-8x the slab) under the same budget. An evicted "
-        "expert is copied again when needed: the same answers, slower calls",
+        "expert is copied again when needed: the same answers, slower calls. A call naming more experts than "
+        "the budget holds (a long prompt's) multiplies them in groups that fit it",
     )
     p.add_argument(
         "--device",

@@ -230,9 +230,10 @@ def test_memory_budget_smaller_than_held_set_evicts_and_stays_correct(clients, m
     _, second = check_call(c, models["mixed"], layer, [0, 1, 2, 3], [1, 2, 1, 2], 256, seed=7)
     assert torch.equal(first, second)
     after = c.stats()
-    # The budget holds one expert: each of the 8 expert computations above needed a fresh dequantization.
-    assert after.cache_misses - before.cache_misses >= 8
-    assert after.cache_evictions - before.cache_evictions >= 7
+    # The budget holds one expert: a call over four is made in groups of one, the expert still held first,
+    # so of the 8 expert computations above only the second call's first found its copy (7 dequantized).
+    assert after.cache_misses - before.cache_misses >= 7
+    assert after.cache_evictions - before.cache_evictions >= 6
     assert after.cache_bytes <= MIXED_BUDGET
     assert c.info().memory_budget_bytes == MIXED_BUDGET
 
