@@ -54,6 +54,8 @@ def make_rig(tmp_path, damaged: dict[int, list[int]] | None = None):
     nodes = start_nodes(
         [(honest_dir, []), (liar_dir, liar_args)], tmp_path / "nodes", env={KEY_ENV: KEY_TEXT}
     )
+    if not damaged:
+        nodes[1].wait_prepared(60)  # its slabs hashed before their first use: damage to come reaches answers
     return honest_dir, liar_dir, nodes
 
 

@@ -393,6 +393,7 @@ def test_a_node_caught_lying_mid_batch_changes_no_text(tmp_path: Path, server: S
     shutil.copytree(honest_dir, liar_dir)
     # the liar's own check of its files off: damaged under it, they reach its answers
     nodes = start_nodes([(honest_dir, []), (liar_dir, ["--recheck", "0"])], tmp_path / "nodes")
+    nodes[1].wait_prepared(60)  # every slab hashed before its first use: the damage comes after
     try:
         peers = [a for n in nodes for a in ("--peer", n.address)]
         s = Server(tmp_path, "--no-mdns", *peers, "--audit", "1", "--parallel", "4", "--model-id", MODEL_ID,

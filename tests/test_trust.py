@@ -82,6 +82,8 @@ def _rig(work, tmp_path, kind: str, rot_now: bool = True):
     nodes = start_nodes(
         [(honest_dir, []), (liar_src, liar_args)], tmp_path / "nodes", env={KEY_ENV: KEY_TEXT}
     )
+    if kind == "bit-rot":
+        nodes[1].wait_prepared(60)  # its slabs hashed before their first use: the rot comes after
     if kind == "bit-rot" and rot_now:
         rot(liar_src, ROT_LAYER)  # after it started
     return honest_dir, nodes, liar_src
