@@ -91,6 +91,22 @@ def default_memory_budget() -> int:
     return budget
 
 
+def within_cap(wanted: int, share: int = 2) -> int:
+    """`wanted` bytes of copies, or less under a cgroup memory limit that leaves less room: 1/`share` of the
+    limit less what the group holds now, LATER_BYTES and the margin (a coordinator's audit copies, beside
+    the model it is still loading: its own share of the room, not all of it)."""
+    cap = memory_cap()
+    if cap is None:
+        return wanted
+    room = cap.limit - cap.anon - LATER_BYTES - max(MIN_MARGIN, cap.limit // MARGIN_FRACTION)
+    budget = max(MIN_BUDGET, room // share)
+    if budget >= wanted:
+        return wanted
+    log.warning("%s for copies of experts instead of %s: the %s leaves no more", _mib(budget), _mib(wanted),
+                cap.describe())  # fmt: skip
+    return budget
+
+
 def _mib(n: int) -> str:
     return f"{n / 2**20:,.0f} MiB" if n else "unlimited"
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from swarm.compute.expert_copies import default_memory_budget
+from swarm.compute.expert_copies import default_memory_budget, within_cap
 from swarm.compute.expert_weights import slab_dims
 from swarm.compute.slabs import allow_open_files, load_slabs, slab_progress
 from swarm.compute.store import ExpertStore
@@ -90,7 +90,7 @@ def _audit_store(path: str | Path) -> ExpertStore:
         allow_open_files(len(slabs))  # a file read is a descriptor kept: a long run's audits draw them all
     else:
         slabs = load_slabs(path, verify=False).slabs
-    return ExpertStore(slabs, torch.device("cpu"), AUDIT_MEMORY, stacked=False)
+    return ExpertStore(slabs, torch.device("cpu"), within_cap(AUDIT_MEMORY), stacked=False)
 
 
 def open_engine(

@@ -420,3 +420,25 @@ def test_memory_cap_reads_the_tightest_limit_of_v2_and_of_a_v1_mount_of_a_subgro
     assert cap is not None and (cap.limit, cap.version, cap.path) == (943718400, 1, v1 / "job")
     (v1 / "job" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
     assert memory_cap(proc) is None
+
+
+def test_a_coordinators_audit_copies_fit_under_its_cap(groups):
+    """The coordinator's answer audits keep copies of experts under AUDIT_MEMORY, or under a cap that
+    leaves less, a share of its room (a coordinator under a 600 MiB cap with 512 MiB of audit copies beside
+    its model is killed by the cap)."""
+    from swarm.coordinator.engine import AUDIT_MEMORY
+
+    code = (
+        "import os, sys; open(sys.argv[1], 'w').write(str(os.getpid()))\n"
+        "from swarm.compute.expert_copies import within_cap\n"
+        f"print(within_cap({AUDIT_MEMORY}))"
+    )
+    group = groups(600 * MiB)
+    capped = subprocess.run([sys.executable, "-c", code, str(group.procs)], capture_output=True, text=True,
+                            timeout=120, check=True)  # fmt: skip
+    budget = int(capped.stdout.split()[-1])
+    assert MiB <= budget < (600 * MiB - 160 * MiB) // 2, capped.stderr
+    assert "for copies of experts instead of 512 MiB" in capped.stderr
+    free = subprocess.run([sys.executable, "-c", code, os.devnull], capture_output=True, text=True, timeout=120,
+                          check=True)  # fmt: skip
+    assert int(free.stdout.split()[-1]) == AUDIT_MEMORY
