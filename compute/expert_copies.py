@@ -30,7 +30,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from swarm.compute.cgroup import memory_cap, physical_memory
+from swarm.compute.cgroup import MemoryCap, memory_cap, physical_memory
 from swarm.compute.expert_weights import ExpertWeights, call_bytes
 from swarm.compute.ffn import FFN
 from swarm.sharding.slabs import ExpertSlab, SlabKey
@@ -75,7 +75,7 @@ def default_memory_budget() -> int:
     if cap is None:
         log.info("memory budget %s: half of this machine's RAM (no cgroup memory limit)", _mib(half))
         return half
-    margin = max(MIN_MARGIN, cap.limit // MARGIN_FRACTION)
+    margin = _margin(cap)
     room = cap.limit - cap.anon - LATER_BYTES - margin
     if half and room >= half:
         log.info("memory budget %s: half of this machine's RAM (below the %s)", _mib(half), cap.describe())
@@ -98,13 +98,18 @@ def within_cap(wanted: int, share: int = 2) -> int:
     cap = memory_cap()
     if cap is None:
         return wanted
-    room = cap.limit - cap.anon - LATER_BYTES - max(MIN_MARGIN, cap.limit // MARGIN_FRACTION)
+    room = cap.limit - cap.anon - LATER_BYTES - _margin(cap)
     budget = max(MIN_BUDGET, room // share)
     if budget >= wanted:
         return wanted
     log.warning("%s for copies of experts instead of %s: the %s leaves no more", _mib(budget), _mib(wanted),
                 cap.describe())  # fmt: skip
     return budget
+
+
+def _margin(cap: MemoryCap) -> int:
+    """What a process leaves free below its cap for what the kernel charges beside its copies."""
+    return max(MIN_MARGIN, cap.limit // MARGIN_FRACTION)
 
 
 def _mib(n: int) -> str:

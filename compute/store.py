@@ -311,10 +311,11 @@ class ExpertStore:
                 continue
             for expert in sorted(self._experts_of[layer]):
                 total += 1
-                if not self._copies.fits(copied_bytes(self.slabs[(layer, expert)])):
-                    continue
-                self.ffn(layer, expert, Numerics.NATIVE)
-                made += 1
+                made += self.prepare_expert(layer, expert)
+        self.say_unprepared(made, total)
+
+    def say_unprepared(self, made: int, total: int) -> None:
+        """Warn when only `made` of `total` experts fit the memory budget as their copies."""
         if made < total:
             log.warning(
                 "%d of %d experts fit the memory budget (%.1f GiB) as ggml's repacked copies; the others are "

@@ -132,9 +132,4 @@ class FirstUse:
             "%d slabs verified, %d experts ready for ggml's kernels %.1f s after serving began",
             self.verified, self.ready, time.perf_counter() - t0,
         )  # fmt: skip
-        if self.ready < total - len(self._failed):
-            log.warning(
-                "%d of %d experts fit the memory budget (%.1f GiB) as ggml's repacked copies; the others are "
-                "copied when a call needs them (slower calls): give more memory (--memory) to keep them all",
-                self.ready, total - len(self._failed), store.memory_budget / 2**30,
-            )  # fmt: skip
+        store.say_unprepared(self.ready, total - len(self._failed))
