@@ -42,19 +42,20 @@ def _delta_rule_ops(
     tstate: Sequence[object],
     rule: DeltaRule,
     cw: object,
-    marks: Sequence[int] = (),
-) -> tuple[list[object], list[object], list[tuple[object, object, object] | None]]:
+    marks: Sequence[tuple[int, ...]] = (),
+) -> tuple[list[object], list[object], list[list[tuple[object, object, object]]]]:
     """The conv, SiLU, L2-normed q and k and the gated delta rule of each sequence (start, T) of the rows:
     tm [C, N] conv inputs, tg, tb [Hv, N] log decay and beta; tconv[i] [Kc-1, C] and tstate[i] [S, S, Hv]
     sequence i's past. -> (each sequence's gated_delta_net result: o [S, Hv, T] then the new state; its new
-    conv inputs [Kc-1, C]; its mark's pieces).
+    conv inputs [Kc-1, C]; its marks' pieces).
 
-    A sequence with a mark m (0 < m < T, marks[i]) is also wanted as it stands after its first m new tokens
-    (a checkpoint a prompt's reader keeps): its rule runs as two ops, m tokens then T - m from the state
-    the first left, which is what reading the two parts in two calls does, so its bits are the same either
-    way. Its result is then the second op's (o of the last T - m tokens, the new state), and its pieces are
-    (the first op's result: o of the first m tokens, then the state after them; the conv inputs [Kc-1, C]
-    and the state [S, S, Hv] there, each a tensor of its own)."""
+    A sequence with marks m1 < m2 < ... (each 0 < m < T, marks[i]) is also wanted as it stands after its
+    first m1, m2, ... new tokens (a checkpoint a prompt's reader keeps; every row of a checking window): its
+    rule runs as one op per stretch between marks, each from the state the one before left, which is what
+    reading the stretches in separate calls does, so its bits are the same either way. Its result is then
+    the last op's (o of the tokens after the last mark, the new state), and its pieces, one per mark, are
+    (the op's result before the mark: o of its tokens, then the state after them; the conv inputs [Kc-1, C]
+    and the state [S, S, Hv] at the mark, each a tensor of its own)."""
     gm, ctx = gr.g, gr.ctx
     c = int(tm.contents.ne[0])
     hv = int(tg.contents.ne[0])
@@ -66,7 +67,7 @@ def _delta_rule_ops(
         return gm.ggml_scale(ctx, gm.ggml_rms_norm(ctx, x, rule.eps / s), 1.0 / float(np.sqrt(s)))
 
     results, new_convs = [], []
-    pieces: list[tuple[object, object, object] | None] = []
+    pieces: list[list[tuple[object, object, object]]] = []
     for i, (start, t) in enumerate(spans):
         new = gm.ggml_view_2d(ctx, tm, c, t, c * 4, start * c * 4)  # [C, T]
         window = gm.ggml_concat(
@@ -98,15 +99,17 @@ def _delta_rule_ops(
                 for x in (q, k)
             )  # fmt: skip
         state = gm.ggml_reshape_4d(ctx, tstate[i], s, s, hv, 1)
-        m = marks[i] if marks else 0
-        if not 0 < m < t:
-            results.append(_rule_op(gm, ctx, q, k, v, tg, tb, start, 0, t, state))
-            pieces.append(None)
-            continue
-        head = _rule_op(gm, ctx, q, k, v, tg, tb, start, 0, m, state)
-        there = gm.ggml_view_4d(ctx, head, s, s, hv, 1, s * 4, s * s * 4, s * s * hv * 4, m * hv * s * 4)
-        results.append(_rule_op(gm, ctx, q, k, v, tg, tb, start, m, t - m, there))
-        pieces.append((head, last_inputs(m), gm.ggml_cont(ctx, gm.ggml_reshape_3d(ctx, there, s, s, hv))))
+        cuts = marks[i] if marks else ()
+        mine = []
+        first = 0
+        for m in cuts:  # one op per stretch between marks, each from the state the one before left
+            head = _rule_op(gm, ctx, q, k, v, tg, tb, start, first, m - first, state)
+            n_out = (m - first) * hv * s
+            state = gm.ggml_view_4d(ctx, head, s, s, hv, 1, s * 4, s * s * 4, s * s * hv * 4, n_out * 4)
+            mine.append((head, last_inputs(m), gm.ggml_cont(ctx, gm.ggml_reshape_3d(ctx, state, s, s, hv))))
+            first = m
+        results.append(_rule_op(gm, ctx, q, k, v, tg, tb, start, first, t - first, state))
+        pieces.append(mine)
     return results, new_convs, pieces
 
 
@@ -221,9 +224,9 @@ def delta_net_layer(
     rule: DeltaRule,
     out_norm: Norm,
     out: Weight,
-    marks: Sequence[int] = (),
+    marks: Sequence[Sequence[int]] = (),
 ) -> tuple[
-    torch.Tensor, list[torch.Tensor], list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor] | None]
+    torch.Tensor, list[torch.Tensor], list[torch.Tensor], list[list[tuple[torch.Tensor, torch.Tensor]]]
 ]:
     """A whole Gated DeltaNet layer over the new tokens of several sequences, in one graph:
     x + out(out_norm(delta_rule(conv(...))) * z) for x [N, D] (lengths[i] rows of sequence i, in order).
@@ -232,10 +235,10 @@ def delta_net_layer(
     decay g [N, Hv], as linear() would; then delta_net_step's ops per sequence, then out_norm per value head,
     times z, the out product and the residual as linear() would. Every op is the one those calls run on the
     same values, so this gives their bits: a sequence's result does not depend on which path ran it.
-    `marks[i]` (0 < m < lengths[i]; 0: none): sequence i's conv inputs [C, Kc-1] and state [Hv, S, S] after
-    its first m new tokens too (_delta_rule_ops: the same bits as reading it in two calls).
-    -> (y [N, D], the new convs, the new states [Hv, S, S]: views of this call's outputs, the marks' (conv,
-    state) or None)."""
+    `marks[i]` (increasing, each 0 < m < lengths[i]): sequence i's conv inputs [C, Kc-1] and state [Hv, S, S]
+    after its first m new tokens too (_delta_rule_ops: the same bits as reading it in separate calls).
+    -> (y [N, D], the new convs, the new states [Hv, S, S]: views of this call's outputs, per sequence the
+    (conv, state) at each of its marks)."""
     x = f32_rows(x)
     n, d = int(x.shape[0]), int(x.shape[1])
     c, hv = inputs[0].rows, inputs[2].rows
@@ -245,17 +248,17 @@ def delta_net_layer(
     spans = [(int(a), int(t)) for a, t in zip(starts, lengths, strict=True)]
     w = f32_rows(rule.conv_weight)
     ins = [x] + [f32_rows(t) for t in convs] + [f32_rows(t) for t in states]
-    marks = tuple(int(m) if 0 < m < t else 0 for m, t in zip(marks, lengths, strict=True)) if marks else ()
-    tails = [t - m for t, m in zip(lengths, marks, strict=True)] if marks else list(lengths)  # the last op's
+    marks = tuple(tuple(int(m) for m in ms) for ms in marks) if any(marks) else ()
+    tails = [t - (ms[-1] if ms else 0) for t, ms in zip(lengths, marks or [()] * len(lengths), strict=True)]
     results = _rule_results(states, tails, hv, s)
     new_convs = [torch.empty(c, kc - 1) for _ in lengths]
-    marked = [(torch.empty(c, kc - 1), torch.empty(hv, s, s)) for m in marks if m]
+    marked = [[(torch.empty(c, kc - 1), torch.empty(hv, s, s)) for _ in ms] for ms in marks]
     y = torch.empty(n, d)
 
     def build(keep: bool) -> Graph:
         b = len(spans)
         scratch = _layer_scratch(n, d, inputs, posts, out, spans, lengths, marks, c, kc, hv, s)
-        gr = Graph(scratch, dense_tensors(inputs, posts) + 40 * b + 24 + 24 * sum(map(bool, marks)), keep)
+        gr = Graph(scratch, dense_tensors(inputs, posts) + 40 * b + 24 + 24 * sum(map(len, marks)), keep)
         xt = gr.input(d, n)
         tconv = [gr.input(kc - 1, c) for _ in range(b)]
         tstate = [gr.input(s, s, hv) for _ in range(b)]
@@ -266,8 +269,8 @@ def delta_net_layer(
         gr.output(yt)
         for r in res + ncs:
             gr.output(r)
-        for p in pieces:
-            if p is not None:
+        for mine in pieces:
+            for p in mine:
                 gr.output(p[1])
                 gr.output(p[2])
         return gr
@@ -276,20 +279,21 @@ def delta_net_layer(
     if n <= KEEP_ROWS:
         key = ("dn-layer", tuple(lengths), marks, *((v.ptr, post_key(p)) for v, p in zip(inputs, posts, strict=True)),
                norm.weight.data_ptr(), norm.eps, out_norm.weight.data_ptr(), out_norm.eps, out.ptr, w.data_ptr())  # fmt: skip
-    run_graph(key, build, ins, [y, *results, *new_convs, *(t for pair in marked for t in pair)])
-    got = iter(marked)
+    run_graph(
+        key, build, ins, [y, *results, *new_convs, *(t for mine in marked for pair in mine for t in pair)]
+    )
     return (
         y,
         new_convs,
         [r[t * hv * s :].view(hv, s, s) for r, t in zip(results, tails, strict=True)],
-        [next(got) if m else None for m in marks] if marks else [None] * len(lengths),
+        marked or [[] for _ in lengths],
     )
 
 
 def _layer_scratch(
     n: int, d: int, inputs: Sequence[Weight], posts: Sequence[Post | None], out: Weight,
-    spans: Sequence[tuple[int, int]], lengths: Sequence[int], marks: Sequence[int], c: int, kc: int, hv: int,
-    s: int,
+    spans: Sequence[tuple[int, int]], lengths: Sequence[int], marks: Sequence[Sequence[int]], c: int, kc: int,
+    hv: int, s: int,
 ) -> int:  # fmt: skip
     """Scratch bytes of delta_net_layer's graph: the input products, each sequence's rule, the out product,
     o and its gated norm, and each mark's pieces."""
@@ -299,9 +303,8 @@ def _layer_scratch(
         + dense_scratch(n, hv * s, [out], [None])
         + 4 * 2 * n * hv * s
         + sum(
-            4 * (t * hv * s + 2 * hv * s * s + (kc - 1) * c)
-            for m, t in zip(marks, lengths, strict=False)
-            if m
+            4 * len(ms) * (t * hv * s + 2 * hv * s * s + (kc - 1) * c)
+            for ms, t in zip(marks, lengths, strict=False)
         )
     )
 
@@ -309,22 +312,23 @@ def _layer_scratch(
 def _rows_in_place(
     gr: Graph,
     res: Sequence[object],
-    pieces: Sequence[tuple[object, object, object] | None],
+    pieces: Sequence[Sequence[tuple[object, object, object]]],
     spans: Sequence[tuple[int, int]],
-    marks: Sequence[int],
+    marks: Sequence[Sequence[int]],
     width: int,
     n: int,
 ) -> object:
-    """o [width, N] (width = Hv*S): the rule outputs of _delta_rule_ops (a marked sequence's two ops) each at
+    """o [width, N] (width = Hv*S): the rule outputs of _delta_rule_ops (a marked sequence's ops) each at
     its rows of the call. Each part's rows are copied into place: a chain of concats would copy O(B^2) rows
     for B sequences."""
     gm, ctx = gr.g, gr.ctx
     parts = []  # (o of rows start..start+T, start, T)
-    for i, (r, p, (start, t)) in enumerate(zip(res, pieces, spans, strict=True)):
-        m = marks[i] if p is not None else 0
-        if p is not None:
-            parts.append((p[0], start, m))
-        parts.append((r, start + m, t - m))
+    for i, (r, mine, (start, t)) in enumerate(zip(res, pieces, spans, strict=True)):
+        first = 0
+        for p, m in zip(mine, marks[i] if marks else (), strict=True):
+            parts.append((p[0], start + first, m - first))
+            first = m
+        parts.append((r, start + first, t - first))
     views = [gm.ggml_view_2d(ctx, r, width, t, width * 4, 0) for r, _, t in parts]
     o = views[0]
     if len(views) > 1:

@@ -7,6 +7,8 @@ pass that checks k drafts at once yields up to k + 1 tokens for one round trip p
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 # The longest suffix looked up first: a longer match predicts better; shorter ones are tried when it fails.
 MAX_NGRAM = 4
@@ -27,3 +29,36 @@ def lookup_drafts(tokens: Sequence[int], k: int, max_n: int = MAX_NGRAM, min_n: 
             if t[i : i + n] == tail:
                 return t[i + n : i + n + k]
     return []
+
+
+class Drafter(Protocol):
+    """What proposes a decode step's drafts: the sequence's tokens so far (its prompt and every token
+    sampled, the last of them not yet fed) -> guesses at the tokens that follow, in order (may be none)."""
+
+    def __call__(self, tokens: Sequence[int]) -> Sequence[int]: ...
+
+
+@dataclass(frozen=True)
+class PromptLookup:
+    """`--draft ngram`: up to k drafts by lookup_drafts."""
+
+    k: int = 3
+
+    def __call__(self, tokens: Sequence[int]) -> Sequence[int]:
+        return lookup_drafts(tokens, self.k)
+
+
+@dataclass(frozen=True)
+class Scripted:
+    """Drafts read from a known text: the k tokens that follow the sequence in `text` while the sequence is
+    a prefix of it, else none. Fed the continuation of an earlier greedy run of the same prompt, every draft
+    is right: what measures the checking window itself (benchmarks, tests), not a way to guess."""
+
+    text: tuple[int, ...]
+    k: int = 3
+
+    def __call__(self, tokens: Sequence[int]) -> Sequence[int]:
+        n = len(tokens)
+        if n >= len(self.text) or tuple(tokens) != self.text[:n]:
+            return ()
+        return self.text[n : n + self.k]

@@ -25,7 +25,8 @@ class CausalLM(Protocol):
         states: Sequence[Any],
         lengths: Sequence[int],
         last_only: bool = False,
-        marks: Sequence[int] = (),
+        marks: Sequence[int | Sequence[int]] = (),
+        tails: Sequence[int] = (),
     ) -> torch.Tensor: ...
 
 
@@ -139,6 +140,9 @@ class Seq:
     held: list[Any] = field(default_factory=list)
     last: Any = None
     anchor: Any = None  # (state checkpoint, last) at the settled point: a redo starts there
+    drafted: int = 0  # drafts its checking windows carried
+    accepted: int = 0  # ... of which the model's own tokens agreed with
+    windows: int = 0  # passes that carried drafts for it
 
     def take(self) -> list[Any]:
         out, self.ready = self.ready, []
@@ -155,11 +159,27 @@ class Entry:
     tokens: tuple[int, ...] | None = None
     output: bool = True
     mark: int = 0  # > 0: keep a checkpoint after this many of `tokens` (in seq.state.marked)
+    # a decode step's guesses at the tokens after its last output (a checking window: see Steps)
+    drafts: tuple[int, ...] = ()
+
+    def feed(self) -> list[int]:
+        if self.tokens is not None:
+            return list(self.tokens)
+        return [int(self.seq.last), *self.drafts]
 
 
 class Steps:
     """Forward passes over several sequences whose outputs count only once the nodes' answers behind them
     are checked.
+
+    A decode entry may carry drafts: guesses at the tokens that follow its last output. Its pass then feeds
+    the last output and the drafts (a checking window: one expert fan-out per layer for them all) and
+    samples a token after every row, in order; a draft is kept while it equals the token sampled at its
+    place, and the first that does not ends the window. The tokens sampled up to there are the outputs
+    (the one after the last kept draft included), and the sequence's state goes back to the checkpoint
+    the pass kept after the last kept row (DecoderModel's marks). Every row's bits are those of feeding
+    the tokens one pass at a time, and a token's random draw depends on its position alone
+    (position_uniform), so the outputs are those of decoding without drafts, whatever the drafts were.
 
     Each pass (one model call for all its entries: one expert fan-out per layer) is remembered back to the
     last settled point, where every sequence's state, sampler and last output are checkpointed. When the
@@ -175,6 +195,7 @@ class Steps:
         self.passes: list[list[Entry]] = []  # since the settled point
         self.open: dict[int, Seq] = {}  # sequences joined or stepped since the settled point, by id
         self.redone = 0  # passes done again after a node was caught
+        self.drafted = self.accepted = self.windows = 0  # over every checking window of this run
 
     def join(self, seq: Seq) -> None:
         """Take a sequence in (its state as it is now is where a redo would bring it back to)."""
@@ -209,10 +230,23 @@ class Steps:
         return seq.state.checkpoint(), seq.last
 
     def _pass(self, entries: list[Entry]) -> None:
-        feeds = [list(e.tokens) if e.tokens is not None else [int(e.seq.last)] for e in entries]
+        feeds = [e.feed() for e in entries]
         every_row = any(e.output and e.seq.sampler is None for e in entries)
+        windows = any(e.drafts for e in entries)
         ids = torch.tensor([t for f in feeds for t in f], dtype=torch.long, device=self.device)
-        marks = [e.mark for e in entries] if any(e.mark for e in entries) else ()
+        marks: list[tuple[int, ...]] = [
+            tuple(range(1, len(f))) if e.drafts else (e.mark,) if e.mark else ()
+            for e, f in zip(entries, feeds, strict=True)
+        ]
+        # rows of logits wanted per entry: a window's every row, a logits entry's every row, else the last
+        tails = (
+            [
+                len(f) if e.drafts or (e.output and e.seq.sampler is None) else 1
+                for e, f in zip(entries, feeds, strict=True)
+            ]
+            if windows
+            else []
+        )
         if self.checker is not None:  # every answer of a pass that reads a prompt is checked (audit.Scope)
             self.checker.cover(any(e.tokens is not None for e in entries))
         with torch.inference_mode():
@@ -221,17 +255,43 @@ class Steps:
                 [e.seq.state for e in entries],
                 [len(f) for f in feeds],
                 last_only=not every_row,
-                marks=marks,
+                marks=marks if any(marks) else (),
+                tails=tails,
             )
         start = 0
         for i, (e, f) in enumerate(zip(entries, feeds, strict=True)):
-            rows = logits[start : start + len(f)] if every_row else logits[i : i + 1]  # [T or 1, V]
-            start += len(f)
-            if e.output:
+            n = tails[i] if windows else len(f) if every_row else 1
+            rows = logits[start : start + n]  # [n, V]
+            start += n
+            if e.drafts:
+                self._window(e, rows)
+            elif e.output:
                 sampler = e.seq.sampler
                 out = sampler(rows[-1], e.seq.state.length) if sampler is not None else rows
                 e.seq.held.append(out)
                 e.seq.last = out
+
+    def _window(self, e: Entry, rows: torch.Tensor) -> None:
+        """A checking window's outputs from its rows [1 + drafts, V]; its state back to the last kept row."""
+        seq, k = e.seq, len(e.drafts)
+        assert seq.sampler is not None, "drafts are for sequences that sample"
+        state = seq.state
+        first = state.length - k  # position of the token sampled after the window's first row
+        marked, state.marked = state.marked[-k:], []
+        for j in range(k + 1):
+            token = seq.sampler(rows[j], first + j)
+            seq.held.append(token)
+            seq.last = token
+            if j == k or token != e.drafts[j]:
+                break
+        seq.windows += 1
+        seq.drafted += k
+        seq.accepted += j
+        self.windows += 1
+        self.drafted += k
+        self.accepted += j
+        if j < k:  # rows after the last kept one read tokens that are not the sequence's
+            state.restore(marked[j])
 
     def _settle(self, force: bool) -> None:
         if self.checker is None:
@@ -287,9 +347,12 @@ def generate(
     stats: GenerationStats | None = None,
     clock: Callable[[], float] = time.perf_counter,
     checker: Checker | None = None,
+    drafter: Callable[[Sequence[int]], Sequence[int]] | None = None,
 ) -> Iterator[int]:
     """Yield generated token ids one by one; `stats` (if given) is filled in as it goes. With a `checker`,
-    tokens come once the nodes' answers behind them are checked (see Steps): a few at a time."""
+    tokens come once the nodes' answers behind them are checked (see Steps): a few at a time. With a
+    `drafter` (coordinator/drafts.py: the tokens so far -> guesses at the next ones), each decode step
+    checks its drafts in one pass (see Steps); the tokens are the same as without."""
     if not prompt:
         raise ValueError("empty prompt: give at least one token")
     device = torch.device(device)
@@ -305,8 +368,11 @@ def generate(
     stats.prefill_seconds = clock() - t0
 
     t0 = clock()
+    history = list(prompt)  # the prompt and every token sampled (the last one not yet fed)
     while True:
-        for token in seq.take():
+        taken = seq.take()
+        history += taken
+        for token in taken:
             stats.generated_tokens += 1
             yield token
             if token in params.stop_ids:
@@ -318,9 +384,12 @@ def generate(
                 stats.decode_seconds = clock() - t0
                 return
         produced = stats.generated_tokens + len(seq.held)  # sampled so far (some still held back)
-        if produced >= params.max_tokens or seq.last in params.stop_ids:
+        if produced >= params.max_tokens or any(t in params.stop_ids for t in seq.held):
             steps.finish()  # nothing more to compute: release what is held
         else:
-            steps.step([Entry(seq)])
+            drafts = tuple(drafter(history + seq.held))[: params.max_tokens - produced - 1] if drafter else ()
+            steps.step([Entry(seq, drafts=drafts)])
         stats.extra["redone_passes"] = steps.redone
+        if drafter is not None:
+            stats.extra.update(drafted=steps.drafted, accepted=steps.accepted, windows=steps.windows)
         stats.decode_seconds = clock() - t0

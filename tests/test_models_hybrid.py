@@ -8,6 +8,7 @@ expert backend is the in-process one over the file's own expert slabs.
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -349,41 +350,56 @@ def _same_checkpoint(a: Any, b: Any) -> bool:
 @pytest.mark.parametrize(
     ("fixture", "lengths", "marks"),
     [
-        ("qwen35moe-quant/model-q4_k_m.gguf", (40, 11), (30, 0)),  # a layer in one graph
-        ("qwen35moe-quant/model-q4_k_m.gguf", (10, 3, 2), (4, 0, 1)),  # ... a kept one (few rows)
-        ("qwen3next-tiny/model-f32.gguf", (40, 11), (30, 5)),  # op by op (fused ssm_ba)
-        ("qwen35moe-tiny/model-f32.gguf", (300,), (270,)),  # over RECURRENT_MAX: the chunked form
+        ("qwen35moe-quant/model-q4_k_m.gguf", (40, 11), ((30,), ())),  # a layer in one graph
+        ("qwen35moe-quant/model-q4_k_m.gguf", (10, 3, 2), ((4,), (), (1,))),  # ... a kept one (few rows)
+        ("qwen3next-tiny/model-f32.gguf", (40, 11), ((30,), (5,))),  # op by op (fused ssm_ba)
+        ("qwen35moe-tiny/model-f32.gguf", (300,), ((270,),)),  # over RECURRENT_MAX: the chunked form
+        # checking windows (a mark after every row but the last) beside a decode step and a prompt chunk
+        ("qwen35moe-quant/model-q4_k_m.gguf", (4, 1, 3, 9), ((1, 2, 3), (), (1, 2), (2, 7))),
+        ("qwen3next-tiny/model-f32.gguf", (4, 1, 3), ((1, 2, 3), (), (1, 2))),
     ],
 )
-def test_a_mark_keeps_the_checkpoint_of_reading_the_tokens_in_two_calls(
-    fixture: str, lengths: tuple[int, ...], marks: tuple[int, ...]
+def test_marks_keep_the_checkpoints_of_reading_the_tokens_in_separate_calls(
+    fixture: str, lengths: tuple[int, ...], marks: tuple[tuple[int, ...], ...]
 ) -> None:
-    """A pass with a mark (what the serve scheduler asks for a few tokens before a prompt's end) leaves the
-    checkpoint that reading the tokens up to it, checkpointing, then reading the rest would, bit for bit, and
-    the same logits and final state; the checkpoint, restored, reads the rest to the same logits again."""
+    """A pass with marks (what the serve scheduler asks for a few tokens before a prompt's end; a checking
+    window after each of its rows) leaves the checkpoints that reading the tokens up to each mark,
+    checkpointing, then reading on would, bit for bit, and the same logits and final state; each
+    checkpoint, restored, reads the rest to the same logits again."""
     model = load(FIXTURES / fixture)
     g = torch.Generator().manual_seed(sum(lengths))
     seqs = [torch.randint(3, 700, (n,), generator=g) for n in lengths]
     apart, cps, logits = [], [], []
-    for s, m in zip(seqs, marks, strict=True):
+    for s, ms in zip(seqs, marks, strict=True):
         st = model.new_state()
-        rows = []
-        if m:
-            rows.append(model.run(s[:m], st))
-            cps.append(st.checkpoint())
-        else:
-            cps.append(None)
-        rows.append(model.run(s[m:], st))
+        rows, mine = [], []
+        for a, b in itertools.pairwise([0, *ms, len(s)]):
+            if a:
+                mine.append(st.checkpoint())
+            rows.append(model.run(s[a:b], st))
+        cps.append(mine)
         apart.append(st)
         logits.append(torch.cat(rows))
     states = [model.new_state() for _ in seqs]
     together = model(torch.cat(seqs), states, list(lengths), marks=list(marks))
     assert torch.equal(together, torch.cat(logits))
-    for st, ref, cp, m, s, rows in zip(states, apart, cps, marks, seqs, logits, strict=True):
+    for st, ref, mine, ms, s, rows in zip(states, apart, cps, marks, seqs, logits, strict=True):
         assert _same_checkpoint(st.checkpoint(), ref.checkpoint())
-        if not m:
-            assert st.marked is None
-            continue
-        assert st.marked is not None and _same_checkpoint(st.marked, cp)
-        st.restore(st.marked)
-        assert torch.equal(model.run(s[m:], st), rows[m:])
+        assert len(st.marked) == len(ms)
+        for (at, cp), m, want in zip(st.marked, ms, mine, strict=True):
+            assert at == m and _same_checkpoint((at, cp), want)
+        for at, cp in st.marked:
+            st.restore((at, cp))
+            assert torch.equal(model.run(s[at:], st), rows[at:])
+
+
+def test_tails_give_the_last_rows_of_each_sequence() -> None:
+    """`tails` picks each sequence's last rows of logits, the rows of all of them (a checking window beside
+    a prompt chunk whose last row alone is wanted)."""
+    model = load(FIXTURES / "qwen35moe-quant/model-q4_k_m.gguf")
+    ids = torch.randint(3, 700, (9,), generator=torch.Generator().manual_seed(3))
+    every = model(ids, [model.new_state(), model.new_state()], [5, 4])
+    some = model(ids, [model.new_state(), model.new_state()], [5, 4], tails=[1, 3])
+    assert torch.equal(some, every[[4, 6, 7, 8]])
+    with pytest.raises(ValueError, match="tails"):
+        model(ids, [model.new_state(), model.new_state()], [5, 4], tails=[1, 5])

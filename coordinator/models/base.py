@@ -15,6 +15,7 @@ pure functions: no file I/O, no network.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -37,8 +38,9 @@ class SequenceState:
 
     layers: list[Any]
     length: int = 0  # tokens consumed so far = position of the next token
-    # the checkpoint at the mark of the last call that had one for this sequence (DecoderModel's `marks`)
-    marked: tuple[int, list[Any]] | None = None
+    # (position, checkpoint) at each mark of the last call that had some for this sequence (DecoderModel's
+    # `marks`), in order
+    marked: list[tuple[int, list[Any]]] = dataclasses.field(default_factory=list)
 
     def checkpoint(self) -> tuple[int, list[Any]]:
         """What `restore` needs to bring this sequence back to now (the work after it is done again)."""
@@ -57,9 +59,10 @@ class Batch:
     lengths: tuple[int, ...]  # new tokens of each sequence
     starts: tuple[int, ...]  # tokens each sequence already held = position of its first new token
     positions: torch.Tensor  # [N] absolute position of every token
-    # per sequence, 0 or how many of its new tokens come before the point a checkpoint is wanted at (a
-    # prompt's reader keeps one before the prompt's end): its recurrent layers keep their state there
-    marks: tuple[int, ...] = ()
+    # per sequence, how many of its new tokens come before each point a checkpoint is wanted at (increasing;
+    # a prompt's reader keeps one before the prompt's end, a checking window one after every row but the
+    # last): its recurrent layers keep their state there. () when no sequence has any.
+    marks: tuple[tuple[int, ...], ...] = ()
 
     @classmethod
     def of(
@@ -67,7 +70,7 @@ class Batch:
         states: Sequence[SequenceState],
         lengths: Sequence[int],
         device: torch.device,
-        marks: Sequence[int] = (),
+        marks: Sequence[Sequence[int]] = (),
     ) -> Batch:
         starts = tuple(s.length for s in states)
         # one tensor from a Python list: a decode step's few positions cost one op, not an arange per sequence
@@ -77,7 +80,7 @@ class Batch:
             lengths=tuple(int(n) for n in lengths),
             starts=starts,
             positions=positions,
-            marks=tuple(int(m) for m in marks) if any(marks) else (),
+            marks=tuple(tuple(int(m) for m in ms) for ms in marks) if any(marks) else (),
         )
 
     def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -155,36 +158,53 @@ class DecoderModel(nn.Module):
         states: Sequence[SequenceState],
         lengths: Sequence[int],
         last_only: bool = False,
-        marks: Sequence[int] = (),
+        marks: Sequence[int | Sequence[int]] = (),
+        tails: Sequence[int] = (),
     ) -> torch.Tensor:
         """tokens [N] (lengths[i] new tokens of sequence i, in order) -> logits [N, V] float32.
 
         With last_only, only each sequence's last position: [len(states), V] (saves the vocab
-        projection of a long prefill). States are advanced in place. `marks[i]` (0 < m < lengths[i]; 0:
-        none): sequence i is also checkpointed after its first m new tokens, into states[i].marked (as
-        calling with those m tokens, checkpointing, and calling with the rest would, in one pass).
+        projection of a long prefill); with `tails`, each sequence's last tails[i] positions, in order
+        ([sum(tails), V]; a checking window's rows). States are advanced in place. `marks[i]` (a count m
+        or several, increasing, each 0 < m < lengths[i]; 0 or (): none): sequence i is also checkpointed
+        after its first m new tokens, into states[i].marked (as calling with those m tokens,
+        checkpointing, and calling with the rest would, in one pass).
         """
         if not states or len(states) != len(lengths):
             raise ValueError(f"{len(states)} states but {len(lengths)} lengths; give at least one sequence")
         if sum(lengths) != tokens.shape[0] or any(n <= 0 for n in lengths):
             raise ValueError(f"lengths {list(lengths)} do not split {tokens.shape[0]} tokens")
-        if marks and (
-            len(marks) != len(lengths) or any(not 0 <= m < n for m, n in zip(marks, lengths, strict=True))
+        cuts = [(m,) if isinstance(m, int) and m else () if isinstance(m, int) else tuple(m) for m in marks]
+        if cuts and (
+            len(cuts) != len(lengths)
+            or any(
+                list(ms) != sorted(set(ms)) or any(not 0 < m < n for m in ms)
+                for ms, n in zip(cuts, lengths, strict=True)
+            )
         ):
             raise ValueError(f"marks {list(marks)} do not fall within lengths {list(lengths)}")
+        if tails and (
+            len(tails) != len(lengths) or any(not 0 < k <= n for k, n in zip(tails, lengths, strict=True))
+        ):
+            raise ValueError(f"tails {list(tails)} do not fall within lengths {list(lengths)}")
         device = self.output_norm.weight.device
         # inference_mode throughout, so caches made in one call stay writable in the next.
         with torch.inference_mode():
-            batch = Batch.of(states, lengths, device, marks)
+            batch = Batch.of(states, lengths, device, cuts)
             x = self.token_embd(tokens.to(device))  # [N, D]
             for i, blk in enumerate(self.blk):
                 x = blk(x, batch, [s.layers[i] for s in states])
             for i, (s, n) in enumerate(zip(states, batch.lengths, strict=True)):
-                if batch.marks and batch.marks[i]:
-                    at = s.length + batch.marks[i]
-                    s.marked = (at, [layer.take_marked(at) for layer in s.layers])
+                for m in batch.marks[i] if batch.marks else ():
+                    at = s.length + m
+                    s.marked.append((at, [layer.take_marked(at) for layer in s.layers]))
                 s.length += n
-            if last_only and x.shape[0] != len(states):  # (a decode step's rows are the last ones already)
+            if tails:
+                if list(tails) != list(batch.lengths):
+                    ends = list(itertools.accumulate(batch.lengths))
+                    rows = [r for e, k in zip(ends, tails, strict=True) for r in range(e - k, e)]
+                    x = x[torch.tensor(rows, device=device)]  # [sum(tails), D]
+            elif last_only and x.shape[0] != len(states):  # (a decode step's rows are the last ones already)
                 ends = torch.tensor(batch.lengths, device=device).cumsum(0) - 1
                 x = x.index_select(0, ends)  # [B, D]
         # The head runs outside inference_mode so that callers get an ordinary tensor they may modify.

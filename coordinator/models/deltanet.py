@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -40,18 +40,17 @@ class DeltaNetState:
     conv: torch.Tensor | None = None  # [C, Kc-1] the last Kc-1 inputs of the conv
     # [Hv, Dv, Dk] the recurrent state S per value head, in ggml's layout: ssm[h, j, i] = S_h[i, j]
     ssm: torch.Tensor | None = None
-    # (conv, ssm) as they stood at the mark of the last call that had one (Batch.marks): a checkpoint
-    marked: tuple[torch.Tensor, torch.Tensor] | None = None
+    # (conv, ssm) as they stood at each mark of the last call that had some (Batch.marks): checkpoints
+    marked: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
     def checkpoint(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         return _clone(self.conv), _clone(self.ssm)
 
     def take_marked(self, position: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The checkpoint at the last call's mark (`position`: where it is in the sequence; the layer kept
-        the state there)."""
-        assert self.marked is not None, "no mark in the last call"
-        cp, self.marked = self.marked, None
-        return cp
+        """The checkpoint at the last call's next mark, in order (`position`: where it is in the sequence;
+        the layer kept the state there)."""
+        assert self.marked, "no mark left from the last call"
+        return self.marked.pop(0)
 
     def restore(self, cp: tuple[torch.Tensor | None, torch.Tensor | None]) -> None:
         self.conv, self.ssm = _clone(cp[0]), _clone(cp[1])
@@ -151,7 +150,7 @@ class GatedDeltaNet(nn.Module):
         whole = self._whole(x, norm, batch, states)
         if whole is not None:
             return whole
-        marks = batch.marks or (0,) * len(states)
+        marks = batch.marks or ((),) * len(states)
         mixed, z, beta, g = self.project(x, norm)  # z activated; g: log of the per-step decay [N, Hv]
         parts = list(zip(batch.split(mixed), batch.split(g), batch.split(beta), states, strict=True))
         outs: list[torch.Tensor | None] = [None] * len(parts)
@@ -171,13 +170,16 @@ class GatedDeltaNet(nn.Module):
         for i, (m, gi, bi, st) in enumerate(parts):
             if outs[i] is not None:
                 continue
-            # a mark: its tokens read in two calls, the state kept between them (the same bits, as in one)
-            cuts = [0, marks[i], m.shape[0]] if 0 < marks[i] < m.shape[0] else [0, m.shape[0]]
+            # marks: its tokens read as in separate calls, the state kept between them (the same bits)
+            cuts = [0, *marks[i], m.shape[0]]
             pieces = []
             for a, b in itertools.pairwise(cuts):
                 if a:
                     assert st.conv is not None and st.ssm is not None
-                    st.marked = (st.conv.clone(), st.ssm.clone())
+                    st.marked.append((st.conv.clone(), st.ssm.clone()))
+                    # a stretch as long as the one before updates the state where that one's output lies
+                    # (deltanet._rule_results): keep the output before it is written over
+                    pieces[-1] = pieces[-1].clone()
                 pieces.append(
                     self._chunked(m[a:b], gi[a:b], bi[a:b], st)
                     if b - a > RECURRENT_MAX
@@ -218,10 +220,9 @@ class GatedDeltaNet(nn.Module):
             out[0][0],
             batch.marks,
         )
-        for st, conv, ssm, cp in zip(states, convs, ssms, marked, strict=True):
+        for st, conv, ssm, cps in zip(states, convs, ssms, marked, strict=True):
             st.conv, st.ssm = conv, ssm
-            if cp is not None:
-                st.marked = cp
+            st.marked.extend(cps)
         return y
 
     def _steps(

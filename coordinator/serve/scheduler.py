@@ -349,8 +349,9 @@ class Scheduler:
             r = s.request
             if r is None or s.state is None:
                 continue
-            if s.state.marked is not None:  # the pass went past the checkpoint's place and kept it there
-                s.checkpoints[s.state.marked[0]], s.state.marked = s.state.marked, None
+            for cp in s.state.marked:  # the pass went past the checkpoint's place and kept it there
+                s.checkpoints[cp[0]] = cp
+            s.state.marked.clear()
             if s.fed in (len(r.prompt), r.checkpoint_at()):
                 s.checkpoints[s.fed] = s.state.checkpoint()
         out_now = 0
