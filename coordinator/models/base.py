@@ -160,8 +160,11 @@ class DecoderModel(nn.Module):
         last_only: bool = False,
         marks: Sequence[int | Sequence[int]] = (),
         tails: Sequence[int] = (),
-    ) -> torch.Tensor:
-        """tokens [N] (lengths[i] new tokens of sequence i, in order) -> logits [N, V] float32.
+        hidden: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """tokens [N] (lengths[i] new tokens of sequence i, in order) -> logits [N, V] float32; with
+        `hidden`, (logits, h [N, D]): h every row of the call after output_norm, whichever rows the logits
+        are of (what an MTP head reads).
 
         With last_only, only each sequence's last position: [len(states), V] (saves the vocab
         projection of a long prefill); with `tails`, each sequence's last tails[i] positions, in order
@@ -194,6 +197,7 @@ class DecoderModel(nn.Module):
             x = self.token_embd(tokens.to(device))  # [N, D]
             for i, blk in enumerate(self.blk):
                 x = blk(x, batch, [s.layers[i] for s in states])
+            h = self.output_norm(x).float() if hidden else None  # [N, D]
             for i, (s, n) in enumerate(zip(states, batch.lengths, strict=True)):
                 for m in batch.marks[i] if batch.marks else ():
                     at = s.length + m
@@ -209,7 +213,8 @@ class DecoderModel(nn.Module):
                 x = x.index_select(0, ends)  # [B, D]
         # The head runs outside inference_mode so that callers get an ordinary tensor they may modify.
         with torch.no_grad():
-            return project(x, self.output, norm=self.output_norm)[0].float()  # [N, V]
+            logits = project(x, self.output, norm=self.output_norm)[0].float()  # [N, V]
+        return (logits, h.clone()) if h is not None else logits
 
     def warm_up(self) -> None:
         """One token through every expert of every layer (llama.cpp warms up the same way), so that the
