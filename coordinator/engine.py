@@ -21,8 +21,9 @@ from swarm.compute.slabs import allow_open_files, load_slabs, slab_progress
 from swarm.compute.store import ExpertStore
 from swarm.coordinator.audit import DEFAULT_RATE, Auditor
 from swarm.coordinator.experts import LocalExperts
-from swarm.coordinator.loader import default_device, load_model
+from swarm.coordinator.loader import default_device, load_model, load_mtp_head
 from swarm.coordinator.models.base import DecoderModel
+from swarm.coordinator.models.mtp import MTPHead
 from swarm.coordinator.remote.discovery import connect
 from swarm.coordinator.remote.dispatch import SwarmExperts
 from swarm.coordinator.tokenizer import GGUFTokenizer
@@ -52,6 +53,7 @@ class Engine:
     source: str
     fingerprint: str
     numerics: Numerics = Numerics.NATIVE
+    mtp: MTPHead | None = None  # the model's MTP head, loaded with open_engine(mtp=True)
 
     @property
     def checker(self) -> Auditor | None:
@@ -112,6 +114,7 @@ def open_engine(
     degraded: bool = False,
     verify: str = "sample",
     numerics_class: str = "any",
+    mtp: bool = False,
 ) -> Engine:
     """The model at `path` with its experts computed here (`local`) or by the swarm's nodes.
     `progress`: progress bars on stderr (only when it is a terminal) while slabs and weights load.
@@ -120,7 +123,9 @@ def open_engine(
     node answers recomputed here to check them (swarm.coordinator.audit; 0: trust every node). `verify`:
     "sample" (that share, and every answer of a prompt pass on one row per expert), "pair" (every call also
     sent to a second holder, the two compared) or "all" (every answer recomputed here). `numerics_class`:
-    "same" takes only nodes whose answers are checked bit for bit (swarm.compute.numclass)."""
+    "same" takes only nodes whose answers are checked bit for bit (swarm.compute.numclass). `mtp`: the
+    model's MTP head too (Engine.mtp, for coordinator.mtp_drafts; its experts on the same backend); a file
+    without one is a GGUFError."""
     dev = torch.device(device) if device else default_device()
     wire_dtype = WIRE_DTYPES[wire]
     experts: LocalExperts | SwarmExperts
@@ -146,6 +151,7 @@ def open_engine(
         _check_answers(experts, path, numerics, wire_dtype, audit, audit_seed, degraded, verify)
     try:
         model, meta = load_model(path, experts, dev, progress=progress, numerics=numerics)
+        head = load_mtp_head(path, model, experts, numerics) if mtp else None
         tokenizer = GGUFTokenizer(meta)
         if isinstance(experts, SwarmExperts):
             waited = time.perf_counter()
@@ -157,7 +163,7 @@ def open_engine(
         if isinstance(experts, SwarmExperts):
             experts.close()
         raise
-    return Engine(model, meta, tokenizer, experts, dev, str(path), fingerprint, numerics)
+    return Engine(model, meta, tokenizer, experts, dev, str(path), fingerprint, numerics, head)
 
 
 def _local_experts(

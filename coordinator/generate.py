@@ -143,6 +143,7 @@ class Seq:
     drafted: int = 0  # drafts its checking windows carried
     accepted: int = 0  # ... of which the model's own tokens agreed with
     windows: int = 0  # passes that carried drafts for it
+    steps: int = 0  # decode passes (windows or one token) it took part in
 
     def take(self) -> list[Any]:
         out, self.ready = self.ready, []
@@ -263,6 +264,8 @@ class Steps:
             n = tails[i] if windows else len(f) if every_row else 1
             rows = logits[start : start + n]  # [n, V]
             start += n
+            if e.tokens is None:
+                e.seq.steps += 1
             if e.drafts:
                 self._window(e, rows)
             elif e.output:
@@ -368,6 +371,7 @@ def generate(
     stats.prefill_seconds = clock() - t0
 
     t0 = clock()
+    passes = 0
     history = list(prompt)  # the prompt and every token sampled (the last one not yet fed)
     while True:
         taken = seq.take()
@@ -389,7 +393,14 @@ def generate(
         else:
             drafts = tuple(drafter(history + seq.held))[: params.max_tokens - produced - 1] if drafter else ()
             steps.step([Entry(seq, drafts=drafts)])
+            passes += 1
         stats.extra["redone_passes"] = steps.redone
         if drafter is not None:
-            stats.extra.update(drafted=steps.drafted, accepted=steps.accepted, windows=steps.windows)
+            made = stats.generated_tokens + len(seq.held) + len(seq.ready) - 1  # by decode passes
+            stats.extra.update(
+                drafted=steps.drafted,
+                accepted=steps.accepted,
+                windows=steps.windows,
+                tokens_per_pass=made / passes if passes else 0.0,
+            )
         stats.decode_seconds = clock() - t0

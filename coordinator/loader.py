@@ -8,7 +8,8 @@ dequantized exactly (exact numerics); on a GPU they are copied there as float16/
 float32 (exact). `token_embd` stays in the memory map, rows decoded per lookup. The small rest (norms,
 biases, convolution and decay vectors) is dequantized into float32 parameters. Loading is strict: a tensor the model needs and the file lacks, or
 one the file has and the model does not use, is an error naming it. Expert tensors (`*_exps`) are
-left to the expert backend; MTP blocks (`nextn_predict_layers`) are not part of the main pass.
+left to the expert backend; MTP blocks (`nextn_predict_layers`) are not part of the main pass: the first of
+them loads on request as a head of its own (`load_mtp_head`), the same way.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ from swarm.coordinator.experts import ExpertBackend
 from swarm.coordinator.models import get_arch
 from swarm.coordinator.models.base import DecoderModel, PackedEmbedding
 from swarm.coordinator.models.gguf_meta import n_main_layers
+from swarm.coordinator.models.hybrid import HybridConfig
 from swarm.coordinator.models.linear import GGMLMatrix, Linear, Matrix, TorchMatrix
+from swarm.coordinator.models.mtp import MTPHead, TrunkParts
 from swarm.proto.numerics import Numerics
 from swarm.sharding.gguf_io import (
     EXPERT_TENSOR_RE,
@@ -48,6 +51,7 @@ log = logging.getLogger(__name__)
 DENSE_FILE = "dense.gguf"  # the non-expert half of a `swarm shard` directory
 TOKEN_EMBD = "token_embd.weight"
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.")
+MTP_EMBED = "nextn.embed_tokens.weight"  # an MTP block's own embedding table, where the file has one
 
 
 def default_device() -> torch.device:
@@ -168,24 +172,54 @@ def load_dense_tensors(
         aliases["output.weight"] = TOKEN_EMBD
         log.info("%s: no output.weight; the output head reuses token_embd.weight", path)
 
-    missing = sorted(n for n in wanted if n not in file_tensors and n not in aliases)
+    check_names(wanted, set(file_tensors), aliases, path, f"{arch} model")
+
+    device = model.output_norm.weight.device
+    embd = model.token_embd
+    model.token_embd = packed_embedding(
+        file_tensors[TOKEN_EMBD], embd.num_embeddings, embd.embedding_dim, path, device
+    )
+    fill_tensors(model, file_tensors, aliases, path, arch, device, numerics, progress)
+    log.debug("%s: loaded %d tensors, left %d to the experts/MTP", path, len(names), skipped)
+
+
+def check_names(wanted: set[str], held: set[str], aliases: dict[str, str], path: Path, what: str) -> None:
+    """Strict loading: a tensor wanted and not held (nor aliased), or held and not wanted, is an error."""
+    missing = sorted(n for n in wanted if n not in held and n not in aliases)
     if missing:
         raise GGUFError(
             f"{path}: tensor {missing[0]} is missing"
             + (f" (and {len(missing) - 1} more: {', '.join(missing[1:6])})" if len(missing) > 1 else "")
-            + f"; the file does not hold a complete {arch} model, convert it again"
+            + f"; the file does not hold a complete {what}, convert it again"
         )
-    unexpected = sorted(n for n in file_tensors if n not in wanted)
+    unexpected = sorted(n for n in held if n not in wanted)
     if unexpected:
         raise GGUFError(
             f"{path}: unexpected tensor {unexpected[0]}"
             + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
-            + f" that the {arch} model does not use; the file does not match its architecture"
+            + f" that the {what} does not use; the file does not match its architecture"
         )
 
-    pack_token_embd(model, file_tensors[TOKEN_EMBD], path)
-    state = model.state_dict(keep_vars=True)
-    device = model.output_norm.weight.device
+
+def fill_tensors(
+    module: nn.Module,
+    file_tensors: dict[str, ReaderTensor],
+    aliases: dict[str, str],
+    path: Path,
+    arch: str,
+    device: torch.device,
+    numerics: Numerics,
+    progress: bool = False,
+    prefix: str = "",
+) -> None:
+    """Set every Linear's matrix and copy every other parameter of `module` from the file tensor of its GGUF
+    name (prefix + the module path's name; `aliases`: a name read from another tensor); the names were
+    checked present."""
+    names = gguf_names(module)
+    linears = linear_names(module)
+    state = module.state_dict(keep_vars=True)
+    names = {k: prefix + n for k, n in names.items()}
+    linears = {prefix + n: lin for n, lin in linears.items()}
     total = sum(int(file_tensors[aliases.get(n, n)].n_bytes) for n in [*names.values(), *linears])
     bar = tqdm(
         total=total,
@@ -224,22 +258,73 @@ def load_dense_tensors(
         for lin in linears.values()
         if isinstance(lin.matrix, GGMLMatrix) and lin.matrix.weight.repack is None
     )
-    log.debug("%s: loaded %d tensors, left %d to the experts/MTP", path, len(names), skipped)
 
 
-def pack_token_embd(model: nn.Module, t: ReaderTensor, path: Path) -> None:
-    """Give the model a PackedEmbedding over the file's own token_embd rows (whatever their type: nothing
-    is copied; a tied output head multiplies the same bytes)."""
-    embd = model.token_embd
-    n_vocab, n_embd = embd.num_embeddings, embd.embedding_dim
-    _check_shape(path, "model", TOKEN_EMBD, torch_shape(t), (n_vocab, n_embd))
+def load_mtp_head(
+    path: str | Path, model: DecoderModel, experts: ExpertBackend, numerics: Numerics = Numerics.NATIVE
+) -> MTPHead:
+    """The MTP head of the model file at `path` (its first MTP block, blk.L after the L main blocks) beside
+    `model` loaded from the same file: it shares the model's token_embd, output_norm and output where the
+    file gives it none of its own, and its routed experts (layer L) are computed by `experts`."""
+    gguf_path = resolve_gguf(path)
+    reader = open_gguf(gguf_path)
+    arch = architecture(read_metadata(reader), gguf_path)
+    cfg = getattr(model, "cfg", None)
+    if not isinstance(cfg, HybridConfig):
+        raise GGUFError(
+            f"{gguf_path}: {arch} models have no MTP head that swarm runs (qwen35moe and qwen3next have); "
+            "run without MTP drafts"
+        )
+    if cfg.n_nextn == 0:
+        raise GGUFError(
+            f"{gguf_path}: the file has no MTP block ({arch}.nextn_predict_layers is 0 or missing); run "
+            "without MTP drafts, or use a GGUF converted with the model's MTP layers"
+        )
+    prefix = f"blk.{cfg.n_layer}."
+    held = {
+        t.name: t for t in reader.tensors if t.name.startswith(prefix) and not EXPERT_TENSOR_RE.match(t.name)
+    }
+    embed_name = prefix + MTP_EMBED
+    device = model.output_norm.weight.device
+    trunk = TrunkParts(model.token_embd, model.output_norm, model.output)
+    with torch.device(device):
+        head = MTPHead(
+            cfg,
+            experts,
+            trunk,
+            own_norm=prefix + "nextn.shared_head_norm.weight" in held,
+            own_head=prefix + "nextn.shared_head_head.weight" in held,
+        )
+    wanted = {prefix + n for n in [*gguf_names(head).values(), *linear_names(head)]}
+    if embed_name in held:
+        wanted.add(embed_name)
+        head.nextn.embed_tokens = packed_embedding(
+            held[embed_name], cfg.n_vocab, cfg.n_embd, gguf_path, device
+        )
+    check_names(wanted, set(held), {}, gguf_path, f"{arch} MTP block")
+    fill_tensors(head, held, {}, gguf_path, arch, device, numerics, prefix=prefix)
+    for mod in head.modules():
+        if hasattr(mod, "native_steps"):
+            mod.native_steps = numerics == Numerics.NATIVE
+    head.bind()
+    head.eval()
+    if cfg.n_nextn > 1:
+        log.info("%s: %d MTP blocks; the drafts use the first, blk.%d", gguf_path, cfg.n_nextn, cfg.n_layer)
+    return head
+
+
+def packed_embedding(
+    t: ReaderTensor, n_vocab: int, n_embd: int, path: Path, device: torch.device
+) -> PackedEmbedding:
+    """A PackedEmbedding [n_vocab, n_embd] over the file's own rows of `t` (whatever their type: nothing is
+    copied; a tied output head multiplies the same bytes)."""
+    _check_shape(path, "model", t.name, torch_shape(t), (n_vocab, n_embd))
     qtype = t.tensor_type
 
     def decode(rows: np.ndarray, shape: tuple[int, int]) -> torch.Tensor:
         return dequantize(rows, qtype, shape)
 
-    device = model.output_norm.weight.device
-    model.token_embd = PackedEmbedding(np.asarray(t.data).reshape(n_vocab, -1), n_embd, decode, device)
+    return PackedEmbedding(np.asarray(t.data).reshape(n_vocab, -1), n_embd, decode, device)
 
 
 def _check_shape(path: Path, arch: str, name: str, shape: tuple[int, ...], want: tuple[int, ...]) -> None:

@@ -112,6 +112,36 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0, help="0 = no limit")
     g.add_argument("--seed", type=int, default=None)
+    add_draft_args(p)
+
+
+def add_draft_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("drafts (several tokens per pass; the text is the same as without)")
+    g.add_argument(
+        "--draft",
+        choices=["ngram", "none"],
+        default="ngram",
+        help="ngram (default): where the last tokens occurred earlier in the conversation, the tokens that "
+        "followed are checked as drafts in the next pass; none: one token a pass",
+    )
+    g.add_argument(
+        "--draft-max",
+        type=int,
+        default=3,
+        metavar="K",
+        help="most drafts a pass checks per sequence (default 3)",
+    )
+
+
+def drafter_from_args(args: argparse.Namespace) -> Any:
+    """The drafter `--draft` / `--draft-max` ask for, or None."""
+    from swarm.coordinator.drafts import PromptLookup
+
+    if args.draft_max < 0:
+        raise UserError("--draft-max must be 0 or more")
+    if args.draft == "none" or args.draft_max == 0:
+        return None
+    return PromptLookup(args.draft_max)
 
 
 def status_line(text: str) -> None:
@@ -202,7 +232,9 @@ def prompt_ids(engine: Any, prompt: str, chat: bool, system: str | None = None) 
     return engine.tokenizer.encode(text, parse_special=True)
 
 
-def stream_answer(engine: Any, ids: list[int], params: Any, out: Any = None) -> tuple[list[int], Any]:
+def stream_answer(
+    engine: Any, ids: list[int], params: Any, out: Any = None, drafter: Any = None
+) -> tuple[list[int], Any]:
     """Generate, printing text as it comes (to stdout by default); (generated ids, GenerationStats)."""
     from swarm.coordinator.generate import GenerationStats, generate
 
@@ -210,7 +242,9 @@ def stream_answer(engine: Any, ids: list[int], params: Any, out: Any = None) -> 
     stats = GenerationStats()
     detok = engine.tokenizer.stream(skip_control=True)
     generated = []
-    for token in generate(engine.model, ids, params, engine.device, stats, checker=engine.checker):
+    for token in generate(
+        engine.model, ids, params, engine.device, stats, checker=engine.checker, drafter=drafter
+    ):
         generated.append(token)
         if token not in params.stop_ids:
             out.write(detok.push(token))
@@ -230,6 +264,13 @@ def report(engine: Any, stats: Any, err: Any = None) -> None:
         f"decode: {stats.generated_tokens} tokens, {stats.decode_tps:.1f} tok/s | finish: {stats.finish_reason}",
         file=err,
     )
+    if stats.extra.get("drafted"):
+        x = stats.extra
+        print(
+            f"  drafts: {x['accepted']} of {x['drafted']} kept ({x['accepted'] / x['drafted']:.0%}), "
+            f"{x['tokens_per_pass']:.2f} tokens per decode pass",
+            file=err,
+        )
     if isinstance(engine.experts, SwarmExperts):
         for address in sorted(engine.experts.calls_per_node):
             print(

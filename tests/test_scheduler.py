@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 from conftest import FIXTURES
 
 from swarm.coordinator.engine import open_engine
-from swarm.coordinator.generate import Entry, SamplingParams
+from swarm.coordinator.generate import Entry, SamplingParams, generate
 from swarm.coordinator.serve import scheduler as sched
 from swarm.coordinator.serve.startup import warm_batches
 
@@ -118,5 +119,51 @@ def test_the_warm_up_runs_on_the_engine_thread_and_its_error_reaches_start() -> 
         with pytest.raises(MemoryError, match="warm-up pass"):
             s.start(broken)
         assert not s._thread.is_alive()
+    finally:
+        engine.close()
+
+
+class _Known:
+    """Drafts for several conversations: each sequence's next k tokens of its known text (right), or of that
+    text with every token moved to another id (wrong) for the conversations in `wrong`."""
+
+    def __init__(self, texts: list[list[int]], wrong: set[int], k: int = 3) -> None:
+        self.texts, self.wrong, self.k = texts, wrong, k
+
+    def __call__(self, tokens: Sequence[int]) -> list[int]:
+        n = len(tokens)
+        for i, text in enumerate(self.texts):
+            if list(tokens) == text[:n]:
+                nxt = text[n : n + self.k]
+                return [(t + 1) % 500 + 3 for t in nxt] if i in self.wrong else nxt
+        return []
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_four_conversations_with_drafts_each_get_their_text_alone(temperature: float) -> None:
+    """Four requests decode together with drafts in their passes (two all right, two all wrong, their windows
+    of different lengths in one pass): each gets the text it gets alone without drafts, token for token."""
+    engine = open_engine(Path(MODEL), local=True, device="cpu")
+    prompts = [[5 + i, 9, 40 + 3 * i, *range(60, 60 + 4 * i)] for i in range(4)]
+    params = [SamplingParams(max_tokens=14, temperature=temperature, seed=11 + i) for i in range(4)]
+    try:
+        alone = [list(generate(engine.model, p, q, "cpu")) for p, q in zip(prompts, params, strict=True)]
+        known = _Known([p + a for p, a in zip(prompts, alone, strict=True)], wrong={1, 3})
+        s = sched.Scheduler(
+            engine.model, torch.device("cpu"), None, parallel=4, ctx_size=256, max_queue=4, drafter=known
+        )
+        s.start()
+        try:
+            done = [threading.Event() for _ in range(4)]
+            outs: list[list[int]] = [[] for _ in range(4)]
+            for i in range(4):
+                s.submit(sched.Request(prompts[i], params[i], outs[i].extend, lambda _, d=done[i]: d.set()))
+            assert all(d.wait(120) for d in done)
+        finally:
+            s.stop()
+        assert outs == alone
+        t = s.draft_totals
+        assert t["drafted"] > 0 and 0 < t["accepted"] < t["drafted"]
+        assert t["tokens"] > t["steps"]  # the right drafts made several tokens a pass
     finally:
         engine.close()

@@ -138,6 +138,27 @@ def test_eight_at_once_each_get_their_text_alone(server: Server) -> None:
     assert sampled == sampled_alone
 
 
+def test_four_conversations_get_the_same_text_without_drafts(server: Server, tmp_path: Path) -> None:
+    """The default server checks prompt-lookup drafts in its passes; one started with `--draft none` decodes
+    one token a pass: four conversations at once, greedy and seeded, get the same text from both."""
+    plain = Server(
+        tmp_path, "--local", "--parallel", "4", "--ctx-size", "2048", "--api-key", KEY, "--draft", "none"
+    )
+    try:
+        prompts = [p * 3 for p in PROMPTS[:4]]  # text that repeats: the lookup has somewhere to look
+        for kw in ({"temperature": 0}, {"temperature": 0.9, "seed": 5}):
+            got = []
+            for s in (server, plain):
+                c = s.client()
+                with cf.ThreadPoolExecutor(4) as ex:
+                    got.append(
+                        list(ex.map(lambda p, c=c, kw=kw: complete(c, p, max_tokens=32, **kw), prompts))
+                    )
+            assert got[0] == got[1], kw
+    finally:
+        assert plain.stop() == 0, plain.proc.log_tail()
+
+
 def test_a_long_prompt_is_read_beside_decoding_requests(server: Server) -> None:
     c = server.client()
     long_prompt = " ".join(f"item{i}" for i in range(150))  # several chunks
@@ -252,6 +273,10 @@ def test_metrics_in_prometheus_format(server: Server) -> None:
         "swarm_serve_time_to_first_token_seconds",
         "swarm_serve_queue_depth",
         "swarm_serve_tokens_per_second",
+        "swarm_serve_draft_drafted",
+        "swarm_serve_draft_accepted",
+        "swarm_serve_draft_accept_rate",
+        "swarm_serve_tokens_per_pass",
     ):
         assert name in families, name
     out = [s.value for s in families["swarm_serve_generated_tokens"].samples if s.name.endswith("_total")]
@@ -352,7 +377,9 @@ def test_over_nodes_equal_to_in_process_and_503_when_experts_have_no_holder(
                 over_nodes = list(ex.map(lambda p: complete(c, p, temperature=0), PROMPTS[:4]))
             assert over_nodes == [complete(server.client(), p, temperature=0) for p in PROMPTS[:4]]
             nodes[1].process.send_signal(signal.SIGKILL)
-            nodes[1].process.wait(60)  # a SIGKILLed process unmaps its slabs before it is reaped: slow on a busy machine
+            nodes[1].process.wait(
+                60
+            )  # a SIGKILLed process unmaps its slabs before it is reaped: slow on a busy machine
             errors = []
             for _ in range(2):  # the first finds it gone mid-step, the next before it starts
                 with pytest.raises(openai.APIStatusError) as e:

@@ -12,6 +12,7 @@ from swarm.coordinator.session import (
     add_sampling_args,
     add_swarm_args,
     apply_threads,
+    drafter_from_args,
     open_from_args,
     prompt_ids,
     report,
@@ -97,7 +98,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         ids = prompt_ids(engine, args.prompt, args.chat, args.system)
         if not ids:
             raise UserError("the prompt is empty after tokenization; give some text")
-        _, stats = stream_answer(engine, ids, params)
+        _, stats = stream_answer(engine, ids, params, drafter=drafter_from_args(args))
         report(engine, stats)
         if stats_of is not None:
             stats_of.save(args.stats, engine.fingerprint)

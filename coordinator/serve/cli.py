@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from swarm.coordinator.session import add_swarm_args
+from swarm.coordinator.session import add_draft_args, add_swarm_args, drafter_from_args
 from swarm.node.auth import is_loopback_host
 from swarm.sharding.errors import UserError
 
@@ -78,6 +78,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="stop when the process that started this server is gone (for servers that tools start)",
     )
+    add_draft_args(p)
     add_swarm_args(p)
     p.set_defaults(func=cmd_serve)
 
@@ -160,8 +161,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         per_slot = _slot_memory(engine, args.parallel, args.ctx_size)
         admit_check = _coverage_check(engine, args.model)
         scheduler = Scheduler(
-            engine.model, engine.device, checker, args.parallel, args.ctx_size, args.max_queue, admit_check
-        )
+            engine.model, engine.device, checker, args.parallel, args.ctx_size, args.max_queue, admit_check,
+            drafter=drafter_from_args(args),
+        )  # fmt: skip
         scheduler.start(_warm_up(engine, args.parallel))
         if args.stats:  # after the warm-up, which would count as routing
             from swarm.coordinator.experts import RoutingStats
@@ -171,7 +173,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         config = ServeConfig(
             model_id=args.model_id or model_id_of(args.model), api_key=api_key, ctx_size=args.ctx_size
         )
-        metrics = ServeMetrics(engine.experts)
+        metrics = ServeMetrics(engine.experts, scheduler)
         app = build_app(engine, scheduler, config, metrics)
         # uvicorn shuts down gracefully on SIGINT/SIGTERM (in-flight requests get up to 10 s), then raises the
         # signal again under the handler that was there before: a SIGTERM handler that returns lets the

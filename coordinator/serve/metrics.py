@@ -50,8 +50,29 @@ class _NodeCollector(Collector):
         yield from (calls, rows, seconds, failures, up)
 
 
+class _DraftCollector(Collector):
+    """Drafts checked and kept, decode passes and the tokens they made, over finished requests."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+
+    def collect(self) -> Iterator[Any]:
+        t = dict(self.scheduler.draft_totals)
+        for name, what in (
+            ("drafted", "drafts checked in decode passes"),
+            ("accepted", "drafts kept (equal to the model's own token)"),
+            ("steps", "decode passes (a checking window or one token)"),
+            ("tokens", "tokens those decode passes made"),
+        ):
+            yield CounterMetricFamily(f"swarm_serve_draft_{name}", what, value=float(t[name]))
+        rate = t["accepted"] / t["drafted"] if t["drafted"] else 0.0
+        yield GaugeMetricFamily("swarm_serve_draft_accept_rate", "drafts kept / drafts checked", value=rate)
+        per = t["tokens"] / t["steps"] if t["steps"] else 0.0
+        yield GaugeMetricFamily("swarm_serve_tokens_per_pass", "tokens per decode pass", value=per)
+
+
 class ServeMetrics:
-    def __init__(self, experts: Any = None) -> None:
+    def __init__(self, experts: Any = None, scheduler: Scheduler | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -83,6 +104,8 @@ class ServeMetrics:
         )
         if experts is not None and hasattr(experts, "placement"):
             r.register(_NodeCollector(experts))
+        if scheduler is not None:
+            r.register(_DraftCollector(scheduler))
 
     def request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()

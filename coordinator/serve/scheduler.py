@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,10 +109,14 @@ class Scheduler:
         ctx_size: int,
         max_queue: int,
         admit_check: Callable[[], str | None] | None = None,
+        drafter: Callable[[Sequence[int]], Sequence[int]] | None = None,
     ) -> None:
         self.model, self.device, self.checker = model, device, checker
         self.ctx_size, self.max_queue = ctx_size, max_queue
         self.admit_check = admit_check  # says why no request can run now (experts without a holder), or None
+        self.drafter = drafter  # a decode step's drafts (coordinator/drafts.py), or None: one token a pass
+        # over every finished request: drafts checked, drafts kept, decode passes, tokens those passes made
+        self.draft_totals = {"drafted": 0, "accepted": 0, "steps": 0, "tokens": 0}
         self.slots = [Slot(i) for i in range(parallel)]
         self.waiting: deque[Request] = deque()
         # (time, tokens given out) per pass, for the tokens/s metric
@@ -313,7 +317,7 @@ class Scheduler:
             if s.fed < len(r.prompt):
                 reading.append(s)
             elif not self._computed(s):
-                entries.append(Entry(seq))
+                entries.append(Entry(seq, drafts=self._drafts(s)))
         budget = PASS_PROMPT_TOKENS_BESIDE_DECODE if entries else PASS_PROMPT_TOKENS_ALONE
         reads: list[Slot] = []
         for s in sorted(reading, key=lambda s: s.request.admitted or 0.0):  # type: ignore[union-attr]
@@ -330,12 +334,24 @@ class Scheduler:
             s.fed = end
         return entries, reads
 
+    def _drafts(self, s: Slot) -> tuple[int, ...]:
+        """The drafts of the slot's next decode step, no more than it may still produce less one."""
+        r, seq = s.request, s.seq
+        if self.drafter is None or r is None or seq is None:
+            return ()
+        n = len(s.out) + len(seq.ready) + len(seq.held)
+        room = min(r.params.max_tokens - n, self.ctx_size - len(r.prompt) - n) - 1
+        if room <= 0:
+            return ()
+        return tuple(self.drafter([*r.prompt, *s.out, *seq.ready, *seq.held]))[:room]
+
     def _computed(self, s: Slot) -> bool:
         """Whether the slot's sequence needs no more passes (its last token is a stop, or it is long enough)."""
         r, seq = s.request, s.seq
         assert r is not None and seq is not None
         n = len(s.out) + len(seq.ready) + len(seq.held)
-        return seq.last in r.params.stop_ids or n >= r.params.max_tokens or len(r.prompt) + n >= self.ctx_size
+        stopped = seq.last in r.params.stop_ids or any(t in r.params.stop_ids for t in seq.held)
+        return stopped or n >= r.params.max_tokens or len(r.prompt) + n >= self.ctx_size
 
     def _after_pass(self, reads: list[Slot]) -> None:
         now = time.monotonic()
@@ -388,6 +404,12 @@ class Scheduler:
         r, seq = s.request, s.seq
         assert r is not None
         s.request = None
+        if seq is not None:
+            t = self.draft_totals
+            t["drafted"] += seq.drafted
+            t["accepted"] += seq.accepted
+            t["steps"] += seq.steps
+            t["tokens"] += max(len(s.out) - 1, 0)  # the first token comes out of the prompt's pass
         if seq is not None and self._steps.holds(seq):
             # its passes may still be redone: the state cannot be trusted for reuse
             s.state, s.history, s.checkpoints = None, [], {}
