@@ -50,12 +50,12 @@ from swarm.compute.ggml import set_threads  # noqa: E402
 from swarm.coordinator.audit import DEFAULT_RATE, PROBE_SLABS  # noqa: E402
 from swarm.coordinator.engine import open_engine  # noqa: E402
 from swarm.coordinator.generate import (  # noqa: E402
-    SETTLE_EVERY,
     SamplingParams,
     checked_logits,
     forward_one,
     generate,
 )
+from swarm.coordinator.steps import SETTLE_EVERY  # noqa: E402
 from swarm.coordinator.spawn import LocalNode, start_nodes, stop_nodes  # noqa: E402
 from swarm.node.auth import KEY_ENV, SwarmKey, generate_key_text  # noqa: E402
 from swarm.sharding.ranges import format_ranges  # noqa: E402

@@ -12,9 +12,10 @@ import torch
 from conftest import FIXTURES
 
 from swarm.coordinator.engine import open_engine
-from swarm.coordinator.generate import Entry, SamplingParams, generate
+from swarm.coordinator.generate import SamplingParams, generate
 from swarm.coordinator.serve import scheduler as sched
 from swarm.coordinator.serve.startup import warm_batches
+from swarm.coordinator.steps import Entry
 
 MODEL = FIXTURES / "qwen35moe-quant" / "model-q4_k_m.gguf"
 

@@ -4,7 +4,7 @@ One engine thread owns the model. Each step is one forward pass (one expert fan-
 everything in it) carrying the next token of every decoding sequence and, beside them, the next chunk of
 one prompt being read, so running requests keep streaming while a new prompt is read. A sequence's bits do
 not depend on what shares its passes nor on how its prompt is cut into chunks (coordinator/models), so each
-request gets exactly the tokens it gets alone, and a redo after a caught node (generate.Steps) gives the
+request gets exactly the tokens it gets alone, and a redo after a caught node (steps.Steps) gives the
 same outputs.
 
 A slot keeps its state when its request ends. A later request whose prompt begins with what a slot holds
@@ -26,8 +26,9 @@ from typing import Any
 
 import torch
 
-from swarm.coordinator.generate import Checker, Entry, Sampler, SamplingParams, Seq, Steps
 from swarm.coordinator.models.attention import KVCache
+from swarm.coordinator.sampling import Sampler, SamplingParams
+from swarm.coordinator.steps import Checker, Entry, Seq, Steps
 from swarm.sharding.errors import UserError
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,249 @@
+"""Forward passes over several sequences: checking windows of drafts, outputs held back until the nodes'
+answers behind them are checked, and passes done again when a node is caught.
+
+Dimension letters: T tokens, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from swarm.coordinator.sampling import Sampler
+
+
+class CausalLM(Protocol):
+    """What every architecture in coordinator/models implements."""
+
+    def new_state(self) -> Any: ...
+
+    def __call__(
+        self,
+        tokens: torch.Tensor,
+        states: Sequence[Any],
+        lengths: Sequence[int],
+        last_only: bool = False,
+        marks: Sequence[int | Sequence[int]] = (),
+        tails: Sequence[int] = (),
+    ) -> torch.Tensor: ...
+
+
+class Checker(Protocol):
+    """What checks the nodes' answers (swarm.coordinator.audit.Auditor): after each forward pass, whether
+    everything since the last settled point is checked, still open, or was shaped by a node now banned."""
+
+    def settle(self, force: bool = False) -> Any: ...
+
+    def cover(self, on: bool) -> None: ...
+
+
+# A pass whose answers are not all checked yet is held back; after this many, the checker is made to settle
+# (the model waits for the audits still open). Audits aside run at idle priority, in the time the model and
+# the nodes leave free: a window of 8 passes lets more of them end there than a window of 4, at the cost of
+# tokens streamed 8 at a time.
+SETTLE_EVERY = 8
+
+
+@dataclass(eq=False)
+class Seq:
+    """One sequence of a Steps run: its model state and sampler (None: its passes give logits [T, V]),
+    its outputs (sampled tokens, or logits) that are settled (`ready`, for the caller to take) or still
+    held back (`held`), and `last`, its latest output: the token a decode entry feeds next."""
+
+    state: Any
+    sampler: Sampler | None = None
+    ready: list[Any] = field(default_factory=list)
+    held: list[Any] = field(default_factory=list)
+    last: Any = None
+    anchor: Any = None  # (state checkpoint, last) at the settled point: a redo starts there
+    drafted: int = 0  # drafts its checking windows carried
+    accepted: int = 0  # ... of which the model's own tokens agreed with
+    windows: int = 0  # passes that carried drafts for it
+    steps: int = 0  # decode passes (windows or one token) it took part in
+
+    def take(self) -> list[Any]:
+        out, self.ready = self.ready, []
+        return out
+
+
+@dataclass(frozen=True, eq=False)
+class Entry:
+    """One sequence's part of a forward pass: `tokens` to feed (None: its last output, a decode step), and
+    whether the pass yields an output for it (the token sampled after it, or its logits); a prompt chunk
+    that is not the prompt's last yields none."""
+
+    seq: Seq
+    tokens: tuple[int, ...] | None = None
+    output: bool = True
+    mark: int = 0  # > 0: keep a checkpoint after this many of `tokens` (in seq.state.marked)
+    # a decode step's guesses at the tokens after its last output (a checking window: see Steps)
+    drafts: tuple[int, ...] = ()
+
+    def feed(self) -> list[int]:
+        if self.tokens is not None:
+            return list(self.tokens)
+        return [int(self.seq.last), *self.drafts]
+
+
+class Steps:
+    """Forward passes over several sequences whose outputs count only once the nodes' answers behind them
+    are checked.
+
+    A decode entry may carry drafts: guesses at the tokens that follow its last output. Its pass then feeds
+    the last output and the drafts (a checking window: one expert fan-out per layer for them all) and
+    samples a token after every row, in order; a draft is kept while it equals the token sampled at its
+    place, and the first that does not ends the window. The tokens sampled up to there are the outputs
+    (the one after the last kept draft included), and the sequence's state goes back to the checkpoint
+    the pass kept after the last kept row (DecoderModel's marks). Every row's bits are those of feeding
+    the tokens one pass at a time, and a token's random draw depends on its position alone
+    (position_uniform), so the outputs are those of decoding without drafts, whatever the drafts were.
+
+    Each pass (one model call for all its entries: one expert fan-out per layer) is remembered back to the
+    last settled point, where every sequence's state, sampler and last output are checkpointed. When the
+    checker catches a node, the sequences go back to that point and the passes are done again in order (the
+    node is banned: other holders or the coordinator answer for it), so nothing a wrong answer shaped
+    survives; a decode entry feeds the token its sequence samples in the redo. Without a checker every
+    pass settles at once and nothing is held back. A sequence's bits never depend on the other entries of
+    its passes (see coordinator/models), so a redo, or the same sequence run alone, gives the same outputs.
+    """
+
+    def __init__(self, model: CausalLM, device: torch.device | str, checker: Checker | None = None) -> None:
+        self.model, self.device, self.checker = model, torch.device(device), checker
+        self.passes: list[list[Entry]] = []  # since the settled point
+        self.open: dict[int, Seq] = {}  # sequences joined or stepped since the settled point, by id
+        self.redone = 0  # passes done again after a node was caught
+        self.drafted = self.accepted = self.windows = 0  # over every checking window of this run
+
+    def join(self, seq: Seq) -> None:
+        """Take a sequence in (its state as it is now is where a redo would bring it back to)."""
+        if self.checker is not None:
+            seq.anchor = self._checkpoint(seq)
+            self.open[id(seq)] = seq
+
+    def holds(self, seq: Seq) -> bool:
+        """Whether the sequence's state may still be brought back and redone (do not reuse it yet)."""
+        return id(seq) in self.open
+
+    def step(self, entries: Sequence[Entry]) -> None:
+        """Run one pass; settled outputs land in each sequence's `ready` (several after a hold)."""
+        entries = list(entries)
+        self.passes.append(entries)
+        for e in entries:
+            if self.checker is not None:
+                self.open.setdefault(id(e.seq), e.seq)
+        self._pass(entries)
+        # a prompt's output (its logits, or the first token a user waits for) goes out once every answer
+        # of its pass is checked; decode outputs wait for up to SETTLE_EVERY passes of sampled checks
+        prompt_out = any(e.tokens is not None and e.output for e in entries)
+        self._settle(force=prompt_out or len(self.passes) >= SETTLE_EVERY)
+
+    def finish(self) -> None:
+        """Settle whatever is still held (the end of a generation)."""
+        if self.passes:
+            self._settle(force=True)
+
+    @staticmethod
+    def _checkpoint(seq: Seq) -> Any:
+        return seq.state.checkpoint(), seq.last
+
+    def _pass(self, entries: list[Entry]) -> None:
+        feeds = [e.feed() for e in entries]
+        every_row = any(e.output and e.seq.sampler is None for e in entries)
+        windows = any(e.drafts for e in entries)
+        ids = torch.tensor([t for f in feeds for t in f], dtype=torch.long, device=self.device)
+        marks: list[tuple[int, ...]] = [
+            tuple(range(1, len(f))) if e.drafts else (e.mark,) if e.mark else ()
+            for e, f in zip(entries, feeds, strict=True)
+        ]
+        # rows of logits wanted per entry: a window's every row, a logits entry's every row, else the last
+        tails = (
+            [
+                len(f) if e.drafts or (e.output and e.seq.sampler is None) else 1
+                for e, f in zip(entries, feeds, strict=True)
+            ]
+            if windows
+            else []
+        )
+        if self.checker is not None:  # every answer of a pass that reads a prompt is checked (audit.Scope)
+            self.checker.cover(any(e.tokens is not None for e in entries))
+        with torch.inference_mode():
+            logits = self.model(
+                ids,
+                [e.seq.state for e in entries],
+                [len(f) for f in feeds],
+                last_only=not every_row,
+                marks=marks if any(marks) else (),
+                tails=tails,
+            )
+        start = 0
+        for i, (e, f) in enumerate(zip(entries, feeds, strict=True)):
+            n = tails[i] if windows else len(f) if every_row else 1
+            rows = logits[start : start + n]  # [n, V]
+            start += n
+            if e.tokens is None:
+                e.seq.steps += 1
+            if e.drafts:
+                self._window(e, rows)
+            elif e.output:
+                sampler = e.seq.sampler
+                out = sampler(rows[-1], e.seq.state.length) if sampler is not None else rows
+                e.seq.held.append(out)
+                e.seq.last = out
+
+    def _window(self, e: Entry, rows: torch.Tensor) -> None:
+        """A checking window's outputs from its rows [1 + drafts, V]; its state back to the last kept row."""
+        seq, k = e.seq, len(e.drafts)
+        assert seq.sampler is not None, "drafts are for sequences that sample"
+        state = seq.state
+        first = state.length - k  # position of the token sampled after the window's first row
+        marked, state.marked = state.marked[-k:], []
+        for j in range(k + 1):
+            token = seq.sampler(rows[j], first + j)
+            seq.held.append(token)
+            seq.last = token
+            if j == k or token != e.drafts[j]:
+                break
+        seq.windows += 1
+        seq.drafted += k
+        seq.accepted += j
+        self.windows += 1
+        self.drafted += k
+        self.accepted += j
+        if j < k:  # rows after the last kept one read tokens that are not the sequence's
+            state.restore(marked[j])
+
+    def _settle(self, force: bool) -> None:
+        if self.checker is None:
+            for entries in self.passes:
+                for e in entries:
+                    e.seq.ready.extend(e.seq.held)
+                    e.seq.held.clear()
+            self.passes = []
+            return
+        while True:
+            verdict = self.checker.settle(force=force).value
+            if verdict == "caught":
+                self._redo()
+                continue
+            if verdict == "open" and not force:
+                return
+            if verdict == "open":
+                continue  # forced: the checker audits what is open until it settles or catches someone
+            for seq in self.open.values():
+                seq.ready.extend(seq.held)
+                seq.held.clear()
+                seq.anchor = self._checkpoint(seq)
+            self.passes, self.open = [], {}
+            return
+
+    def _redo(self) -> None:
+        for seq in self.open.values():
+            state_cp, seq.last = seq.anchor
+            seq.state.restore(state_cp)
+            seq.held.clear()
+        self.redone += len(self.passes)
+        for entries in self.passes:
+            self._pass(entries)
