@@ -7,6 +7,7 @@ Dimension letters: T tokens, V vocabulary.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -107,11 +108,22 @@ class Steps:
     node is banned: other holders or the coordinator answer for it), so nothing a wrong answer shaped
     survives; a decode entry feeds the token its sequence samples in the redo. Without a checker every
     pass settles at once and nothing is held back. A sequence's bits never depend on the other entries of
-    its passes (see coordinator/models), so a redo, or the same sequence run alone, gives the same outputs.
+    its passes (see coordinator/models), so a redo, the same sequence run alone, or a pass's entries split
+    into groups each run as its own model call, at once, give the same outputs.
     """
 
-    def __init__(self, model: CausalLM, device: torch.device | str, checker: Checker | None = None) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        device: torch.device | str,
+        checker: Checker | None = None,
+        groups: Grouping | None = None,
+    ) -> None:
         self.model, self.device, self.checker = model, torch.device(device), checker
+        # how many groups a pass's entries go in, each its own model call on its own thread, in flight at
+        # once (while one waits for its layer's answers another's dense work runs); None: one
+        self.groups = groups
+        self._pool: ThreadPoolExecutor | None = None
         self.passes: list[list[Entry]] = []  # since the settled point
         self.open: dict[int, Seq] = {}  # sequences joined or stepped since the settled point, by id
         self.redone = 0  # passes done again after a node was caught
@@ -150,6 +162,25 @@ class Steps:
         return seq.state.checkpoint(), seq.last
 
     def _pass(self, entries: list[Entry]) -> None:
+        if self.checker is not None:  # every answer of a pass that reads a prompt is checked (audit.Scope)
+            self.checker.cover(any(e.tokens is not None for e in entries))
+        parts = split_groups(entries, self.groups.choose(entries) if self.groups is not None else 1)
+        if len(parts) == 1:
+            self._call(entries)
+        else:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=MAX_GROUPS - 1, thread_name_prefix="swarm-group")
+            later = [self._pool.submit(self._call, p) for p in parts[1:]]
+            try:
+                self._call(parts[0])
+            finally:
+                for f in later:
+                    f.result()  # (the first error raised goes up; every group has ended before)
+        if self.groups is not None:
+            self.groups.done()
+
+    def _call(self, entries: list[Entry]) -> None:
+        """One model call for these entries, then their outputs."""
         feeds = [e.feed() for e in entries]
         every_row = any(e.output and e.seq.sampler is None for e in entries)
         windows = any(e.drafts for e in entries)
@@ -167,8 +198,6 @@ class Steps:
             if windows
             else []
         )
-        if self.checker is not None:  # every answer of a pass that reads a prompt is checked (audit.Scope)
-            self.checker.cover(any(e.tokens is not None for e in entries))
         with torch.inference_mode():
             logits = self.model(
                 ids,
@@ -247,3 +276,32 @@ class Steps:
         self.redone += len(self.passes)
         for entries in self.passes:
             self._pass(entries)
+
+
+class Grouping(Protocol):
+    """How many groups a pass's entries go in (serve/groups.py); told when the pass is done."""
+
+    def choose(self, entries: Sequence[Entry]) -> int: ...
+
+    def done(self) -> None: ...
+
+
+# The most groups a pass is split into (each a thread and a model call of its own).
+MAX_GROUPS = 4
+
+
+def split_groups(entries: list[Entry], n: int) -> list[list[Entry]]:
+    """The entries in at most n groups of about the same number of rows, in order (each group a model call)."""
+    n = max(1, min(n, MAX_GROUPS, len(entries)))
+    if n == 1:
+        return [entries]
+    rows = [len(e.feed()) for e in entries]
+    per = sum(rows) / n
+    parts: list[list[Entry]] = [[]]
+    filled = 0
+    for e, r in zip(entries, rows, strict=True):
+        if parts[-1] and filled + r / 2 > per * len(parts) and len(parts) < n:
+            parts.append([])
+        parts[-1].append(e)
+        filled += r
+    return parts

@@ -62,6 +62,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     g.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a slot before 429s")
     g.add_argument(
+        "--groups",
+        default="auto",
+        metavar="auto|N",
+        help="split each pass's conversations into N groups in flight at once (one waits for its layer's "
+        "answers while another computes); auto (default): measured, by the share of a pass spent waiting "
+        "on the nodes (slow links: several; fast links and --local: one)",
+    )
+    g.add_argument(
         "--model-id", default=None, help="the model's id in the API (default: the file or directory name)"
     )
     g.add_argument(
@@ -162,7 +170,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         admit_check = _coverage_check(engine, args.model)
         scheduler = Scheduler(
             engine.model, engine.device, checker, args.parallel, args.ctx_size, args.max_queue, admit_check,
-            drafter=drafter_from_args(args),
+            drafter=drafter_from_args(args), groups=_grouping(engine, args.groups),
         )  # fmt: skip
         scheduler.start(_warm_up(engine, args.parallel))
         if args.stats:  # after the warm-up, which would count as routing
@@ -210,6 +218,21 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UserError(f"--port {args.port}: give 0-65535")
     if args.max_queue < 0:
         raise UserError("--max-queue must be 0 or more")
+    _fixed_groups(args.groups)
+    if args.draft_max < 0:
+        raise UserError("--draft-max must be 0 or more")
+
+
+def _fixed_groups(text: str) -> int:
+    """--groups as a number of groups, 0 for auto."""
+    from swarm.coordinator.steps import MAX_GROUPS
+
+    if text == "auto":
+        return 0
+    n = int(text) if text.isdigit() else 0
+    if not 1 <= n <= MAX_GROUPS:
+        raise UserError(f"--groups {text!r}: give auto or a number of groups from 1 to {MAX_GROUPS}")
+    return n
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -294,3 +317,13 @@ def _announce(
     )
     if api_key is None and not is_loopback_host(args.host):
         print("swarm serve: warning: no --api-key: anyone who reaches this port can use it", file=sys.stderr)
+
+
+def _grouping(engine: Any, text: str) -> Any:
+    """--groups: a serve/groups.py WaitShare over the swarm backend, or None (one group: experts in process)."""
+    from swarm.coordinator.remote.dispatch import SwarmExperts
+    from swarm.coordinator.serve.groups import WaitShare
+
+    if not isinstance(engine.experts, SwarmExperts):
+        return None
+    return WaitShare(engine.experts, _fixed_groups(text))

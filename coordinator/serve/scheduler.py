@@ -28,7 +28,7 @@ import torch
 
 from swarm.coordinator.models.attention import KVCache
 from swarm.coordinator.sampling import Sampler, SamplingParams
-from swarm.coordinator.steps import Checker, Entry, Seq, Steps
+from swarm.coordinator.steps import Checker, Entry, Grouping, Seq, Steps
 from swarm.sharding.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -111,6 +111,7 @@ class Scheduler:
         max_queue: int,
         admit_check: Callable[[], str | None] | None = None,
         drafter: Callable[[Sequence[int]], Sequence[int]] | None = None,
+        groups: Grouping | None = None,
     ) -> None:
         self.model, self.device, self.checker = model, device, checker
         self.ctx_size, self.max_queue = ctx_size, max_queue
@@ -124,7 +125,8 @@ class Scheduler:
         self.recent: deque[tuple[float, int]] = deque(maxlen=4096)
         self._cond = threading.Condition()
         self._stopping = False
-        self._steps = Steps(model, device, checker)
+        self.groups = groups  # how many groups each pass goes in (serve/groups.py), None: one
+        self._steps = Steps(model, device, checker, groups)
         self._redone = 0
         self._thread = threading.Thread(target=self._main, name="swarm-serve-engine", daemon=True)
         self._warm: Callable[[], None] | None = None
@@ -432,7 +434,7 @@ class Scheduler:
                     r = s.request
                     s.request, s.state, s.seq, s.history, s.checkpoints = None, None, None, [], {}
                     r.on_done(Done("error", msg, 503 if user else 500))
-            self._steps = Steps(self.model, self.device, self.checker)
+            self._steps = Steps(self.model, self.device, self.checker, self.groups)
             self._redone = 0
 
     def _end_all(self) -> None:
