@@ -55,8 +55,8 @@ from swarm.coordinator.generate import (  # noqa: E402
     forward_one,
     generate,
 )
-from swarm.coordinator.steps import SETTLE_EVERY  # noqa: E402
 from swarm.coordinator.spawn import LocalNode, start_nodes, stop_nodes  # noqa: E402
+from swarm.coordinator.steps import SETTLE_EVERY  # noqa: E402
 from swarm.node.auth import KEY_ENV, SwarmKey, generate_key_text  # noqa: E402
 from swarm.sharding.ranges import format_ranges  # noqa: E402
 from swarm.sharding.shard import shard_model  # noqa: E402
