@@ -143,7 +143,9 @@ class _Known:
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_four_conversations_with_drafts_each_get_their_text_alone(temperature: float) -> None:
     """Four requests decode together with drafts in their passes (two all right, two all wrong, their windows
-    of different lengths in one pass): each gets the text it gets alone without drafts, token for token."""
+    of different lengths in one pass): each gets the text it gets alone without drafts, token for token.
+    Then each conversation is sent again with a new turn: it continues from the state its windows left (the
+    slot's held state, taken back to the last kept row) and gets the text it gets alone."""
     engine = open_engine(Path(MODEL), local=True, device="cpu")
     prompts = [[5 + i, 9, 40 + 3 * i, *range(60, 60 + 4 * i)] for i in range(4)]
     params = [SamplingParams(max_tokens=14, temperature=temperature, seed=11 + i) for i in range(4)]
@@ -160,11 +162,25 @@ def test_four_conversations_with_drafts_each_get_their_text_alone(temperature: f
             for i in range(4):
                 s.submit(sched.Request(prompts[i], params[i], outs[i].extend, lambda _, d=done[i]: d.set()))
             assert all(d.wait(120) for d in done)
+            assert outs == alone
+            t = s.draft_totals
+            assert t["drafted"] > 0 and 0 < t["accepted"] < t["drafted"]
+            assert t["tokens"] > t["steps"]  # the right drafts made several tokens a pass
+            again = [p + a + [77, 78, 79] for p, a in zip(prompts, alone, strict=True)]
+            want = [list(generate(engine.model, p, q, "cpu")) for p, q in zip(again, params, strict=True)]
+            known.texts = [p + w for p, w in zip(again, want, strict=True)]
+            done = [threading.Event() for _ in range(4)]
+            outs = [[] for _ in range(4)]
+            reqs = [
+                sched.Request(again[i], params[i], outs[i].extend, lambda _, d=done[i]: d.set())
+                for i in range(4)
+            ]
+            for r in reqs:
+                s.submit(r)
+            assert all(d.wait(120) for d in done)
+            assert outs == want
+            assert all(r.cached >= len(p) + len(a) - 1 for r, p, a in zip(reqs, prompts, alone, strict=True))
         finally:
             s.stop()
-        assert outs == alone
-        t = s.draft_totals
-        assert t["drafted"] > 0 and 0 < t["accepted"] < t["drafted"]
-        assert t["tokens"] > t["steps"]  # the right drafts made several tokens a pass
     finally:
         engine.close()
