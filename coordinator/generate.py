@@ -67,17 +67,21 @@ def generate(
     clock: Callable[[], float] = time.perf_counter,
     checker: Checker | None = None,
     drafter: Callable[[Sequence[int]], Sequence[int]] | None = None,
+    mtp: Any = None,
 ) -> Iterator[int]:
     """Yield generated token ids one by one; `stats` (if given) is filled in as it goes. With a `checker`,
     tokens come once the nodes' answers behind them are checked (see Steps): a few at a time. With a
-    `drafter` (coordinator/drafts.py: the tokens so far -> guesses at the next ones), each decode step
-    checks its drafts in one pass (see Steps); the tokens are the same as without."""
+    `drafter` (coordinator/drafts.py: the tokens so far -> guesses at the next ones), or `mtp` (an
+    MTPDrafter: the model's own MTP head), each decode step checks its drafts in one pass (see Steps); the
+    tokens are the same as without."""
     if not prompt:
         raise ValueError("empty prompt: give at least one token")
     device = torch.device(device)
     stats = stats if stats is not None else GenerationStats()
     stats.prompt_tokens = len(prompt)
-    seq, steps = Seq(model.new_state(), Sampler(params, device)), Steps(model, device, checker)
+    seq, steps = Seq(model.new_state(), Sampler(params, device)), Steps(model, device, checker, mtp=mtp)
+    if mtp is not None:
+        seq.mtp = mtp.new_state()
     steps.join(seq)
 
     t0 = clock()
@@ -107,11 +111,13 @@ def generate(
         if produced >= params.max_tokens or any(t in params.stop_ids for t in seq.held):
             steps.finish()  # nothing more to compute: release what is held
         else:
-            drafts = tuple(drafter(history + seq.held))[: params.max_tokens - produced - 1] if drafter else ()
-            steps.step([Entry(seq, drafts=drafts)])
+            drafts = (
+                seq.proposed if mtp is not None else tuple(drafter(history + seq.held)) if drafter else ()
+            )
+            steps.step([Entry(seq, drafts=drafts[: params.max_tokens - produced - 1])])
             passes += 1
         stats.extra["redone_passes"] = steps.redone
-        if drafter is not None:
+        if drafter is not None or mtp is not None:
             made = stats.generated_tokens + len(seq.held) + len(seq.ready) - 1  # by decode passes
             stats.extra.update(
                 drafted=steps.drafted,

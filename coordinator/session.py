@@ -125,6 +125,14 @@ def add_draft_args(p: argparse.ArgumentParser) -> None:
         "followed are checked as drafts in the next pass; none: one token a pass",
     )
     g.add_argument(
+        "--mtp",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N drafts per step from the model's own MTP head (Qwen3.5/3.6, Qwen3-Next GGUFs that carry it; "
+        "its experts go to the nodes like any layer's); takes the place of --draft. 0 (default): off",
+    )
+    g.add_argument(
         "--draft-max",
         type=int,
         default=3,
@@ -133,15 +141,37 @@ def add_draft_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def drafter_from_args(args: argparse.Namespace) -> Any:
-    """The drafter `--draft` / `--draft-max` ask for, or None."""
+def drafter_from_args(args: argparse.Namespace, engine: Any = None) -> tuple[Any, Any]:
+    """(the prompt-lookup drafter `--draft` / `--draft-max` ask for, the MTPDrafter `--mtp` asks for), each
+    or None; MTP, where the engine has a head, in place of the lookup."""
     from swarm.coordinator.drafts import PromptLookup
 
-    if args.draft_max < 0:
-        raise UserError("--draft-max must be 0 or more")
+    if args.draft_max < 0 or args.mtp < 0:
+        raise UserError("--draft-max and --mtp must be 0 or more")
+    if args.mtp and engine is not None and engine.mtp is not None:
+        from swarm.coordinator.mtp_drafts import MTPDrafter
+
+        return None, MTPDrafter(engine.mtp, args.mtp)
     if args.draft == "none" or args.draft_max == 0:
-        return None
-    return PromptLookup(args.draft_max)
+        return None, None
+    return PromptLookup(args.draft_max), None
+
+
+def mtp_missing(path: str) -> str | None:
+    """Why the model at `path` (a GGUF or shard directory) has no MTP head swarm runs, or None if it has."""
+    from gguf import Keys
+
+    from swarm.coordinator.loader import resolve_gguf
+    from swarm.sharding.gguf_io import architecture, open_gguf, read_metadata
+
+    gguf_path = resolve_gguf(path)
+    meta = read_metadata(open_gguf(gguf_path))
+    arch = architecture(meta, gguf_path)
+    if arch not in ("qwen35moe", "qwen3next"):
+        return f"{arch} models have no MTP head that swarm runs"
+    if not int(meta.get(Keys.LLM.NEXTN_PREDICT_LAYERS.format(arch=arch), 0) or 0):
+        return f"the file has no MTP block ({arch}.nextn_predict_layers is 0 or missing)"
+    return None
 
 
 def status_line(text: str) -> None:
@@ -169,6 +199,10 @@ def open_from_args(args: argparse.Namespace) -> Any:
     status_line(f"swarm {args.command}: opening {args.model} ({where}) ...")
     apply_threads(args.threads)
     key = swarm_key(args, args.command)
+    mtp = getattr(args, "mtp", 0) > 0
+    if mtp and (why := mtp_missing(args.model)) is not None:
+        print(f"swarm {args.command}: --mtp: {why}; decoding without MTP drafts", file=sys.stderr)
+        mtp = False
     engine = open_engine(
         args.model,
         local=args.local,
@@ -186,6 +220,7 @@ def open_from_args(args: argparse.Namespace) -> Any:
         numerics_class=args.numerics_class,
         progress=True,
         numerics=Numerics.of(args.exact),
+        mtp=mtp,
     )
     if isinstance(engine.experts, SwarmExperts):
         n = len(engine.experts.clients)
@@ -233,7 +268,7 @@ def prompt_ids(engine: Any, prompt: str, chat: bool, system: str | None = None) 
 
 
 def stream_answer(
-    engine: Any, ids: list[int], params: Any, out: Any = None, drafter: Any = None
+    engine: Any, ids: list[int], params: Any, out: Any = None, drafter: Any = None, mtp: Any = None
 ) -> tuple[list[int], Any]:
     """Generate, printing text as it comes (to stdout by default); (generated ids, GenerationStats)."""
     from swarm.coordinator.generate import GenerationStats, generate
@@ -243,7 +278,7 @@ def stream_answer(
     detok = engine.tokenizer.stream(skip_control=True)
     generated = []
     for token in generate(
-        engine.model, ids, params, engine.device, stats, checker=engine.checker, drafter=drafter
+        engine.model, ids, params, engine.device, stats, checker=engine.checker, drafter=drafter, mtp=mtp
     ):
         generated.append(token)
         if token not in params.stop_ids:

@@ -6,6 +6,7 @@ Dimension letters: T tokens, V vocabulary.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -59,7 +60,11 @@ class Seq:
     ready: list[Any] = field(default_factory=list)
     held: list[Any] = field(default_factory=list)
     last: Any = None
-    anchor: Any = None  # (state checkpoint, last) at the settled point: a redo starts there
+    anchor: Any = (
+        None  # (state checkpoint, last, mtp checkpoint, proposed) at the settled point: a redo starts there
+    )
+    mtp: Any = None  # its MTP head's state (coordinator/mtp_drafts.py) when drafts come from the head
+    proposed: tuple[int, ...] = ()  # the head's drafts for its next decode step
     drafted: int = 0  # drafts its checking windows carried
     accepted: int = 0  # ... of which the model's own tokens agreed with
     windows: int = 0  # passes that carried drafts for it
@@ -118,12 +123,17 @@ class Steps:
         device: torch.device | str,
         checker: Checker | None = None,
         groups: Grouping | None = None,
+        mtp: Any = None,
     ) -> None:
         self.model, self.device, self.checker = model, torch.device(device), checker
         # how many groups a pass's entries go in, each its own model call on its own thread, in flight at
         # once (while one waits for its layer's answers another's dense work runs); None: one
         self.groups = groups
         self._pool: ThreadPoolExecutor | None = None
+        # the MTP drafter (coordinator/mtp_drafts.py): after each pass, the sequences that have a head state
+        # catch it up with the rows they kept and get their next drafts in seq.proposed
+        self.mtp = mtp
+        self._count = threading.Lock()  # the counters below, from every group's thread
         self.passes: list[list[Entry]] = []  # since the settled point
         self.open: dict[int, Seq] = {}  # sequences joined or stepped since the settled point, by id
         self.redone = 0  # passes done again after a node was caught
@@ -159,7 +169,8 @@ class Steps:
 
     @staticmethod
     def _checkpoint(seq: Seq) -> Any:
-        return seq.state.checkpoint(), seq.last
+        mtp = seq.mtp.checkpoint() if seq.mtp is not None else None
+        return seq.state.checkpoint(), seq.last, mtp, seq.proposed
 
     def _pass(self, entries: list[Entry]) -> None:
         if self.checker is not None:  # every answer of a pass that reads a prompt is checked (audit.Scope)
@@ -198,32 +209,57 @@ class Steps:
             if windows
             else []
         )
+        hidden = self.mtp is not None and any(e.seq.mtp is not None for e in entries)
         with torch.inference_mode():
-            logits = self.model(
+            out = self.model(
                 ids,
                 [e.seq.state for e in entries],
                 [len(f) for f in feeds],
                 last_only=not every_row,
                 marks=marks if any(marks) else (),
                 tails=tails,
+                **({"hidden": True} if hidden else {}),
             )
+        logits, h = out if hidden else (out, None)
         start = 0
+        kept = []  # rows each entry keeps: a window's up to its last kept draft, else all it fed
         for i, (e, f) in enumerate(zip(entries, feeds, strict=True)):
             n = tails[i] if windows else len(f) if every_row else 1
             rows = logits[start : start + n]  # [n, V]
             start += n
             if e.tokens is None:
                 e.seq.steps += 1
-            if e.drafts:
-                self._window(e, rows)
-            elif e.output:
+            kept.append(self._window(e, rows) + 1 if e.drafts else len(f))
+            if e.output and not e.drafts:
                 sampler = e.seq.sampler
-                out = sampler(rows[-1], e.seq.state.length) if sampler is not None else rows
-                e.seq.held.append(out)
-                e.seq.last = out
+                token = sampler(rows[-1], e.seq.state.length) if sampler is not None else rows
+                e.seq.held.append(token)
+                e.seq.last = token
+        if h is not None:
+            self._draft(entries, feeds, kept, h)
 
-    def _window(self, e: Entry, rows: torch.Tensor) -> None:
-        """A checking window's outputs from its rows [1 + drafts, V]; its state back to the last kept row."""
+    def _draft(self, entries: list[Entry], feeds: list[list[int]], kept: list[int], h: torch.Tensor) -> None:
+        """The MTP head's catch-up with the rows each sequence kept (h [N, D]: every row of the pass) and its
+        drafts for the sequences' next decode steps."""
+        picked, committed, starts, hs, lasts = [], [], [], [], []
+        at = 0
+        for e, f, k in zip(entries, feeds, kept, strict=True):
+            rows, at = h[at : at + k], at + len(f)
+            if e.seq.mtp is None:
+                continue
+            picked.append(e.seq)
+            committed.append(f[:k])
+            starts.append(e.seq.state.length - k)
+            hs.append(rows)
+            lasts.append(int(e.seq.last) if e.output and e.seq.sampler is not None else None)
+        for seq, d in zip(
+            picked, self.mtp.step([s.mtp for s in picked], committed, starts, hs, lasts), strict=True
+        ):
+            seq.proposed = tuple(d)
+
+    def _window(self, e: Entry, rows: torch.Tensor) -> int:
+        """A checking window's outputs from its rows [1 + drafts, V]; its state back to the last kept row.
+        -> the drafts kept."""
         seq, k = e.seq, len(e.drafts)
         assert seq.sampler is not None, "drafts are for sequences that sample"
         state = seq.state
@@ -238,11 +274,13 @@ class Steps:
         seq.windows += 1
         seq.drafted += k
         seq.accepted += j
-        self.windows += 1
-        self.drafted += k
-        self.accepted += j
+        with self._count:
+            self.windows += 1
+            self.drafted += k
+            self.accepted += j
         if j < k:  # rows after the last kept one read tokens that are not the sequence's
             state.restore(marked[j])
+        return j
 
     def _settle(self, force: bool) -> None:
         if self.checker is None:
@@ -270,8 +308,10 @@ class Steps:
 
     def _redo(self) -> None:
         for seq in self.open.values():
-            state_cp, seq.last = seq.anchor
+            state_cp, seq.last, mtp_cp, seq.proposed = seq.anchor
             seq.state.restore(state_cp)
+            if mtp_cp is not None:
+                seq.mtp.restore(mtp_cp)
             seq.held.clear()
         self.redone += len(self.passes)
         for entries in self.passes:

@@ -14,6 +14,7 @@ from conftest import FIXTURES
 from swarm.coordinator.engine import open_engine
 from swarm.coordinator.generate import SamplingParams, generate
 from swarm.coordinator.serve import scheduler as sched
+from swarm.coordinator.serve.slots import CHECKPOINT_BEFORE_END
 from swarm.coordinator.serve.startup import warm_batches
 from swarm.coordinator.steps import Entry
 
@@ -52,9 +53,7 @@ def test_requests_that_come_together_to_an_idle_engine_are_read_in_one_pass(
         outs: list[list[int]] = [[] for _ in range(3)]
         for i in range(3):
             # longer than CHECKPOINT_BEFORE_END: each keeps a checkpoint before its end
-            s.submit(
-                _request([10 + i, 30 + i, *range(20, 20 + sched.CHECKPOINT_BEFORE_END)], done[i], outs[i])
-            )
+            s.submit(_request([10 + i, 30 + i, *range(20, 20 + CHECKPOINT_BEFORE_END)], done[i], outs[i]))
             if not gap:  # the next one comes once this one's prompt is being read (a sleep is too short on
                 deadline = time.monotonic() + 60  # a loaded machine: two came while a pass ran, read as one)
                 while sum(1 for n in passes if n) <= i and time.monotonic() < deadline:

@@ -98,7 +98,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         ids = prompt_ids(engine, args.prompt, args.chat, args.system)
         if not ids:
             raise UserError("the prompt is empty after tokenization; give some text")
-        _, stats = stream_answer(engine, ids, params, drafter=drafter_from_args(args))
+        drafter, mtp = drafter_from_args(args, engine)
+        _, stats = stream_answer(engine, ids, params, drafter=drafter, mtp=mtp)
         report(engine, stats)
         if stats_of is not None:
             stats_of.save(args.stats, engine.fingerprint)

@@ -168,9 +168,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         checker = engine.checker
         per_slot = _slot_memory(engine, args.parallel, args.ctx_size)
         admit_check = _coverage_check(engine, args.model)
+        drafter, mtp = drafter_from_args(args, engine)
         scheduler = Scheduler(
             engine.model, engine.device, checker, args.parallel, args.ctx_size, args.max_queue, admit_check,
-            drafter=drafter_from_args(args), groups=_grouping(engine, args.groups),
+            drafter=drafter, mtp=mtp, groups=_grouping(engine, args.groups),
         )  # fmt: skip
         scheduler.start(_warm_up(engine, args.parallel))
         if args.stats:  # after the warm-up, which would count as routing
@@ -208,7 +209,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _check_args(args: argparse.Namespace) -> None:
-    from swarm.coordinator.serve.scheduler import CHECKPOINT_BEFORE_END
+    from swarm.coordinator.serve.slots import CHECKPOINT_BEFORE_END
 
     if args.parallel < 1:
         raise UserError("--parallel must be at least 1")

@@ -21,13 +21,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from swarm.coordinator.models.attention import KVCache
-from swarm.coordinator.sampling import Sampler, SamplingParams
+from swarm.coordinator.sampling import Sampler
+from swarm.coordinator.serve.slots import Done, QueueFull, Request, Slot
 from swarm.coordinator.steps import Checker, Entry, Grouping, Seq, Steps
 from swarm.sharding.errors import UserError
 
@@ -44,60 +44,6 @@ ADMIT_GAP = 0.015
 ADMIT_WINDOW = 0.05
 # One sequence's chunk stays within the DeltaNet's recurrent form (deltanet.RECURRENT_MAX).
 CHUNK = 256
-# A checkpoint this many tokens before a prompt's end, where its request names no better place (Request.mark):
-# a conversation sent again usually differs from what a slot holds only from the last turn's generation
-# prompt on. The pass that reads past that place keeps the state there (Entry.mark: the DeltaNet layers run
-# their rule in two ops) rather than stopping at it: a pass of its own for the tail would add to every
-# prompt's read (docs/BENCHMARKS.md).
-CHECKPOINT_BEFORE_END = 16
-
-
-class QueueFull(Exception):
-    """More requests wait than the queue takes."""
-
-
-@dataclass
-class Done:
-    finish_reason: str  # "stop", "length", "cancelled", or "error"
-    error: str | None = None
-    status: int = 200  # the HTTP status an error maps to
-
-
-@dataclass(eq=False)
-class Request:
-    """One generation. `on_tokens` and `on_done` are called from the engine thread."""
-
-    prompt: list[int]
-    params: SamplingParams
-    on_tokens: Callable[[list[int]], None]
-    on_done: Callable[[Done], None]
-    submitted: float = field(default_factory=time.monotonic)
-    first_token: float | None = None
-    cached: int = 0  # prompt tokens taken from a slot's held state
-    prompt_seconds: float = 0.0  # from admission to the first token
-    # Where in the prompt to keep a checkpoint before its end (None: CHECKPOINT_BEFORE_END before it): the
-    # place a client that sends the prompt again with a different ending is likely to still agree with.
-    mark: int | None = None
-    cancelled: bool = False
-    admitted: float | None = None
-    produced: int = 0
-
-    def checkpoint_at(self) -> int:
-        """The prompt position of the checkpoint kept before its end."""
-        return self.mark if self.mark is not None else len(self.prompt) - CHECKPOINT_BEFORE_END
-
-
-@dataclass(eq=False)
-class Slot:
-    index: int
-    state: Any = None  # the model's SequenceState, kept between requests
-    history: list[int] = field(default_factory=list)  # the tokens `state` holds (when idle)
-    checkpoints: dict[int, Any] = field(default_factory=dict)  # position -> state checkpoint
-    request: Request | None = None
-    seq: Seq | None = None
-    fed: int = 0  # prompt tokens read
-    out: list[int] = field(default_factory=list)  # tokens given to the request
-    used: float = 0.0
 
 
 class Scheduler:
@@ -112,6 +58,7 @@ class Scheduler:
         admit_check: Callable[[], str | None] | None = None,
         drafter: Callable[[Sequence[int]], Sequence[int]] | None = None,
         groups: Grouping | None = None,
+        mtp: Any = None,
     ) -> None:
         self.model, self.device, self.checker = model, device, checker
         self.ctx_size, self.max_queue = ctx_size, max_queue
@@ -126,7 +73,8 @@ class Scheduler:
         self._cond = threading.Condition()
         self._stopping = False
         self.groups = groups  # how many groups each pass goes in (serve/groups.py), None: one
-        self._steps = Steps(model, device, checker, groups)
+        self.mtp = mtp  # an MTPDrafter (drafts from the model's MTP head, in place of `drafter`), or None
+        self._steps = Steps(model, device, checker, groups, mtp)
         self._redone = 0
         self._thread = threading.Thread(target=self._main, name="swarm-serve-engine", daemon=True)
         self._warm: Callable[[], None] | None = None
@@ -266,7 +214,7 @@ class Scheduler:
             slot, pos = self._best_slot(free, req.prompt)
             self._prepare(slot, pos)
             slot.request, slot.fed, slot.out, slot.used = req, pos, [], time.monotonic()
-            slot.seq = Seq(slot.state, Sampler(req.params, self.device))
+            slot.seq = Seq(slot.state, Sampler(req.params, self.device), mtp=slot.mtp)
             self._steps.join(slot.seq)
             req.cached, req.admitted = pos, time.monotonic()
 
@@ -302,9 +250,14 @@ class Scheduler:
                 if isinstance(layer, KVCache):
                     layer.capacity = self.ctx_size
             slot.checkpoints, slot.history = {}, []
+            slot.mtp = self.mtp.new_state() if self.mtp is not None else None
             return
         if pos != len(slot.history):
             slot.state.restore(slot.checkpoints[pos])
+        if slot.mtp is not None and slot.mtp.length != pos:
+            # the head's cache holds a row for every position the slot read; the trunk's hidden row before
+            # `pos` is not kept, and the next row pairs with zeros instead (drafts only: never the text)
+            slot.mtp.restore((pos, torch.zeros_like(slot.mtp.pending_h)))
         slot.checkpoints = {p: c for p, c in slot.checkpoints.items() if p <= pos}
         slot.history = slot.history[:pos]
 
@@ -340,12 +293,15 @@ class Scheduler:
     def _drafts(self, s: Slot) -> tuple[int, ...]:
         """The drafts of the slot's next decode step, no more than it may still produce less one."""
         r, seq = s.request, s.seq
-        if self.drafter is None or r is None or seq is None:
+        if (self.drafter is None and self.mtp is None) or r is None or seq is None:
             return ()
         n = len(s.out) + len(seq.ready) + len(seq.held)
         room = min(r.params.max_tokens - n, self.ctx_size - len(r.prompt) - n) - 1
         if room <= 0:
             return ()
+        if self.mtp is not None:
+            return seq.proposed[:room]
+        assert self.drafter is not None
         return tuple(self.drafter([*r.prompt, *s.out, *seq.ready, *seq.held]))[:room]
 
     def _computed(self, s: Slot) -> bool:
@@ -434,7 +390,7 @@ class Scheduler:
                     r = s.request
                     s.request, s.state, s.seq, s.history, s.checkpoints = None, None, None, [], {}
                     r.on_done(Done("error", msg, 503 if user else 500))
-            self._steps = Steps(self.model, self.device, self.checker, self.groups)
+            self._steps = Steps(self.model, self.device, self.checker, self.groups, self.mtp)
             self._redone = 0
 
     def _end_all(self) -> None:
