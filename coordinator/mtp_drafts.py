@@ -58,37 +58,63 @@ class MTPDrafter:
             raise ValueError("states, committed, starts, hs and lasts must have one entry per sequence")
         k = self.k if k is None else k
         seeds = list(lasts) if k > 0 else [None] * n
-        drafts: list[list[int]] = [[] for _ in range(n)]
-        probs: list[list[float]] = [[] for _ in range(n)]
-        with torch.inference_mode():  # (caches made here stay writable in the next step)
-            live, h_mtp, logits = self._catch_up(states, committed, starts, hs, seeds)
-            while live:
-                ids, p = top_token(logits)
-                going, rows = [], []
-                for j, i in enumerate(live):
-                    if p[j] < self.p_min:
-                        continue
-                    drafts[i].append(ids[j])
-                    probs[i].append(p[j])
-                    if len(drafts[i]) < k:
-                        going.append(i)
-                        rows.append(j)
-                live = going
-                if live:
-                    chain = [states[i] for i in live]
-                    h_mtp, logits = self._pass(
-                        chain, [[drafts[i][-1]] for i in live], h_mtp[rows], range(len(live))
-                    )
-            for s, c, start in zip(states, committed, starts, strict=True):
-                s.kv.restore(start + len(c))  # the seed and draft rows leave the cache
-        self.confidence = [tuple(p) for p in probs]
+        for i, (s, c, start, h) in enumerate(zip(states, committed, starts, hs, strict=True)):
+            if s.length != start:
+                raise ValueError(
+                    f"sequence {i}: its MTP cache holds {s.length} positions but its committed tokens start at "
+                    f"{start}; restore the MTP state along with the model's"
+                )
+            if h.shape[0] != len(c):
+                raise ValueError(f"sequence {i}: {len(c)} committed tokens but {h.shape[0]} hidden rows")
+        kept = [s.checkpoint() for s in states]
+        try:
+            with torch.inference_mode():  # (caches made here stay writable in the next step)
+                drafts, probs = self._drafts(states, committed, starts, hs, seeds, k)
+        except BaseException:
+            for s, cp in zip(states, kept, strict=True):  # a failed pass (a node lost) leaves no rows behind
+                s.restore(cp)
+            raise
+        self.confidence = [tuple(ps) for ps in probs]
         return [tuple(d) for d in drafts]
+
+    def _drafts(
+        self,
+        states: Sequence[MTPState],
+        committed: Sequence[Sequence[int]],
+        starts: Sequence[int],
+        hs: Sequence[torch.Tensor],
+        seeds: Sequence[int | None],
+        k: int,
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        """The catch-up and seed pass, then one pass per chain step; the caches end at the committed rows."""
+        drafts: list[list[int]] = [[] for _ in states]
+        probs: list[list[float]] = [[] for _ in states]
+        live, h_mtp, logits = self._catch_up(states, committed, hs, seeds)
+        while live:
+            ids, p = top_token(logits)
+            going, rows = [], []
+            for j, i in enumerate(live):
+                if p[j] < self.p_min:
+                    continue
+                drafts[i].append(ids[j])
+                probs[i].append(p[j])
+                if len(drafts[i]) < k:
+                    going.append(i)
+                    rows.append(j)
+            live = going
+            if live:
+                chain = [states[i] for i in live]
+                h_mtp, logits = self._pass(
+                    chain, [[drafts[i][-1]] for i in live], h_mtp[rows], range(len(live))
+                )
+        for s, c, start in zip(states, committed, starts, strict=True):
+            s.kv.restore(start + len(c))  # the seed and draft rows leave the cache
+        return drafts, probs
 
     def _catch_up(
         self,
         states: Sequence[MTPState],
         committed: Sequence[Sequence[int]],
-        starts: Sequence[int],
         hs: Sequence[torch.Tensor],
         seeds: Sequence[int | None],
     ) -> tuple[list[int], torch.Tensor, torch.Tensor]:
@@ -100,14 +126,7 @@ class MTPDrafter:
         seeded: list[int] = []
         out: list[int] = []
         n_rows = 0
-        for i, (s, c, start, h, seed) in enumerate(zip(states, committed, starts, hs, seeds, strict=True)):
-            if s.length != start:
-                raise ValueError(
-                    f"sequence {i}: its MTP cache holds {s.length} positions but its committed tokens start at "
-                    f"{start}; restore the MTP state along with the model's"
-                )
-            if h.shape[0] != len(c):
-                raise ValueError(f"sequence {i}: {len(c)} committed tokens but {h.shape[0]} hidden rows")
+        for i, (s, c, h, seed) in enumerate(zip(states, committed, hs, seeds, strict=True)):
             rows = [*c, seed] if seed is not None else list(c)
             if not rows:
                 continue

@@ -98,6 +98,20 @@ class MTPHead(nn.Module):
             if isinstance(module, MoE):
                 module.experts = experts
 
+    def warm_up(self) -> None:
+        """One row through every expert of the MTP layer (DecoderModel.warm_up does the trunk's), so that their
+        weights are paged in, and every node has answered for them, before the first draft."""
+        moe = self.block.moe
+        kept = moe.cfg
+        moe.cfg = replace(kept, n_expert_used=kept.n_expert)
+        one = torch.zeros(1, dtype=torch.long)
+        try:
+            with torch.inference_mode():
+                h = torch.zeros(1, self.cfg.n_embd, device=self.eh_scale.device)
+                self(one, h, Batch((1,), (0,), one.to(h.device)), [KVCache()], one)
+        finally:
+            moe.cfg = kept
+
     def new_state(self) -> MTPState:
         return MTPState(KVCache(), torch.zeros(self.cfg.n_embd, device=self.eh_scale.device))
 
