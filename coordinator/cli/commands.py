@@ -94,6 +94,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
             stats_of = RoutingStats(engine.experts)
             engine.model.set_experts(stats_of)
+            if engine.mtp is not None:
+                engine.mtp.set_experts(stats_of)
         params = sampling_from_args(args, engine.tokenizer.eos_ids)
         ids = prompt_ids(engine, args.prompt, args.chat, args.system)
         if not ids:

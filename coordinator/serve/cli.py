@@ -179,6 +179,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
             stats_of = RoutingStats(engine.experts)
             engine.model.set_experts(stats_of)
+            if engine.mtp is not None:
+                engine.mtp.set_experts(stats_of)
         config = ServeConfig(
             model_id=args.model_id or model_id_of(args.model), api_key=api_key, ctx_size=args.ctx_size
         )
@@ -269,6 +271,8 @@ def _warm_up(engine: Any, parallel: int) -> Callable[[], None]:
     def warm() -> None:  # on the engine thread
         status_line("swarm serve: warming up (every expert once, as llama.cpp does) ...")
         engine.model.warm_up()
+        if engine.mtp is not None:
+            engine.mtp.warm_up()  # its layer's experts too
         status_line("swarm serve: preparing passes of several conversations at once ...")
         warm_batches(engine.model, parallel, engine.device)
         warm_prompts(engine.model, parallel, engine.device)
