@@ -12,7 +12,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -178,6 +178,8 @@ class _Serving:
     fetching: bool = False  # its --fetch has started and not ended
     first_use: Any = None  # its start-up pass over the slabs (swarm.node.first_use), once started
     said_prepared: bool = False  # the ready file has said that pass ended
+    announced: bool = False  # its mDNS record is registered (coordinators browsing find it from now on)
+    _writing: threading.Lock = field(default_factory=threading.Lock)  # the ready file, from two threads
 
     def properties(self) -> dict[str, str]:
         """Its mDNS record."""
@@ -202,6 +204,11 @@ class _Serving:
 
     def write_ready(self) -> None:
         """The --ready-file, written again whenever what it says changes."""
+        if self.args.ready_file:
+            with self._writing:
+                self._write_ready()
+
+    def _write_ready(self) -> None:
         args, store, loaded, fetch = self.args, self.store, self.loaded, self.fetch
         if args.ready_file:
             _write_json_atomic(
@@ -224,6 +231,10 @@ class _Serving:
                     "fetch_failed": fetch.failed() if fetch is not None else [],
                     # every slab hashed (before its first use) and made ready for the kernels
                     "prepared": self.said_prepared,
+                    # mDNS: whether it announces itself, and whether its record is registered yet (it serves
+                    # --peer callers before that)
+                    "mdns": not args.no_mdns,
+                    "announced": self.announced,
                 },
             )
 
@@ -339,6 +350,8 @@ class _Announcement:
             self._advertiser, stale = advertiser, self._stale
         if stale:
             advertiser.update(self.node.properties())
+        self.node.announced = True
+        self.node.write_ready()
 
     def update(self) -> None:
         """Announce the node's properties as they are now."""
