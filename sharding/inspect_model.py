@@ -34,6 +34,9 @@ class ModelSurvey:
     slab_bytes: tuple[int, ...]  # bytes of one (layer, expert) slab, per MoE layer
     n_slabs: int
     slab_kinds: tuple[str, ...]
+    n_mtp: int = (
+        -1
+    )  # MTP (next-token prediction) blocks after the main ones; -1: not known (a shard directory)
 
 
 def survey(path: str | Path) -> ModelSurvey:
@@ -65,6 +68,7 @@ def survey(path: str | Path) -> ModelSurvey:
         slab_bytes=tuple(per_layer[layer] for layer in src.moe_layers),
         n_slabs=len(src.moe_layers) * src.n_expert,
         slab_kinds=tuple(sorted({slab_kind(et) for et in src.experts})),
+        n_mtp=arch_int(src, Keys.LLM.NEXTN_PREDICT_LAYERS),
     )
 
 
@@ -112,6 +116,11 @@ def format_survey(s: ModelSurvey) -> str:
         ("file", s.path),
         ("architecture", s.arch),
         ("layers", f"{s.n_layer} ({s.moe_layers} with experts)"),
+        *(
+            [("MTP blocks", f"{s.n_mtp} (drafts with --mtp N)" if s.n_mtp else "none (--mtp cannot draft)")]
+            if s.n_mtp >= 0
+            else []
+        ),
         ("experts per layer", f"{s.n_expert}, top-{s.n_expert_used} used per token"),
         ("model width / expert width", f"{s.n_embd} / {s.n_ff_exp}"),
         ("expert tensors", f"{', '.join(s.slab_kinds)}"),
