@@ -204,13 +204,10 @@ class _Serving:
 
     def write_ready(self) -> None:
         """The --ready-file, written again whenever what it says changes."""
-        if self.args.ready_file:
-            with self._writing:
-                self._write_ready()
-
-    def _write_ready(self) -> None:
         args, store, loaded, fetch = self.args, self.store, self.loaded, self.fetch
-        if args.ready_file:
+        if not args.ready_file:
+            return
+        with self._writing:
             _write_json_atomic(
                 args.ready_file,
                 {
