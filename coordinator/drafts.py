@@ -10,6 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+
 # The longest suffix looked up first: a longer match predicts better; shorter ones are tried when it fails.
 MAX_NGRAM = 4
 MIN_NGRAM = 2  # a single repeated token is too weak a hint in most text
@@ -21,13 +23,18 @@ def lookup_drafts(tokens: Sequence[int], k: int, max_n: int = MAX_NGRAM, min_n: 
     the occurrence's continuation only as far as the sequence goes."""
     if k <= 0:
         return []
-    t = list(tokens)
-    for n in range(min(max_n, len(t) - 1), min_n - 1, -1):
-        tail = t[-n:]
-        # the latest start i < len(t) - n whose n tokens equal the tail, scanning backwards
-        for i in range(len(t) - n - 1, -1, -1):
-            if t[i : i + n] == tail:
-                return t[i + n : i + n + k]
+    t = np.asarray(tokens, dtype=np.int64)
+    size = len(t)
+    for n in range(min(max_n, size - 1), min_n - 1, -1):
+        # starts i < size - n whose n tokens equal the tail (vectorised: a conversation of thousands of
+        # tokens is scanned for every sequence at every decode step)
+        hits = t[: size - n] == t[size - n]
+        for j in range(1, n):
+            hits &= t[j : size - n + j] == t[size - n + j]
+        found = np.flatnonzero(hits)
+        if found.size:
+            i = int(found[-1])  # the latest
+            return t[i + n : i + n + k].tolist()
     return []
 
 

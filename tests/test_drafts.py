@@ -24,3 +24,22 @@ def test_no_occurrence_or_no_room_gives_no_drafts() -> None:
     assert lookup_drafts([7], 3) == []
     assert lookup_drafts([], 3) == []
     assert lookup_drafts([3, 3, 3], 2, min_n=1) == [3]  # a single repeated token when allowed
+
+
+def _naive(t: list[int], k: int, max_n: int = 4, min_n: int = 2) -> list[int]:
+    """The definition, scanned token by token."""
+    for n in range(min(max_n, len(t) - 1), min_n - 1, -1):
+        for i in range(len(t) - n - 1, -1, -1):
+            if t[i : i + n] == t[-n:]:
+                return t[i + n : i + n + k]
+    return []
+
+
+def test_the_scan_agrees_with_the_definition_on_random_sequences() -> None:
+    import random
+
+    rng = random.Random(5)
+    for _ in range(300):
+        t = [rng.randrange(4) for _ in range(rng.randrange(0, 60))]
+        k = rng.randrange(0, 5)
+        assert lookup_drafts(t, k) == (_naive(t, k) if k > 0 else []), t
