@@ -38,11 +38,11 @@ def test_groups_through_nodes_give_each_conversation_its_text_alone(tmp_path) ->
     backend = connect(sorted(slabs_from_shard(shard_dir, verify=False)[0]), manifest.fingerprint, str(shard_dir),
                       peers=[x.address for x in nodes], mdns=False, timeout=30.0)  # fmt: skip
     prompts = [[5 + i, 9, 40 + 3 * i, *range(60, 60 + 4 * i)] for i in range(4)]
-    params = [SamplingParams(max_tokens=12, temperature=0.8 * (i % 2), seed=3 + i) for i in range(4)]
+    params = [SamplingParams(max_tokens=8, temperature=0.8 * (i % 2), seed=3 + i) for i in range(4)]
     try:
         alone = [list(generate(local.model, p, q, "cpu")) for p, q in zip(prompts, params, strict=True)]
         local.model.set_experts(backend)
-        for groups in (2, 3):
+        for groups in (3,):  # groups of unequal size (4 sequences in 3)
             policy = WaitShare(backend, fixed=groups)
             split: list[int] = []
             choose = policy.choose
