@@ -54,6 +54,7 @@ class Engine:
     fingerprint: str
     numerics: Numerics = Numerics.NATIVE
     mtp: MTPHead | None = None  # the model's MTP head, loaded with open_engine(mtp=True)
+    vision: Any = None  # its vision tower (coordinator.pictures.Pictures), loaded with open_engine(mmproj=)
 
     @property
     def checker(self) -> Auditor | None:
@@ -115,6 +116,8 @@ def open_engine(
     verify: str = "sample",
     numerics_class: str = "any",
     mtp: bool = False,
+    mmproj: str | Path | None = None,
+    image_tokens: tuple[int | None, int | None] = (None, None),
 ) -> Engine:
     """The model at `path` with its experts computed here (`local`) or by the swarm's nodes.
     `progress`: progress bars on stderr (only when it is a terminal) while slabs and weights load.
@@ -125,7 +128,8 @@ def open_engine(
     sent to a second holder, the two compared) or "all" (every answer recomputed here). `numerics_class`:
     "same" takes only nodes whose answers are checked bit for bit (swarm.compute.numclass). `mtp`: the
     model's MTP head too (Engine.mtp, for coordinator.mtp_drafts; its experts on the same backend); a file
-    without one is a GGUFError."""
+    without one is a GGUFError. `mmproj`: the vision tower to read pictures with (Engine.vision;
+    `image_tokens`: the least and most rows per picture, None: the file's)."""
     dev = torch.device(device) if device else default_device()
     wire_dtype = WIRE_DTYPES[wire]
     experts: LocalExperts | SwarmExperts
@@ -153,6 +157,11 @@ def open_engine(
         model, meta = load_model(path, experts, dev, progress=progress, numerics=numerics)
         head = load_mtp_head(path, model, experts, numerics) if mtp else None
         tokenizer = GGUFTokenizer(meta)
+        vision = None
+        if mmproj is not None:
+            from swarm.coordinator.pictures import open_vision
+
+            vision = open_vision(meta, mmproj, numerics, dev, *image_tokens)
         if isinstance(experts, SwarmExperts):
             waited = time.perf_counter()
             experts.await_admission()  # the engine returned is ready: its first prompt waits for nothing
@@ -163,7 +172,7 @@ def open_engine(
         if isinstance(experts, SwarmExperts):
             experts.close()
         raise
-    return Engine(model, meta, tokenizer, experts, dev, str(path), fingerprint, numerics, head)
+    return Engine(model, meta, tokenizer, experts, dev, str(path), fingerprint, numerics, head, vision)
 
 
 def _local_experts(

@@ -38,21 +38,33 @@ class GenerationStats:
 
 
 def forward_one(
-    model: CausalLM, tokens: Sequence[int], state: Any, device: torch.device | str, last_only: bool = False
+    model: CausalLM,
+    tokens: Sequence[int],
+    state: Any,
+    device: torch.device | str,
+    last_only: bool = False,
+    rows: Any = None,
 ) -> torch.Tensor:
-    """Feed one sequence's tokens; logits [T, V] (or [1, V] with last_only)."""
+    """Feed one sequence's tokens (`rows`: a picture's rows among them, models.base.Rows); logits [T, V] (or
+    [1, V] with last_only)."""
     ids = torch.tensor(list(tokens), dtype=torch.long, device=device)
+    extra = {"inputs": [rows]} if rows is not None else {}
     with torch.inference_mode():
-        return model(ids, [state], [len(tokens)], last_only=last_only)
+        return model(ids, [state], [len(tokens)], last_only=last_only, **extra)
 
 
 def checked_logits(
-    model: CausalLM, tokens: Sequence[int], state: Any, device: torch.device | str, checker: Checker | None
+    model: CausalLM,
+    tokens: Sequence[int],
+    state: Any,
+    device: torch.device | str,
+    checker: Checker | None,
+    rows: Any = None,
 ) -> torch.Tensor:
     """forward_one's logits [T, V], once the nodes' answers behind them are checked."""
     seq, steps = Seq(state), Steps(model, device, checker)
     steps.join(seq)
-    steps.step([Entry(seq, tuple(tokens))])
+    steps.step([Entry(seq, tuple(tokens), rows=rows)])
     if not seq.ready:
         steps.finish()
     return seq.ready[0]
@@ -68,12 +80,13 @@ def generate(
     checker: Checker | None = None,
     drafter: Callable[[Sequence[int]], Sequence[int]] | None = None,
     mtp: Any = None,
+    rows: Any = None,
 ) -> Iterator[int]:
     """Yield generated token ids one by one; `stats` (if given) is filled in as it goes. With a `checker`,
     tokens come once the nodes' answers behind them are checked (see Steps): a few at a time. With a
     `drafter` (coordinator/drafts.py: the tokens so far -> guesses at the next ones), or `mtp` (an
     MTPDrafter: the model's own MTP head), each decode step checks its drafts in one pass (see Steps); the
-    tokens are the same as without."""
+    tokens are the same as without. `rows`: the prompt's pictures (models.base.Rows, coordinator.pictures)."""
     if not prompt:
         raise ValueError("empty prompt: give at least one token")
     device = torch.device(device)
@@ -85,7 +98,7 @@ def generate(
     steps.join(seq)
 
     t0 = clock()
-    steps.step([Entry(seq, tuple(prompt))])
+    steps.step([Entry(seq, tuple(prompt), rows=rows)])
     if not seq.ready:
         steps.finish()  # the first token is the one a user waits for: settle it at once
     stats.prefill_seconds = clock() - t0

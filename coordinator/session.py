@@ -79,6 +79,46 @@ def add_swarm_args(p: argparse.ArgumentParser) -> None:
     add_numerics_args(g)
 
 
+def add_picture_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
+    """The vision tower (an mmproj GGUF) that reads pictures, and how many rows a picture becomes."""
+    g = p.add_argument_group("pictures (Qwen3.5 / Qwen3.6 with their mmproj)")
+    found = "with --image, " if not serve else ""
+    g.add_argument(
+        "--mmproj",
+        default=None,
+        metavar="FILE",
+        help=f"the model's vision tower (mmproj GGUF); default: {found}the one file named mmproj*.gguf in the "
+        "shard directory or beside the GGUF",
+    )
+    if serve:
+        g.add_argument(
+            "--no-mmproj", action="store_true", help="read no pictures, even with an mmproj beside"
+        )
+    g.add_argument("--image-min-tokens", type=int, default=None, metavar="N",
+                   help="fewest rows a picture becomes (default: the mmproj's, else 8)")  # fmt: skip
+    g.add_argument("--image-max-tokens", type=int, default=None, metavar="N",
+                   help="most rows a picture becomes (default: the mmproj's, else 4096)")  # fmt: skip
+
+
+def mmproj_of(args: argparse.Namespace) -> str | None:
+    """The mmproj the flags ask for (--mmproj, or the one beside the model where pictures may come), or None."""
+    from pathlib import Path
+
+    from swarm.coordinator.pictures import find_mmproj
+
+    given = getattr(args, "mmproj", None)
+    if given is not None:
+        if not Path(given).is_file():
+            raise UserError(f"--mmproj {given}: no such file")
+        return str(given)
+    if getattr(args, "no_mmproj", False) or not (getattr(args, "image", None) or args.command == "serve"):
+        return None
+    found = find_mmproj(args.model)
+    if found is not None:
+        status_line(f"swarm {args.command}: reading pictures with {found}")
+    return str(found) if found is not None else None
+
+
 def add_numerics_args(g: Any) -> None:
     """How weights are multiplied (--exact) and on how many threads."""
     g.add_argument(
@@ -221,6 +261,8 @@ def open_from_args(args: argparse.Namespace) -> Any:
         progress=True,
         numerics=Numerics.of(args.exact),
         mtp=mtp,
+        mmproj=mmproj_of(args),
+        image_tokens=(getattr(args, "image_min_tokens", None), getattr(args, "image_max_tokens", None)),
     )
     if isinstance(engine.experts, SwarmExperts):
         n = len(engine.experts.clients)
@@ -268,9 +310,16 @@ def prompt_ids(engine: Any, prompt: str, chat: bool, system: str | None = None) 
 
 
 def stream_answer(
-    engine: Any, ids: list[int], params: Any, out: Any = None, drafter: Any = None, mtp: Any = None
+    engine: Any,
+    ids: list[int],
+    params: Any,
+    out: Any = None,
+    drafter: Any = None,
+    mtp: Any = None,
+    rows: Any = None,
 ) -> tuple[list[int], Any]:
-    """Generate, printing text as it comes (to stdout by default); (generated ids, GenerationStats)."""
+    """Generate, printing text as it comes (to stdout by default); (generated ids, GenerationStats). `rows`:
+    the prompt's pictures (coordinator.pictures)."""
     from swarm.coordinator.generate import GenerationStats, generate
 
     out = out or sys.stdout
@@ -278,7 +327,15 @@ def stream_answer(
     detok = engine.tokenizer.stream(skip_control=True)
     generated = []
     for token in generate(
-        engine.model, ids, params, engine.device, stats, checker=engine.checker, drafter=drafter, mtp=mtp
+        engine.model,
+        ids,
+        params,
+        engine.device,
+        stats,
+        checker=engine.checker,
+        drafter=drafter,
+        mtp=mtp,
+        rows=rows,
     ):
         generated.append(token)
         if token not in params.stop_ids:

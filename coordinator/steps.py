@@ -87,6 +87,8 @@ class Entry:
     mark: int = 0  # > 0: keep a checkpoint after this many of `tokens` (in seq.state.marked)
     # a decode step's guesses at the tokens after its last output (a checking window: see Steps)
     drafts: tuple[int, ...] = ()
+    # the rows and M-RoPE positions of `tokens` where some are a picture's (models.base.Rows), else None
+    rows: Any = None
 
     def feed(self) -> list[int]:
         if self.tokens is not None:
@@ -210,6 +212,9 @@ class Steps:
             else []
         )
         hidden = self.mtp is not None and any(e.seq.mtp is not None for e in entries)
+        extra: dict[str, Any] = {"hidden": True} if hidden else {}
+        if any(e.rows is not None for e in entries):
+            extra["inputs"] = [e.rows for e in entries]
         with torch.inference_mode():
             out = self.model(
                 ids,
@@ -218,7 +223,7 @@ class Steps:
                 last_only=not every_row,
                 marks=marks if any(marks) else (),
                 tails=tails,
-                **({"hidden": True} if hidden else {}),
+                **extra,
             )
         logits, h = out if hidden else (out, None)
         start = 0

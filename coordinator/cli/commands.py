@@ -9,6 +9,7 @@ import sys
 from swarm.compute.openmp import set_wait_policy
 from swarm.coordinator.session import (
     add_numerics_args,
+    add_picture_args,
     add_sampling_args,
     add_swarm_args,
     apply_threads,
@@ -32,6 +33,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--system", default=None, help="system message (with --chat)")
     p.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="a picture (PNG, JPEG, WebP, GIF, BMP) for the prompt (repeatable): at each <__media__> of the "
+        "prompt in order, else before its text; needs the model's mmproj (--mmproj)",
+    )
+    p.add_argument(
         "--stats",
         default=None,
         metavar="FILE",
@@ -39,6 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_sampling_args(p)
     add_swarm_args(p)
+    add_picture_args(p)
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("logits", help="write logits at every position to a .npy file")
@@ -97,11 +107,18 @@ def cmd_run(args: argparse.Namespace) -> int:
             if engine.mtp is not None:
                 engine.mtp.set_experts(stats_of)
         params = sampling_from_args(args, engine.tokenizer.eos_ids)
-        ids = prompt_ids(engine, args.prompt, args.chat, args.system)
+        rows = None
+        if args.image:
+            from swarm.coordinator.pictures import read_image_files, run_prompt
+
+            prompt = run_prompt(engine, args.prompt, args.chat, args.system, read_image_files(args.image))
+            ids, rows = prompt.tokens, prompt.rows
+        else:
+            ids = prompt_ids(engine, args.prompt, args.chat, args.system)
         if not ids:
             raise UserError("the prompt is empty after tokenization; give some text")
         drafter, mtp = drafter_from_args(args, engine)
-        _, stats = stream_answer(engine, ids, params, drafter=drafter, mtp=mtp)
+        _, stats = stream_answer(engine, ids, params, drafter=drafter, mtp=mtp, rows=rows)
         report(engine, stats)
         if stats_of is not None:
             stats_of.save(args.stats, engine.fingerprint)

@@ -58,6 +58,37 @@ def rope(x: torch.Tensor, positions: torch.Tensor, n_rot: int, base: float) -> t
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
 
 
+def rope_sections_of(sections: Sequence[int], n_rot: int) -> torch.Tensor:
+    """Which position component (0: t, 1: h, 2: w) each rotary pair of interleaved multi-section RoPE (llama.cpp's
+    IMROPE, Qwen3-VL / Qwen3.5) reads: pair i falls in sector i % sum(sections), sectors cycle t, h, w while
+    each section lasts. [n_rot / 2] long. (hybrid.check_text_rope_sections refuses files where a pair would
+    read the 4th component.)"""
+    total = sum(sections)
+    comp = []
+    for pair in range(n_rot // 2):
+        sector = pair % total
+        comp.append(next(c for c in range(3) if sector % 3 == c and sector < 3 * sections[c]))
+    return torch.tensor(comp, dtype=torch.long)
+
+
+def rope_multi(
+    x: torch.Tensor, positions: torch.Tensor, n_rot: int, base: float, comp: torch.Tensor
+) -> torch.Tensor:
+    """Interleaved multi-section RoPE (NeoX pairing) of picture rows: x [k, H, hd], positions [3, k] (t, h, w)
+    -> [k, H, hd]; rotary pair i turns by positions[comp[i]] * base^(-2i/n_rot). The angles come from
+    `rope`'s tables (a row's bits depend on its positions alone; a row whose three positions are equal gets
+    `rope`'s rotation)."""
+    half = n_rot // 2
+    tables = [rope_tables(positions[c], n_rot, base) for c in range(3)]  # 3 x ([k, R/2], [k, R/2])
+    pick = comp.to(torch.long)[None, :].expand(positions.shape[1], half)  # [k, R/2]
+    cos = torch.stack([t[0] for t in tables], dim=-1).gather(-1, pick[..., None])[..., 0]
+    sin = torch.stack([t[1] for t in tables], dim=-1).gather(-1, pick[..., None])[..., 0]
+    cos = cos.to(device=x.device, dtype=x.dtype)[:, None, :]  # [k, 1, R/2]
+    sin = sin.to(device=x.device, dtype=x.dtype)[:, None, :]
+    x1, x2, rest = x[..., :half], x[..., half:n_rot], x[..., n_rot:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
+
+
 ROPE_BLOCK = 64  # positions per cached table block
 
 

@@ -37,19 +37,52 @@ class SequenceState:
     """
 
     layers: list[Any]
-    length: int = 0  # tokens consumed so far = position of the next token
+    length: int = 0  # tokens consumed so far
     # (position, checkpoint) at each mark of the last call that had some for this sequence (DecoderModel's
     # `marks`), in order
     marked: list[tuple[int, list[Any]]] = dataclasses.field(default_factory=list)
+    # the RoPE position of the next token: `length` until the sequence holds a picture, whose rows advance it
+    # by max(rows, columns) of its grid rather than by their number (M-RoPE, see Rows)
+    position: int = 0
 
     def checkpoint(self) -> tuple[int, list[Any]]:
-        """What `restore` needs to bring this sequence back to now (the work after it is done again)."""
-        return self.length, [s.checkpoint() for s in self.layers]
+        """What `restore` needs to bring this sequence back to now (the work after it is done again): the
+        length, and every layer's checkpoint followed by the next position."""
+        return self.length, [*(s.checkpoint() for s in self.layers), self.position]
 
     def restore(self, cp: tuple[int, list[Any]]) -> None:
         self.length, states = cp
-        for s, c in zip(self.layers, states, strict=True):
+        *layers, self.position = states
+        for s, c in zip(self.layers, layers, strict=True):
             s.restore(c)
+
+
+@dataclass(frozen=True)
+class Rows:
+    """A sequence's new tokens of one call where some come as rows rather than from token_embd (a picture's
+    rows, in place of its <|image_pad|> tokens), with the M-RoPE positions (t, h, w) of every new token
+    relative to the sequence's next position (SequenceState.position). A text token has (p, p, p); a picture's
+    row at (row, column) of its grid has (p0, p0 + row, p0 + column) (coordinator.vision.positions). The
+    sequence's next position then moves past the largest of them."""
+
+    at: torch.Tensor  # [k] long: which of the new tokens are given as rows (increasing)
+    rows: torch.Tensor  # [k, D] float32
+    positions: torch.Tensor  # [3, T] long, relative to the next position before these tokens
+
+    @property
+    def advance(self) -> int:
+        """How far these tokens move the sequence's next position."""
+        return int(self.positions.max()) + 1
+
+    def slice(self, a: int, b: int) -> Rows | None:
+        """The part of these tokens from a to b (one prompt chunk), relative to the position the tokens
+        before a leave; None where it is plain text at consecutive positions."""
+        pos = self.positions[:, a:b]
+        pos = pos - (int(self.positions[:, :a].max()) + 1 if a else 0)
+        sel = (self.at >= a) & (self.at < b)
+        if not bool(sel.any()) and torch.equal(pos, torch.arange(b - a).expand(3, -1)):
+            return None
+        return Rows(self.at[sel] - a, self.rows[sel], pos)
 
 
 @dataclass(frozen=True)
@@ -63,6 +96,10 @@ class Batch:
     # a prompt's reader keeps one before the prompt's end, a checking window one after every row but the
     # last): its recurrent layers keep their state there. () when no sequence has any.
     marks: tuple[tuple[int, ...], ...] = ()
+    # picture rows (Rows): which rows of the call have h or w positions unlike their t ([k] long), and their
+    # absolute (t, h, w) [3, k]; `positions` holds their t. None: every row's three positions are equal.
+    multi: torch.Tensor | None = None
+    multi_positions: torch.Tensor | None = None
 
     @classmethod
     def of(
@@ -71,16 +108,31 @@ class Batch:
         lengths: Sequence[int],
         device: torch.device,
         marks: Sequence[Sequence[int]] = (),
+        inputs: Sequence[Rows | None] = (),
     ) -> Batch:
         starts = tuple(s.length for s in states)
         # one tensor from a Python list: a decode step's few positions cost one op, not an arange per sequence
-        at = [p for s, n in zip(starts, lengths, strict=True) for p in range(s, s + int(n))]
+        at: list[int] = []
+        multi: list[int] = []
+        multi_pos: list[torch.Tensor] = []
+        for i, (s, n) in enumerate(zip(states, lengths, strict=True)):
+            r = inputs[i] if inputs else None
+            if r is None:
+                at.extend(range(s.position, s.position + int(n)))
+                continue
+            pos = r.positions.to("cpu", torch.long) + s.position  # [3, n]
+            at.extend(pos[0].tolist())
+            odd = ((pos[1] != pos[0]) | (pos[2] != pos[0])).nonzero().flatten()
+            multi.extend((odd + len(at) - int(n)).tolist())
+            multi_pos.append(pos[:, odd])
         positions = torch.tensor(at, dtype=torch.long, device=device)
         return cls(
             lengths=tuple(int(n) for n in lengths),
             starts=starts,
             positions=positions,
             marks=tuple(tuple(int(m) for m in ms) for ms in marks) if any(marks) else (),
+            multi=torch.tensor(multi, dtype=torch.long) if multi else None,
+            multi_positions=torch.cat(multi_pos, dim=1) if multi else None,
         )
 
     def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -88,6 +140,32 @@ class Batch:
         if len(self.lengths) == 1:
             return (x,)
         return torch.split(x, list(self.lengths), dim=0)
+
+
+def check_inputs(inputs: Sequence[Rows | None], lengths: Sequence[int]) -> None:
+    if not inputs:
+        return
+    if len(inputs) != len(lengths):
+        raise ValueError(f"{len(inputs)} inputs for {len(lengths)} sequences")
+    for r, n in zip(inputs, lengths, strict=True):
+        if r is not None and (r.positions.shape != (3, n) or (r.at.numel() and int(r.at.max()) >= n)):
+            raise ValueError(f"rows with positions {list(r.positions.shape)} for {n} new tokens")
+
+
+def given_rows(x: torch.Tensor, inputs: Sequence[Rows | None], lengths: Sequence[int]) -> torch.Tensor:
+    """x [N, D] with the rows `inputs` give in place of the looked-up ones."""
+    at, rows = [], []
+    off = 0
+    for r, n in zip(inputs, lengths, strict=True):
+        if r is not None and r.at.numel():
+            at.append(r.at.to(x.device) + off)
+            rows.append(r.rows.to(x.device, x.dtype))
+        off += n
+    if not at:
+        return x
+    x = x.clone()
+    x[torch.cat(at)] = torch.cat(rows)
+    return x
 
 
 class Block(Protocol):
@@ -161,6 +239,7 @@ class DecoderModel(nn.Module):
         marks: Sequence[int | Sequence[int]] = (),
         tails: Sequence[int] = (),
         hidden: bool = False,
+        inputs: Sequence[Rows | None] = (),
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """tokens [N] (lengths[i] new tokens of sequence i, in order) -> logits [N, V] float32; with
         `hidden`, (logits, h [N, D]): h every row of the call after output_norm, whichever rows the logits
@@ -171,7 +250,8 @@ class DecoderModel(nn.Module):
         ([sum(tails), V]; a checking window's rows). States are advanced in place. `marks[i]` (a count m
         or several, increasing, each 0 < m < lengths[i]; 0 or (): none): sequence i is also checkpointed
         after its first m new tokens, into states[i].marked (as calling with those m tokens,
-        checkpointing, and calling with the rest would, in one pass).
+        checkpointing, and calling with the rest would, in one pass). `inputs[i]` (or none): sequence i's new
+        tokens that come as rows (a picture's) and their M-RoPE positions.
         """
         if not states or len(states) != len(lengths):
             raise ValueError(f"{len(states)} states but {len(lengths)} lengths; give at least one sequence")
@@ -190,19 +270,25 @@ class DecoderModel(nn.Module):
             len(tails) != len(lengths) or any(not 0 < k <= n for k, n in zip(tails, lengths, strict=True))
         ):
             raise ValueError(f"tails {list(tails)} do not fall within lengths {list(lengths)}")
+        check_inputs(inputs, lengths)
         device = self.output_norm.weight.device
         # inference_mode throughout, so caches made in one call stay writable in the next.
         with torch.inference_mode():
-            batch = Batch.of(states, lengths, device, cuts)
+            batch = Batch.of(states, lengths, device, cuts, inputs)
             x = self.token_embd(tokens.to(device))  # [N, D]
+            if inputs:
+                x = given_rows(x, inputs, batch.lengths)
             for i, blk in enumerate(self.blk):
                 x = blk(x, batch, [s.layers[i] for s in states])
             h = self.output_norm(x).float() if hidden else None  # [N, D]
             for i, (s, n) in enumerate(zip(states, batch.lengths, strict=True)):
+                r = inputs[i] if inputs else None
                 for m in batch.marks[i] if batch.marks else ():
                     at = s.length + m
-                    s.marked.append((at, [layer.take_marked(at) for layer in s.layers]))
+                    p = s.position + (int(r.positions[:, :m].max()) + 1 if r is not None else m)
+                    s.marked.append((at, [*(layer.take_marked(at) for layer in s.layers), p]))
                 s.length += n
+                s.position += r.advance if r is not None else n
             if tails:
                 if list(tails) != list(batch.lengths):
                     ends = list(itertools.accumulate(batch.lengths))

@@ -27,7 +27,14 @@ from torch import nn
 
 from swarm.compute import dense
 from swarm.coordinator.experts import ExpertBackend
-from swarm.coordinator.models.attention import KVCache, attend, heads_on_ggml, rope
+from swarm.coordinator.models.attention import (
+    KVCache,
+    attend,
+    heads_on_ggml,
+    rope,
+    rope_multi,
+    rope_sections_of,
+)
 from swarm.coordinator.models.base import Batch, DecoderModel
 from swarm.coordinator.models.deltanet import DeltaNetState, GatedDeltaNet
 from swarm.coordinator.models.gguf_meta import meta_float, meta_int, n_vocab_of
@@ -60,6 +67,9 @@ class HybridConfig:
     fused_ba: bool  # beta/alpha from one ssm_ba matrix (else ssm_beta + ssm_alpha)
     moe: MoEConfig = field(repr=False)
     fused_qkvz: bool = False  # old qwen3next files: ssm_in instead of attn_qkv + attn_gate
+    # rope.dimension_sections (qwen35moe: interleaved multi-section RoPE for picture rows); () where the file
+    # has none (text positions only)
+    rope_sections: tuple[int, ...] = ()
 
     @property
     def conv_dim(self) -> int:
@@ -103,6 +113,7 @@ class HybridConfig:
         sections = meta.get(key(Keys.Rope.DIMENSION_SECTIONS))
         if sections is not None:
             check_text_rope_sections([int(s) for s in sections], n_rot)
+        rope_sections = tuple(int(s) for s in sections) if sections is not None else ()
 
         n_k = meta_int(meta, key(Keys.SSM.GROUP_COUNT))
         n_v = meta_int(meta, key(Keys.SSM.TIME_STEP_RANK))
@@ -145,6 +156,7 @@ class HybridConfig:
             v_heads_tiled=v_heads_tiled,
             fused_ba=fused_ba,
             moe=moe,
+            rope_sections=rope_sections,
         )
 
 
@@ -198,6 +210,7 @@ class GatedAttention(nn.Module):
         self.attn_q_norm = RMSNorm(dh, cfg.eps)
         self.attn_k_norm = RMSNorm(dh, cfg.eps)
         self.attn_output = Linear(h * dh, d)
+        self.sections = rope_sections_of(cfg.rope_sections, cfg.n_rot) if cfg.rope_sections else None
         # Native numerics (the loader sets it): the q/k norms, RoPE and the gate's sigmoid as llama.cpp
         # computes them, in the projections' graph. Exact numerics keep them in torch (RoPE's angles in
         # float64: the oracle against transformers).
@@ -209,8 +222,13 @@ class GatedAttention(nn.Module):
     def forward(self, x: torch.Tensor, norm: RMSNorm, batch: Batch, caches: list[KVCache]) -> torch.Tensor:
         """x [N, D] -> x + attention(norm(x))."""
         c, n = self.cfg, x.shape[0]
+        multi = batch.multi
+        if multi is not None and self.sections is None:
+            raise ValueError(f"{c.arch}: this file has no rope.dimension_sections; it does not read pictures")
+        # picture rows turn by their (t, h, w) below: the graph leaves them unturned (position 0)
+        flat = batch.positions if multi is None else batch.positions.index_fill(0, multi.to(x.device), 0)
         front = heads_on_ggml(self.native_steps, x, norm, [self.attn_q, self.attn_k, self.attn_v],
-                              self.attn_q_norm, self.attn_k_norm, c, batch.positions, gated=True)  # fmt: skip
+                              self.attn_q_norm, self.attn_k_norm, c, flat, gated=True)  # fmt: skip
         if front is not None:
             q, k, vx, gate = front
         else:
@@ -219,8 +237,14 @@ class GatedAttention(nn.Module):
             q = self.attn_q_norm(qg[:, :, 0])  # [N, H, Dh]
             gate = dense.unary("sigmoid", qg[:, :, 1].reshape(n, c.n_head * c.head_dim))  # [N, H*Dh]
             k = self.attn_k_norm(kx.view(n, c.n_head_kv, c.head_dim))  # [N, Hkv, Dh]
-            q = rope(q, batch.positions, c.n_rot, c.rope_base)
-            k = rope(k, batch.positions, c.n_rot, c.rope_base)
+            q = rope(q, flat, c.n_rot, c.rope_base)
+            k = rope(k, flat, c.n_rot, c.rope_base)
+        if multi is not None and self.sections is not None:
+            assert batch.multi_positions is not None
+            idx = multi.to(q.device)
+            pos = batch.multi_positions
+            q = q.index_copy(0, idx, rope_multi(q[idx], pos, c.n_rot, c.rope_base, self.sections))
+            k = k.index_copy(0, idx, rope_multi(k[idx], pos, c.n_rot, c.rope_base, self.sections))
         v = vx.view(n, c.n_head_kv, c.head_dim)  # [N, Hkv, Dh]
         o = attend(q, k, v, batch, caches).reshape(n, c.n_head * c.head_dim)  # [N, H*Dh]
         return project(o, self.attn_output, gate=gate, residual=x)[0]

@@ -39,6 +39,7 @@ class ServeConfig:
     api_key: str | None
     ctx_size: int
     retry_after: int = 1  # seconds a client told "queue full" should wait
+    allow_image_urls: bool = False  # fetch pictures given as http(s) URLs (else only data: URLs)
 
 
 def build_app(
@@ -61,7 +62,11 @@ class OpenAIApi:
         self, engine: Any, scheduler: sched.Scheduler, config: ServeConfig, metrics: ServeMetrics
     ) -> None:
         self.tokenizer = engine.tokenizer
-        self.jobs = JobReader(self.tokenizer, ChatTemplate.from_tokenizer(self.tokenizer), config.ctx_size)
+        self.pictures = getattr(engine, "vision", None)  # coordinator.pictures.Pictures, None: no pictures
+        self.jobs = JobReader(
+            self.tokenizer, ChatTemplate.from_tokenizer(self.tokenizer), config.ctx_size, self.pictures,
+            config.allow_image_urls,
+        )  # fmt: skip
         self.scheduler, self.config, self.metrics = scheduler, config, metrics
 
     def app(self, pages: Sequence[Route] = ()) -> Starlette:
@@ -123,7 +128,7 @@ class OpenAIApi:
             loop.call_soon_threadsafe(events.put_nowait, x)
 
         scheduler = self.scheduler
-        req = sched.Request(job.prompt, job.params, put, put, mark=job.mark)
+        req = sched.Request(job.prompt, job.params, put, put, mark=job.mark, rows=job.rows, keys=job.keys)
         try:
             scheduler.submit(req)
         except sched.QueueFull:
@@ -181,7 +186,8 @@ class OpenAIApi:
         try:
             self.check_key(request)
             body = await self.body_of(request)
-            job = make(body)
+            # pictures are decoded and encoded beside the event loop (seconds, for a big vision tower)
+            job = await asyncio.to_thread(make, body) if self.pictures is not None else make(body)
             stream = body.get("stream", False)
             options = body.get("stream_options") or {}
             if not isinstance(stream, bool) or not isinstance(options, dict):
@@ -256,9 +262,11 @@ class OpenAIApi:
             self.check_key(request)
         except ApiError as e:
             return e.response()
+        # what the model reads: "image" where a vision tower is loaded (image_url content parts)
+        reads = ["text", "image"] if self.pictures is not None else ["text"]
         return JSONResponse(
             {"object": "list", "data": [{"id": self.config.model_id, "object": "model", "created": 0,
-             "owned_by": "swarm", "context_length": self.config.ctx_size}]}
+             "owned_by": "swarm", "context_length": self.config.ctx_size, "input_modalities": reads}]}
         )  # fmt: skip
 
     async def health(self, request: Request) -> Response:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from swarm.coordinator.session import add_draft_args, add_swarm_args, drafter_from_args
+from swarm.coordinator.session import add_draft_args, add_picture_args, add_swarm_args, drafter_from_args
 from swarm.node.auth import is_loopback_host
 from swarm.sharding.errors import UserError
 
@@ -88,6 +88,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_draft_args(p)
     add_swarm_args(p)
+    add_picture_args(p, serve=True)
+    p.add_argument(
+        "--allow-image-urls",
+        action="store_true",
+        help="fetch pictures that chat requests give as http(s) URLs (default: only data: URLs, the picture "
+        "itself in the request)",
+    )
     p.set_defaults(func=cmd_serve)
 
 
@@ -182,8 +189,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             if engine.mtp is not None:
                 engine.mtp.set_experts(stats_of)
         config = ServeConfig(
-            model_id=args.model_id or model_id_of(args.model), api_key=api_key, ctx_size=args.ctx_size
-        )
+            model_id=args.model_id or model_id_of(args.model), api_key=api_key, ctx_size=args.ctx_size,
+            allow_image_urls=args.allow_image_urls,
+        )  # fmt: skip
         metrics = ServeMetrics(engine.experts, scheduler)
         app = build_app(engine, scheduler, config, metrics)
         # uvicorn shuts down gracefully on SIGINT/SIGTERM (in-flight requests get up to 10 s), then raises the

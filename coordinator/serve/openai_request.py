@@ -10,6 +10,7 @@ from starlette.responses import JSONResponse
 
 from swarm.coordinator.chat import ChatTemplate
 from swarm.coordinator.generate import SamplingParams
+from swarm.coordinator.serve.picture_source import picture_bytes
 from swarm.coordinator.tokenizer import GGUFTokenizer
 from swarm.sharding.errors import UserError
 
@@ -42,13 +43,24 @@ class Job:
     params: SamplingParams
     stops: list[str]
     mark: int | None = None  # where the scheduler keeps a checkpoint before the prompt's end
+    rows: Any = None  # the prompt's pictures (models.base.Rows), or None
+    keys: list[int] | None = None  # the prompt as slots match it (pictures.PicturePrompt.keys)
 
 
 class JobReader:
     """Reads request bodies into Jobs for one model: its tokenizer, its chat template, the server's context."""
 
-    def __init__(self, tokenizer: GGUFTokenizer, template: ChatTemplate, ctx_size: int) -> None:
+    def __init__(
+        self,
+        tokenizer: GGUFTokenizer,
+        template: ChatTemplate,
+        ctx_size: int,
+        pictures: Any = None,
+        allow_image_urls: bool = False,
+    ) -> None:
         self.tokenizer, self.template, self.ctx_size = tokenizer, template, ctx_size
+        self.pictures = pictures  # the vision tower (coordinator.pictures.Pictures), None: no pictures
+        self.allow_image_urls = allow_image_urls
 
     def sampling(self, body: dict[str, Any], n_prompt: int) -> tuple[SamplingParams, list[str]]:
         room = self.ctx_size - n_prompt
@@ -87,28 +99,52 @@ class JobReader:
         )
         return params, stops
 
-    def check_context(self, prompt: list[int]) -> None:
+    def check_context(self, prompt: list[int], picture_rows: int = 0) -> None:
         if not prompt:
             raise ApiError(400, "the prompt is empty after tokenization", param="prompt")
         if len(prompt) >= self.ctx_size:
+            of = f" ({picture_rows} of them its pictures' rows)" if picture_rows else ""
+            fix = (
+                ": shorten it, or send smaller pictures (or start the server with a lower --image-max-tokens)"
+            )
             raise ApiError(
                 400,
-                f"the prompt has {len(prompt)} tokens but the context is {self.ctx_size} tokens "
-                "(the server's --ctx-size): shorten it",
+                f"the prompt has {len(prompt)} tokens{of} but the context is {self.ctx_size} tokens "
+                "(the server's --ctx-size)" + (fix if picture_rows else ": shorten it"),
                 code="context_length_exceeded",
                 param="messages",
             )
 
     def chat_job(self, body: dict[str, Any]) -> Job:
-        plain = _plain_messages(body.get("messages"))
+        plain, images = _plain_messages(body.get("messages"))
         try:
             text = self.template.render(plain, add_generation_prompt=True)
         except UserError as e:
             raise ApiError(400, str(e), param="messages") from None
-        prompt = self.tokenizer.encode(text, parse_special=True)
-        self.check_context(prompt)
+        if not images:
+            prompt = self.tokenizer.encode(text, parse_special=True)
+            rows = keys = None
+        else:
+            prompt, rows, keys = self._with_pictures(text, images)
+        self.check_context(prompt, int(rows.at.numel()) if rows is not None else 0)
         params, stops = self.sampling(body, len(prompt))
-        return Job(prompt, params, stops, self._turn_end(plain, text, prompt))
+        return Job(prompt, params, stops, self._turn_end(plain, text, prompt), rows, keys)
+
+    def _with_pictures(self, text: str, images: list[Any]) -> tuple[list[int], Any, list[int]]:
+        """(prompt tokens, rows, keys) of a chat's text whose pictures stand at pictures.MARKER."""
+        from swarm.coordinator.pictures import picture_prompt
+
+        if self.pictures is None:
+            raise ApiError(
+                400, "this model reads no pictures here: the server runs without a vision tower (start "
+                "`swarm serve` with --mmproj FILE, the model's mmproj GGUF)", param="messages",
+            )  # fmt: skip
+        data = [picture_bytes(src, i, self.allow_image_urls) for i, src in images]
+        try:
+            p = picture_prompt(self.tokenizer, self.pictures, text, data)
+        except UserError as e:
+            raise ApiError(400, f"a picture cannot be used: {e}", param="messages") from None
+        return p.tokens, p.rows, p.keys
 
     def _turn_end(self, messages: list[dict[str, Any]], text: str, prompt: list[int]) -> int | None:
         """Where the conversation ends before the generation prompt: a chat app sends it again with the
@@ -143,26 +179,43 @@ class JobReader:
         return Job(prompt, params, stops, max(len(prompt) - COMPLETION_TAIL, 0) or None)
 
 
-def _plain_messages(messages: Any) -> list[dict[str, Any]]:
-    """The chat's messages with every content a plain string (text content parts joined)."""
+def _plain_messages(messages: Any) -> tuple[list[dict[str, Any]], list[tuple[int, Any]]]:
+    """The chat's messages with every content a plain string (text content parts joined, each picture part
+    as pictures.MARKER), and the pictures' sources in order, with the index of their message."""
+    from swarm.coordinator.pictures import MARKER
+
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "missing 'messages': a list of {role, content} objects", param="messages")
     plain = []
+    images: list[tuple[int, Any]] = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ApiError(400, f"messages[{i}] needs a 'role' and a 'content'", param="messages")
         content = m.get("content")
-        if isinstance(content, list):  # content parts: only text ones here
-            texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
-            if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
-                raise ApiError(400, f"messages[{i}]: only text content parts are supported", param="messages")
-            content = "".join(texts)  # type: ignore[arg-type]
+        if isinstance(content, list):  # content parts: text, and pictures as image_url parts
+            texts = []
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind == "text" and isinstance(part.get("text"), str):
+                    texts.append(part["text"])
+                elif kind == "image_url":
+                    url = part.get("image_url")
+                    images.append((i, url.get("url") if isinstance(url, dict) else url))
+                    texts.append(MARKER)
+                else:
+                    raise ApiError(
+                        400, f"messages[{i}]: content parts must be text or image_url ones", param="messages"
+                    )
+            if images and any(MARKER in t for t in texts if t != MARKER):
+                raise ApiError(400, f"messages[{i}]: the text holds {MARKER}, the mark of a picture's place",
+                               param="messages")  # fmt: skip
+            content = "".join(texts)
         if content is None:
             content = ""
         if not isinstance(content, str):
-            raise ApiError(400, f"messages[{i}].content must be a string or text parts", param="messages")
+            raise ApiError(400, f"messages[{i}].content must be a string or content parts", param="messages")
         plain.append({**m, "content": content})
-    return plain
+    return plain, images
 
 
 def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:

@@ -211,7 +211,7 @@ class Scheduler:
                     self.waiting.clear()
                     return
             req = self.waiting.popleft()
-            slot, pos = self._best_slot(free, req.prompt)
+            slot, pos = self._best_slot(free, req.match())
             self._prepare(slot, pos)
             slot.request, slot.fed, slot.out, slot.used = req, pos, [], time.monotonic()
             slot.seq = Seq(slot.state, Sampler(req.params, self.device), mtp=slot.mtp)
@@ -284,7 +284,10 @@ class Scheduler:
             end = min(len(r.prompt), s.fed + CHUNK, s.fed + budget)
             at = r.checkpoint_at()
             mark = at - s.fed if s.fed < at < end else 0  # checkpointed there within the pass
-            entries.append(Entry(s.seq, tuple(r.prompt[s.fed : end]), output=end == len(r.prompt), mark=mark))
+            rows = r.rows.slice(s.fed, end) if r.rows is not None else None
+            entries.append(
+                Entry(s.seq, tuple(r.prompt[s.fed : end]), output=end == len(r.prompt), mark=mark, rows=rows)
+            )
             reads.append(s)
             budget -= end - s.fed
             s.fed = end
@@ -374,7 +377,7 @@ class Scheduler:
             s.state, s.history, s.checkpoints = None, [], {}
         elif s.state is not None and seq is not None:
             fed = s.state.length
-            s.history = (r.prompt + s.out + list(seq.held))[:fed]
+            s.history = (r.match() + s.out + list(seq.held))[:fed]
             s.checkpoints = {p: c for p, c in s.checkpoints.items() if p <= fed}
         s.used = time.monotonic()
         r.on_done(done)

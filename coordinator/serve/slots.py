@@ -47,6 +47,13 @@ class Request:
     cancelled: bool = False
     admitted: float | None = None
     produced: int = 0
+    rows: Any = None  # the prompt's pictures (models.base.Rows over the whole prompt), or None
+    # the prompt as slots match it: its pictures' rows as numbers from their pixels' hash (pictures.PicturePrompt)
+    keys: list[int] | None = None
+
+    def match(self) -> list[int]:
+        """The prompt as a slot's history holds it: a held picture counts only where it is the same."""
+        return self.keys if self.keys is not None else self.prompt
 
     def checkpoint_at(self) -> int:
         """The prompt position of the checkpoint kept before its end."""
@@ -58,7 +65,8 @@ class Slot:
     index: int
     state: Any = None  # the model's SequenceState, kept between requests
     mtp: Any = None  # its MTP head's state (with --mtp), at the same position as `state`
-    history: list[int] = field(default_factory=list)  # the tokens `state` holds (when idle)
+    # the tokens `state` holds (when idle), each picture's rows as Request.match gives them
+    history: list[int] = field(default_factory=list)
     checkpoints: dict[int, Any] = field(default_factory=dict)  # position -> state checkpoint
     request: Request | None = None
     seq: Seq | None = None
