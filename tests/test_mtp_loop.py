@@ -64,7 +64,7 @@ def test_mtp_drafts_give_the_text_without_drafts_sampled() -> None:
     engine = open_engine(FIXTURES / "qwen35moe-tiny" / "model-f32.gguf", local=True, device="cpu", mtp=True)
     try:
         prompt = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20] * 2
-        for params in (SamplingParams(max_tokens=20, temperature=0.9, seed=4), SamplingParams(max_tokens=9)):
+        for params in (SamplingParams(max_tokens=10, temperature=0.9, seed=4), SamplingParams(max_tokens=6)):
             plain = list(generate(engine.model, prompt, params, "cpu"))
             stats = GenerationStats()
             assert (
