@@ -36,7 +36,8 @@ from swarm.sharding.slabs import ExpertSlab, LazySlabs, SlabKey
 
 log = logging.getLogger(__name__)
 
-WIRE_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+# q8: float32 values, sent as the kernels' 8-bit blocks where the answers keep their bits (SwarmExperts.q8_rows)
+WIRE_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "q8": torch.float32}
 # The copies of experts audits keep, least recently used first out: repacked ones (native numerics, Q4_0 /
 # Q4_K / IQ4_NL on x86: 1.8 MB an expert at the 35B shape) or float32 ones (exact). Without a bound they would
 # grow towards the size of every expert the coordinator has ever checked.
@@ -152,6 +153,7 @@ def open_engine(
             numerics=numerics,
             same_class_only=numerics_class == "same",
         )
+        experts.q8_rows = wire == "q8"
         _check_answers(experts, path, numerics, wire_dtype, audit, audit_seed, degraded, verify)
     try:
         model, meta = load_model(path, experts, dev, progress=progress, numerics=numerics)

@@ -36,7 +36,12 @@ def add_swarm_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--local", action="store_true", help="compute the experts in this process (no nodes)")
     add_discovery_args(g, 3.0, "seconds to wait for nodes to cover every expert")
     g.add_argument(
-        "--wire", choices=["f32", "f16", "bf16"], default="f32", help="precision of rows on the wire"
+        "--wire",
+        choices=["f32", "f16", "bf16", "q8"],
+        default="f32",
+        help="precision of rows on the wire; q8: the 8-bit blocks the experts' kernels quantize them to (Q8_K, "
+        "Q8_0), about 3.9x smaller than f32 with the same answers in native numerics (float32 rows where a "
+        "layer's experts have no such type, or with --exact)",
     )
     g.add_argument("--timeout", type=float, default=30.0, help="seconds before a node call fails over")
     g.add_argument(

@@ -35,12 +35,14 @@ from swarm.proto.channel import (
 )
 from swarm.proto.codec import (
     CodecError,
-    decode_array,
+    decode_rows,
     dtype_from_proto,
     encode_tensor,
     held_to_proto,
+    is_q8,
     numerics_from_proto,
 )
+from swarm.proto.numerics import Numerics
 from swarm.sharding.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -197,9 +199,11 @@ class ExpertServicer(pb_grpc.ExpertNodeServicer):
         ok, t0 = False, time.perf_counter()
         try:
             self._check_model(request)
-            rows = decode_array(request.rows, "rows")
-            out_dtype = dtype_from_proto(request.out_dtype) if request.out_dtype else rows.dtype
             numerics = numerics_from_proto(request.numerics)
+            if numerics == Numerics.EXACT and is_q8(request.rows.dtype):
+                raise BadCall("8-bit rows are for native numerics; send float rows (f32) for exact")
+            rows = decode_rows(request.rows, "rows")  # 8-bit rows: float32 rows that quantize back to them
+            out_dtype = dtype_from_proto(request.out_dtype) if request.out_dtype else rows.dtype
             out = self.store.compute(request.layer, expert_ids, counts, rows, numerics)  # type: ignore[arg-type]
             reply = pb.ComputeReply(rows=encode_tensor(cast_rows(out, out_dtype)))
             ok = True

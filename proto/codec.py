@@ -17,11 +17,14 @@ import numpy as np
 from swarm.proto import expert_pb2 as pb
 from swarm.proto.arrays import BF16, F16, F32, row_dtype, to_numpy, to_torch
 from swarm.proto.numerics import Numerics
+from swarm.proto.q8 import BLOCK, NAMES, Q8_0, Q8_K, Q8Rows, float_rows, wire_row_bytes
 
 _TO_NUMPY = {pb.F32: F32, pb.F16: F16, pb.BF16: BF16}
 MAX_DIMS = 8  # rows are 2-D; a shape is refused before any memory is sized by it
 MAX_DIM = 1 << 31
 _TO_PROTO = {v: k for k, v in _TO_NUMPY.items()}
+_Q8_TO_PROTO = {Q8_0: pb.Q8_0, Q8_K: pb.Q8_K}
+_Q8_FROM_PROTO = {v: k for k, v in _Q8_TO_PROTO.items()}
 
 
 class CodecError(ValueError):
@@ -49,7 +52,12 @@ def dtype_from_proto(value: int) -> np.dtype:
 
 def encode_tensor(t: Any) -> pb.Tensor:
     """Rows as a wire message: a numpy array, or a torch tensor (copied to host memory if it lives on a
-    device)."""
+    device), or Q8Rows (8-bit blocks, sent as they are)."""
+    if isinstance(t, Q8Rows):
+        if sys.byteorder != "little":
+            raise CodecError("8-bit rows are sent from little-endian machines only; use --wire f32")
+        data = np.ascontiguousarray(to_numpy(t.data))
+        return pb.Tensor(dtype=_Q8_TO_PROTO[t.qtype], shape=list(t.shape), data=data.tobytes())
     a = to_numpy(t)
     code = dtype_to_proto(a.dtype)
     a = np.ascontiguousarray(a)
@@ -81,6 +89,34 @@ def decode_array(msg: pb.Tensor, what: str = "tensor") -> np.ndarray:
         return a.reshape(shape)
     except ValueError as e:  # an empty shape whose other dimensions multiply past what numpy can size
         raise CodecError(f"{what} has shape {list(shape)}, which no array can have ({e}); send its real shape") from None
+
+
+def decode_rows(msg: pb.Tensor, what: str = "rows") -> np.ndarray:
+    """A call's rows as a numpy array: float rows as decode_array gives them, 8-bit rows as the float32 rows
+    a kernel quantizes back to exactly the blocks sent (swarm.proto.q8)."""
+    qtype = _Q8_FROM_PROTO.get(msg.dtype)
+    if qtype is None:
+        return decode_array(msg, what)
+    shape = tuple(int(d) for d in msg.shape)
+    if len(shape) != 2 or any(not 0 <= d < MAX_DIM for d in shape) or shape[1] % BLOCK[qtype]:
+        raise CodecError(
+            f"{what} has shape {list(shape)[: MAX_DIMS + 1]} in {NAMES[qtype]}; send [N, D] with D a multiple of "
+            f"{BLOCK[qtype]}"
+        )
+    n, d = shape
+    row_bytes = wire_row_bytes(qtype, d)
+    if len(msg.data) != n * row_bytes:
+        raise CodecError(
+            f"{what} of shape {list(shape)} in {NAMES[qtype]} are {n * row_bytes} bytes but {len(msg.data)} came; "
+            f"send {row_bytes} bytes a row"
+        )
+    data = np.frombuffer(msg.data, np.uint8).reshape(n, row_bytes)
+    return float_rows(Q8Rows(qtype, data, d))
+
+
+def is_q8(code: int) -> bool:
+    """Whether a wire dtype is one of the 8-bit block types (rows only, never an answer)."""
+    return code in _Q8_FROM_PROTO
 
 
 def decode_tensor(msg: pb.Tensor, what: str = "tensor") -> Any:

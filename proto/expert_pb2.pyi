@@ -13,6 +13,8 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     F32: _ClassVar[DType]
     F16: _ClassVar[DType]
     BF16: _ClassVar[DType]
+    Q8_0: _ClassVar[DType]
+    Q8_K: _ClassVar[DType]
 
 class Numerics(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -23,6 +25,8 @@ DTYPE_UNSPECIFIED: DType
 F32: DType
 F16: DType
 BF16: DType
+Q8_0: DType
+Q8_K: DType
 NUMERICS_UNSPECIFIED: Numerics
 NATIVE: Numerics
 EXACT: Numerics

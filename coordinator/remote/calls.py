@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from swarm.compute.store import ROWS_PER_MATMUL
 from swarm.node.client import ComputeCall
+from swarm.proto.q8 import Q8Rows
 
 # The most row bytes one Compute call carries: a long prefill goes to a node as several calls. Well under the
 # wire's MAX_MESSAGE_BYTES (whatever D and the wire precision), and the node starts computing the first
@@ -23,6 +25,35 @@ class Part:
     index: int  # the expert's position in ExpertMajor.expert_ids
     start: int
     rows: int
+
+
+@dataclass(frozen=True)
+class WireRows:
+    """A layer's packed rows as they go out: their values, and (--wire q8) the same rows as 8-bit blocks."""
+
+    values: torch.Tensor  # [N, D] in the wire's float type: what an audit recomputes, and the calls' rows
+    blocks: torch.Tensor | None = None  # [N, row bytes] uint8 of `qtype`: what the calls carry instead
+    qtype: int = 0
+
+    @property
+    def row_bytes(self) -> int:
+        if self.blocks is not None:
+            return int(self.blocks.shape[1])
+        return int(self.values.shape[1]) * self.values.element_size()
+
+    def take(self, begins: Sequence[int], parts: Sequence[Part]) -> tuple[torch.Tensor, Any]:
+        """(the values, what the call carries: the values or Q8Rows) of these parts' rows, in order."""
+        end = span(begins, parts)
+
+        def cut(t: torch.Tensor) -> torch.Tensor:
+            if end is not None:
+                return t[begins[0] : end]  # a view: the rows lie back to back already
+            return torch.cat([t[b : b + p.rows] for b, p in zip(begins, parts, strict=True)])
+
+        values = cut(self.values)
+        if self.blocks is None:
+            return values, values
+        return values, Q8Rows(self.qtype, cut(self.blocks), int(self.values.shape[1]))
 
 
 @dataclass

@@ -17,9 +17,10 @@ import torch
 from swarm.compute.numclass import numerics_class, same_class
 from swarm.coordinator.audit import Auditor
 from swarm.coordinator.experts import ExpertMajor, PendingExperts, group_expert_major
-from swarm.coordinator.remote.calls import CALL_BYTES, Part, SentCall, span, split_parts
+from swarm.coordinator.remote.calls import CALL_BYTES, Part, SentCall, WireRows, split_parts
 from swarm.coordinator.remote.pending import SwarmPending, TimedPending
 from swarm.coordinator.remote.placement import Placement, describe_missing
+from swarm.coordinator.remote.wire import Q8Wire
 from swarm.node.auth import SwarmKey
 from swarm.node.client import NodeCallError, NodeClient
 from swarm.proto.numerics import Numerics
@@ -64,10 +65,15 @@ class SwarmExperts:
         self.source = source
         self.wire_dtype = wire_dtype
         self.numerics = numerics  # sent with every call: nodes compute as the in-process backend would
+        # --wire q8: rows go as the 8-bit blocks their kernels quantize them to, where the layer's experts
+        # have such a type and the numerics is native (float32 rows otherwise); the answers keep their bits
+        self.q8_rows = False
+        self._q8: Q8Wire | None = None
         self.timeout = timeout
         self.call_bytes = call_bytes
         self.calls_per_node: Counter[str] = Counter()
         self.rows_per_node: Counter[str] = Counter()
+        self.row_bytes_per_node: Counter[str] = Counter()  # the rows' bytes in the calls (less framing)
         self.seconds_per_node: Counter[str] = Counter()  # waiting on answers
         self.failures_per_node: Counter[str] = Counter()
         self.failovers = 0
@@ -131,7 +137,7 @@ class SwarmExperts:
         self.placement.next_turn(layer)
         t, k = ids.shape
         groups = group_expert_major(ids)
-        rows = groups.pack(x, k).to(device="cpu", dtype=self.wire_dtype)  # [N, D], what the wire carries
+        rows = self._wire_rows(layer, groups, x, k)  # [N, D], what the wire carries
         parts = [Part(i, 0, n) for i, n in enumerate(groups.counts)]
         dropped: list[Part] = []
         calls = self.send(layer, groups, rows, parts, {}, dropped=dropped)
@@ -141,11 +147,23 @@ class SwarmExperts:
             pending.twins = [tw for c in calls for tw in self._twins(layer, groups, rows, c)]
         return TimedPending(self, pending)
 
+    def _wire_rows(self, layer: int, groups: ExpertMajor, x: torch.Tensor, k: int) -> WireRows:
+        values = groups.pack(x, k).to(device="cpu", dtype=self.wire_dtype)
+        if not self.q8_rows or self.numerics != Numerics.NATIVE or self.wire_dtype != torch.float32:
+            return WireRows(values)
+        if self._q8 is None:
+            self._q8 = Q8Wire(self.source)
+        made = self._q8.blocks(layer, x)  # each token's row once, then packed as the values are
+        if made is None:
+            return WireRows(values)
+        qtype, blocks = made
+        return WireRows(values, groups.pack(blocks, k), qtype)
+
     def send(
         self,
         layer: int,
         groups: ExpertMajor,
-        rows: torch.Tensor,
+        rows: WireRows,
         parts: Iterable[Part],
         failed: dict[int, list[str]],
         deadline: float | None = None,
@@ -169,34 +187,31 @@ class SwarmExperts:
         return self._calls(layer, groups, rows, by_node)
 
     def _calls(
-        self, layer: int, groups: ExpertMajor, rows: torch.Tensor, by_node: dict[str, list[Part]]
+        self, layer: int, groups: ExpertMajor, rows: WireRows, by_node: dict[str, list[Part]]
     ) -> list[SentCall]:
         """One compute call (or several, when its rows exceed call_bytes) for each node's parts."""
         offsets = groups.offsets()
-        max_rows = max(1, self.call_bytes // max(1, rows.shape[1] * rows.element_size()))
+        max_rows = max(1, self.call_bytes // max(1, rows.row_bytes))
         calls = []
         for address, node_parts in by_node.items():
             for chunk in split_parts(node_parts, max_rows):
                 begins = [offsets[p.index] + p.start for p in chunk]
-                end = span(begins, chunk)
-                if end is not None:
-                    part = rows[begins[0] : end]  # a view: the rows lie back to back already
-                else:
-                    part = torch.cat([rows[b : b + p.rows] for b, p in zip(begins, chunk, strict=True)])
+                part, carried = rows.take(begins, chunk)
                 call = self.clients[address].compute_async(
                     layer,
                     [groups.expert_ids[p.index] for p in chunk],
                     [p.rows for p in chunk],
-                    part,
+                    carried,
                     self.timeout,
                     numerics=self.numerics,
                 )
                 self.calls_per_node[address] += 1
                 self.rows_per_node[address] += int(part.shape[0])
+                self.row_bytes_per_node[address] += int(part.shape[0]) * rows.row_bytes
                 calls.append(SentCall(address, chunk, call, int(part.shape[1]), part))
         return calls
 
-    def _twins(self, layer: int, groups: ExpertMajor, rows: torch.Tensor, c: SentCall) -> list[SentCall]:
+    def _twins(self, layer: int, groups: ExpertMajor, rows: WireRows, c: SentCall) -> list[SentCall]:
         """Call c's parts sent to a second holder each (--verify pair): one of c's node's numerics class where
         there is one (the answers are then compared bit for bit), else any other live holder; parts with no
         other holder go unpaired (the sampled audits still cover them)."""
@@ -258,7 +273,7 @@ class SwarmExperts:
             return None
         return max(HEDGE_AFTER_MIN, HEDGE_FACTOR * pace * sum(p.rows for p in c.parts))
 
-    def hedge(self, layer: int, groups: ExpertMajor, rows: torch.Tensor, c: SentCall) -> list[SentCall]:
+    def hedge(self, layer: int, groups: ExpertMajor, rows: WireRows, c: SentCall) -> list[SentCall]:
         """Call c's parts sent to other live holders; none when some expert of c has no other holder."""
         experts = {groups.expert_ids[p.index] for p in c.parts}
         if any(self.placement.pick(layer, e, avoid=[c.address]) is None for e in experts):

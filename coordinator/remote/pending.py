@@ -13,7 +13,7 @@ import torch
 from swarm.compute.numclass import same_class
 from swarm.coordinator.experts import ExpertMajor
 from swarm.coordinator.recompute import same_bits
-from swarm.coordinator.remote.calls import Part, SentCall, span
+from swarm.coordinator.remote.calls import Part, SentCall, WireRows, span
 from swarm.node.client import NodeCallError, wait_calls
 
 if TYPE_CHECKING:
@@ -44,13 +44,14 @@ class SwarmPending:
         backend: SwarmExperts,
         layer: int,
         groups: ExpertMajor,
-        rows: torch.Tensor,
+        rows: WireRows,
         calls: list[SentCall],
         t: int,
         k: int,
         device: torch.device,
     ) -> None:
-        self.backend, self.layer, self.groups, self.rows = backend, layer, groups, rows
+        self.backend, self.layer, self.groups = backend, layer, groups
+        self.wire, self.rows = rows, rows.values  # (failover and hedges send the same rows again)
         self.calls, self.t, self.k, self.device = calls, t, k, device
         self._dropped: list[Part] = []
         self.dropped: torch.Tensor | None = None  # [T, K] True where a pair was left out (degraded mode)
@@ -79,7 +80,7 @@ class SwarmPending:
                 for i in {p.index for p in c.parts}:
                     failed.setdefault(i, []).append(c.address)
                 pending.extend(
-                    self.backend.send(self.layer, g, self.rows, c.parts, failed, deadline, self._dropped)
+                    self.backend.send(self.layer, g, self.wire, c.parts, failed, deadline, self._dropped)
                 )
                 continue
             for call, result in answers:
@@ -165,7 +166,7 @@ class SwarmPending:
         after = b.hedge_after(c)
         if after is None or c.call.wait(after):
             return [b.observed(c)]
-        hedges = b.hedge(self.layer, self.groups, self.rows, c)
+        hedges = b.hedge(self.layer, self.groups, self.wire, c)
         if not hedges:
             return [b.observed(c)]
         log.info("node %s has not answered layer %d in %.2f s; asked %s too", c.address, self.layer, after,
