@@ -429,3 +429,34 @@ def test_bad_pictures_get_400s_that_say_what_is_wrong(servers: Any) -> None:
     assert "--mmproj" in refused(text, data_url(picture("A")))
     # the server still answers
     assert vision.chat([user(["A"], "What do you see here?")])["choices"][0]["message"]["content"]
+
+
+def test_several_requests_with_pictures_decode_together_each_as_alone(engines: Any) -> None:
+    """Four requests, three with pictures (one with two) and one without, read and decoded together by the serve
+    scheduler (prompt chunks of several beside each other, cut inside pictures): each gets the tokens it gets
+    alone, greedy and sampled."""
+    import threading
+
+    from swarm.coordinator.serve import scheduler as sched
+
+    e = engines[Numerics.NATIVE]
+    prompts = [prompt_of(e, i) for i in range(3)]
+    prompts.append(run_prompt(e, "What is a list?", True, None, []))
+    params = [SamplingParams(max_tokens=6, temperature=0.8 * (i % 2), seed=9 + i) for i in range(4)]
+    alone = [
+        list(generate(e.model, p.tokens, q, "cpu", rows=p.rows)) for p, q in zip(prompts, params, strict=True)
+    ]
+    s = sched.Scheduler(e.model, torch.device("cpu"), None, 4, 256, 4)
+    s.start()
+    try:
+        done = [threading.Event() for _ in range(4)]
+        outs: list[list[int]] = [[] for _ in range(4)]
+        for i, p in enumerate(prompts):
+            r = sched.Request(
+                p.tokens, params[i], outs[i].extend, lambda _, d=done[i]: d.set(), rows=p.rows, keys=p.keys
+            )
+            s.submit(r)
+        assert all(d.wait(120) for d in done)
+    finally:
+        s.stop()
+    assert outs == alone

@@ -164,11 +164,13 @@ def attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_head: i
     q, k, v = qkv.float().view(p, 3, n_head, -1).unbind(1)  # [P, H, hd] each
     hd = q.shape[-1]
     q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-    # torch's fused attention never holds the [H, P, P] scores at once (16 heads x 16,384 patches would be
-    # 17 GB); its float32 sums differ from the plain softmax(q k^T) v by float32 rounding alone
+    # torch's fused (flash) attention never holds the [H, P, P] scores at once (16 heads x 16,384 patches
+    # would be 17 GB); on the CPU it takes 4-D inputs only (3-D ones fall back to the math path, which holds
+    # them: bench:vision), hence the batch of one. Its float32 sums differ from the plain softmax(q k^T) v by
+    # float32 rounding alone.
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale=hd**-0.5
-    )  # [H, P, hd]
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale=hd**-0.5
+    )[0]  # [H, P, hd]
     return out.transpose(0, 1).reshape(p, n_head * hd).contiguous()
 
 

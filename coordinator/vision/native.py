@@ -71,7 +71,7 @@ def chain(
             t = g.ggml_reshape_2d(ctx, t, cols * group, out_rows)
         for lin, gelu in steps:
             assert isinstance(lin.matrix, GGMLMatrix), "chain() takes matrices on ggml"
-            t = gr.mul_mat(gr.weight(lin.matrix.weight), t)
+            t = _whole_picture(gr, gr.weight(lin.matrix.weight), t)
             if lin.bias is not None:
                 t = gr.add_row(t, lin.bias.detach())
             if gelu:
@@ -96,9 +96,17 @@ def pair(x: torch.Tensor, first: Linear, second: Linear, bias: torch.Tensor) -> 
         gr = Graph(0, 16, keep)
         g, ctx = gr.g, gr.ctx
         t = gr.input(cols, n)
-        ys = [gr.mul_mat(gr.weight(lin.matrix.weight), t) for lin in (first, second)]  # type: ignore[union-attr]
+        ys = [_whole_picture(gr, gr.weight(lin.matrix.weight), t) for lin in (first, second)]  # type: ignore[union-attr]
         gr.output(gr.add_row(g.ggml_add(ctx, ys[0], ys[1]), bias.detach()))
         return gr
 
     run_graph(None, build, [x], [out])
     return out
+
+
+def _whole_picture(gr: Graph, w: object, x: object) -> object:
+    """w [I, O] times every row of x [I, N] in one batched product (tinyBLAS, the repacked GEMM: the kernels
+    llama.cpp's encoder runs), not row by row as the text model's products (Graph.mul_mat): a picture is
+    always encoded whole, on its own, so its rows are the same whatever else is read beside it, and the
+    batched kernels run its F16 products 2-4x faster (docs/BENCHMARKS.md, bench:vision)."""
+    return gr.g.ggml_mul_mat(gr.ctx, w, x)
