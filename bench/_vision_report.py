@@ -17,9 +17,9 @@ def attention_table(rows: list[dict[str, Any]]) -> list[str]:
         return []
     out = [
         "One block's attention alone (`encoder.attention`, 16 heads x 72, 2 threads, 3 runs each, alternating): "
-        "as it ships, with 3-D [H, P, hd] inputs, for which torch's CPU `scaled_dot_product_attention` picks "
-        "its math backend (the [H, P, P] scores materialised), against the same call with a batch dimension "
-        "added (4-D, torch's CPU flash-attention kernel):",
+        "as it ships, with 4-D [1, H, P, hd] inputs (torch's CPU flash-attention kernel), against the same call "
+        "with the batch dimension taken off (3-D, for which torch's CPU `scaled_dot_product_attention` picks "
+        "its math backend: the [H, P, P] scores materialised):",
         "",
         "| rows (patches) | inputs | torch backend | seconds | peak RSS growth MiB |",
         "| ---: | --- | --- | ---: | ---: |",
@@ -84,67 +84,6 @@ def findings(
     return out
 
 
-def memory_after_flash(
-    cases: list[Case],
-    shapes: dict[int, TowerShape],
-    files: dict[tuple[str, int], int],
-    baseline: dict[int, int],
-    attention: list[dict[str, Any]],
-) -> list[str]:
-    """The encoder's peak less what the attention table says the flash kernel would save, against the bound."""
-    saved = {}
-    for r in attention:
-        saved[r["tokens"]] = saved.get(r["tokens"], 0) + (
-            r["peak_growth"] if r["variant"] == "3-D" else -r["peak_growth"]
-        )
-    rows = []
-    for c in cases:
-        if c.threads != 2 or c.tokens not in saved:
-            continue
-        bound = MEMORY_BOUND * files[(c.kind, c.blocks)] + activation_bytes(shapes[c.blocks], c.tokens)
-        after = c.peak_rss() - baseline[2] - saved[c.tokens]
-        rows.append(
-            f"{c.label} {after / MiB:.0f} MiB against {bound / MiB:.0f} ({'met' if after <= bound else 'over'})"
-        )
-    if not rows:
-        return []
-    return [
-        "",
-        "With attention's peak growth at the flash kernel's instead (the attention table's difference taken off "
-        "each peak): " + "; ".join(rows) + ". What stays above the bound is not explained here; ggml's graph "
-        "buffers (kept per thread at the largest graph's size) and the MLP chain's intermediates beyond the "
-        "estimate's two [P, F] tensors are the next suspects.",
-    ]
-
-
-def both_fixes(cases: list[Case], attention: list[dict[str, Any]]) -> list[str]:
-    """An estimate of swarm's speed with both fixes: the batched what-if's time (or the plain time where the
-    products are batched already) with its attention part scaled by the attention table's flash / math ratio."""
-    ratio = {}
-    for tokens in {r["tokens"] for r in attention}:
-        by = {r["variant"]: r["seconds"] for r in attention if r["tokens"] == tokens}
-        ratio[tokens] = by["4-D"] / by["3-D"]
-    rows = []
-    for c in cases:
-        if c.tokens not in ratio or c.threads != 2:
-            continue
-        batched = bool(c.batched) or c.kind != "f16"
-        if not batched:
-            continue
-        seconds = c.swarm_s(bool(c.batched))
-        est = seconds - c.parts(bool(c.batched))["attention"] * (1 - ratio[c.tokens])
-        rows.append(f"{c.label} {est:.1f} s, {c.llama_s() / est:.2f}x llama.cpp")
-    if not rows:
-        return []
-    return [
-        "",
-        "Both fixes together, estimated (batched products as measured -- Q8_0 plain, F16 from the what-if -- with "
-        "attention's time scaled by the attention table's flash / math ratio at that size): "
-        + "; ".join(rows)
-        + ". Q8_0 keeps its row-by-row F16 ffn_down in these figures.",
-    ]
-
-
 def share_of(parts: dict[str, float], key: str, total: float) -> str:
     return f"{parts[key] / total:.0%}"
 
@@ -152,35 +91,22 @@ def share_of(parts: dict[str, float], key: str, total: float) -> str:
 # Why the F16 products are slow and what would fix it: facts of the code (swarm.compute.graph, probes), which the
 # what-if runs measure; the verdict lines above come from the figures.
 CAUSE = [
-    "Cause: `swarm.compute.graph.Graph.mul_mat` multiplies a matrix whose batched product rounds differently "
-    "from one row's one row at a time: DESIGN.md's rule that a row's result never depends on the other rows in "
-    "its matmul. On this x86 build that is F16: ggml's batched F16 product goes through llamafile's tinyBLAS, "
-    "whose sums differ from the one-row kernel's (`swarm.compute.probes.rows_independent(F16)` is False; Q8_0 "
-    "is True, so a Q8_0 tower's products are batched already, but for ffn_down, which the converter leaves F16 "
-    "in a Q8_0 file since its 4304-wide rows are not whole Q8_0 blocks: hence `ln2+ffn`'s lower GFLOP/s there). "
-    "Every F16 product of the tower is thus one "
-    "matrix-vector product per patch row, each reading the whole matrix from memory, where llama.cpp's clip "
-    "graph makes one batched ggml_mul_mat.",
-    "",
-    "Fix (described, not made: coordinator/vision is not this bench's): let the vision tower's graphs "
-    "(`coordinator/vision/native.py`, `chain` and `pair`) multiply the whole batch with `ggml_mul_mat` instead "
-    "of `Graph.mul_mat`'s row-by-row path. The what-if column is exactly that change (`bench/_vision_swarm.py "
-    "--batched`: every product of the process takes the batched kernels). It would be an exception to the "
-    "row-independence rule, defensible for pictures only: a picture is always encoded whole, so the same "
-    "picture gives the same rows, and the batched kernel is the one llama.cpp's encoder uses (its rounding of "
-    "these products). Keeping the rule instead needs a batched F16 kernel that sums each row in the one-row "
-    "kernel's order (a compute/ change), or F16 matrices widened to F32 at load if F32's batched product keeps "
-    "rows (twice the memory; probe first).",
+    "The tower's products are batched (`coordinator/vision/native.py`: all of a picture's patches in one "
+    "`ggml_mul_mat`, the kernels llama.cpp's encoder runs: tinyBLAS for F16 on this build). Row by row "
+    "(`Graph.mul_mat`, which keeps the text model's rule that a row's result never depends on the other rows "
+    "of its matmul), F16 ran at 5-10 GFLOP/s and the tower at 0.37-0.47x llama.cpp's speed (the run before "
+    "this change, in git history). A picture is always encoded whole and on its own, so its rows do not depend "
+    "on what is read beside it. The what-if column (`--batched`: every product of the process batched) now "
+    "runs the same kernels as the plain one.",
 ]
 
 
 ATTENTION = [
-    "Attention and memory: `coordinator/vision/encoder.attention` hands torch 3-D [H, P, hd] tensors, and "
-    "torch's CPU `scaled_dot_product_attention` takes its flash-attention kernel only for 4-D inputs, so it "
-    "runs the math backend, which holds the [H, P, P] scores and their softmax (16 x P^2 x 4 bytes each: 66 MiB "
-    "at 260 rows, 1 GiB at 1,024, 16 GiB at 4,096) -- the comment there says the opposite. That is what puts "
-    "most of the encoder's peak above its file plus activations (the attention table's peak growth), and a "
-    "picture at the default maximum of 4,096 rows would need twice 16 GiB for it. Fix (described): add a batch dimension "
-    "(`q[None]`, `k[None]`, `v[None]`, then `[0]`), so that torch takes its flash kernel (O(P) memory); the "
-    "attention table measures that change on its own.",
+    "Attention (`encoder.attention`) gives torch 4-D inputs, so that its CPU `scaled_dot_product_attention` "
+    "takes the flash kernel; with 3-D inputs it took the math backend and held every [H, P, P] score (the "
+    "attention table above measures the two). Memory: at the real depth (27 blocks, 260 rows) the encoder stays "
+    "within 1.2x its file plus activations; the 2-block towers are over: their files are small, and what the "
+    "estimate leaves out (ggml's per-thread graph buffers, kept at the largest graph's size; the MLP chain's "
+    "intermediates beyond the estimate's two [P, F] tensors) weighs more beside them. 27 blocks at 1,024 rows "
+    "was not measured (about five minutes a run for each engine here).",
 ]

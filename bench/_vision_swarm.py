@@ -99,23 +99,24 @@ def encode_once(mmproj: Path, picture: Path, threads: int, batched: bool = False
     }
 
 
-def attention_once(gh: int, gw: int, threads: int, four_d: bool) -> dict[str, Any]:
-    """encoder.attention as it ships (3-D [H, P, hd] inputs to torch's scaled_dot_product_attention) or with a
-    batch dimension added (4-D, which torch's CPU flash-attention kernel needs), on a real tower width:
-    seconds, the growth of peak RSS over the inputs (VmHWM reset through clear_refs) and torch's backend."""
+def attention_once(gh: int, gw: int, threads: int, three_d: bool) -> dict[str, Any]:
+    """encoder.attention as it ships (4-D [1, H, P, hd] inputs to torch's scaled_dot_product_attention, which
+    its CPU flash-attention kernel needs) or with the batch dimension taken off (3-D: the math backend), on a
+    real tower width: seconds, the growth of peak RSS over the inputs (VmHWM reset through clear_refs) and
+    torch's backend."""
     set_threads(threads)
     heads, dim, patches = 16, 1152, gh * gw
     qkv = torch.randn(patches, 3 * dim)
     cos, sin = vision_encoder.rope_tables(gh, gw, 2, dim // heads)
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    if four_d:
+    if three_d:
 
-        def batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> torch.Tensor:
-            return sdpa(q[None], k[None], v[None], **kw)[0]
+        def unbatched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> torch.Tensor:
+            return sdpa(q[0], k[0], v[0], **kw)[None]
 
-        torch.nn.functional.scaled_dot_product_attention = batched  # the encoder calls it through F
+        torch.nn.functional.scaled_dot_product_attention = unbatched  # the encoder calls it through F
     q = qkv[:, :dim].reshape(patches, heads, -1).transpose(0, 1)
-    backend = int(torch._fused_sdp_choice(*(q[None] if four_d else q,) * 3))
+    backend = int(torch._fused_sdp_choice(*(q if three_d else q[None],) * 3))
     Path("/proc/self/clear_refs").write_text("5")  # peak RSS from here
     before = vm_hwm()
     t0 = time.perf_counter()
@@ -135,7 +136,7 @@ def main(argv: list[str]) -> None:
         torch.nn.functional.scaled_dot_product_attention(q, q, q)
         out: dict[str, Any] = {"peak_rss": vm_hwm()}
     elif argv[0] == "--attention":
-        out = attention_once(int(argv[1]), int(argv[2]), int(argv[3]), "--4d" in argv[4:])
+        out = attention_once(int(argv[1]), int(argv[2]), int(argv[3]), "--3d" in argv[4:])
     else:
         out = encode_once(Path(argv[0]), Path(argv[1]), int(argv[2]), "--batched" in argv[3:])
     print(json.dumps(out))
