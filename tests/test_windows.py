@@ -106,7 +106,10 @@ def test_windows_through_three_nodes_and_a_node_killed_in_a_window(tmp_path, num
                         if next(calls) == 5:
                             nodes[1].process.kill()
                     assert got == plain
-                    assert backend.failovers >= 1
+                    # its calls failed over, or (a busy machine: the dead node's call outlasted its usual time
+                    # first) went to a replica as a hedge; either way it is passed over from then on
+                    assert backend.failovers + backend.hedge_wins >= 1
+                    assert nodes[1].address not in backend.placement.addresses()
             finally:
                 local.model.set_experts(local.experts)
     finally:
