@@ -66,16 +66,6 @@ class LocalNode:
                 raise RuntimeError(f"swarm {self.what} not serving after {timeout} s:\n{self.log_tail()}")
             time.sleep(0.02)
         self.ready = json.loads(self.ready_file.read_text())
-        # a node that announces itself by mDNS: until its record is registered, a coordinator browsing for
-        # nodes does not find it (it serves --peer callers already)
-        while self.ready.get("mdns") and not self.ready.get("announced"):
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(
-                    f"swarm {self.what} not announced by mDNS after {timeout} s:\n{self.log_tail()}"
-                )
-            time.sleep(0.02)
-            self.ready = json.loads(self.ready_file.read_text())
         return self
 
     def wait_prepared(self, timeout: float) -> LocalNode:
@@ -83,9 +73,7 @@ class LocalNode:
         deadline = time.monotonic() + timeout
         while not json.loads(self.wait_ready(timeout).ready_file.read_text()).get("prepared"):
             if self.process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"swarm {self.what} did not prepare its slabs in {timeout} s:\n{self.log_tail()}"
-                )
+                raise RuntimeError(f"swarm {self.what} did not prepare its slabs in {timeout} s:\n{self.log_tail()}")
             time.sleep(0.05)
         self.ready = json.loads(self.ready_file.read_text())
         return self

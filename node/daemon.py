@@ -12,7 +12,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -178,8 +178,6 @@ class _Serving:
     fetching: bool = False  # its --fetch has started and not ended
     first_use: Any = None  # its start-up pass over the slabs (swarm.node.first_use), once started
     said_prepared: bool = False  # the ready file has said that pass ended
-    announced: bool = False  # its mDNS record is registered (coordinators browsing find it from now on)
-    _writing: threading.Lock = field(default_factory=threading.Lock)  # the ready file, from two threads
 
     def properties(self) -> dict[str, str]:
         """Its mDNS record."""
@@ -205,9 +203,7 @@ class _Serving:
     def write_ready(self) -> None:
         """The --ready-file, written again whenever what it says changes."""
         args, store, loaded, fetch = self.args, self.store, self.loaded, self.fetch
-        if not args.ready_file:
-            return
-        with self._writing:
+        if args.ready_file:
             _write_json_atomic(
                 args.ready_file,
                 {
@@ -228,10 +224,6 @@ class _Serving:
                     "fetch_failed": fetch.failed() if fetch is not None else [],
                     # every slab hashed (before its first use) and made ready for the kernels
                     "prepared": self.said_prepared,
-                    # mDNS: whether it announces itself, and whether its record is registered yet (it serves
-                    # --peer callers before that)
-                    "mdns": not args.no_mdns,
-                    "announced": self.announced,
                 },
             )
 
@@ -347,8 +339,6 @@ class _Announcement:
             self._advertiser, stale = advertiser, self._stale
         if stale:
             advertiser.update(self.node.properties())
-        self.node.announced = True
-        self.node.write_ready()
 
     def update(self) -> None:
         """Announce the node's properties as they are now."""
