@@ -8,8 +8,8 @@ K 8, F 512, Q4_K experts, Q8_0 dense). Swarm: 4 nodes (`--threads 1`, 64 experts
 namespace of its own on a bridge, its veth shaped in both directions with `tc tbf` at the rate in turn; the
 coordinator (this process) opens one engine per wire format on the same nodes, so the configurations differ
 only in what the calls carry. Per rate, each repetition reads the prompt once with each engine, in a
-rotating order; medians. q8's logits must be f32's bit for bit (the bench stops otherwise); f16's and
-bf16's are not. Figures go to the `bench:wire` section of docs/BENCHMARKS.md.
+rotating order; medians. A prompt is read as `swarm run` reads one: the logits of its last token only.
+q8's logits must be f32's bit for bit (the bench stops otherwise); f16's and bf16's are not. Figures go to the `bench:wire` section of docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def start_nodes(net: Net, shard_dir: Path, workdir: Path, key_text: str) -> list
 def read_prompt(engine: object, tokens: list[int]) -> tuple[tuple[float, float], torch.Tensor]:
     """((seconds, of them those the coordinator waited on the nodes: the wire's part), the logits)."""
     waited, t0 = engine.experts.wait_seconds, time.perf_counter()
-    logits = forward_one(engine.model, tokens, engine.model.new_state(), "cpu")
+    logits = forward_one(engine.model, tokens, engine.model.new_state(), "cpu", last_only=True)
     return (time.perf_counter() - t0, engine.experts.wait_seconds - waited), logits
 
 
@@ -104,8 +104,10 @@ def measure(engines: dict, tokens: list[int], rates: list[str], reps: int, net: 
     return times, diffs
 
 
-def _bytes_a_row(experts: object) -> float:
-    return sum(experts.row_bytes_per_node.values()) / max(1, sum(experts.rows_per_node.values()))
+def _bytes_a_row(experts: object) -> tuple[float, float]:
+    """(row bytes out, answer bytes back) per row, as the calls and replies carried them."""
+    rows = max(1, sum(experts.rows_per_node.values()))
+    return sum(experts.row_bytes_per_node.values()) / rows, sum(experts.answer_bytes_per_node.values()) / rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,12 +163,13 @@ def report(
         f"Machine: {machine()}; load average {before[0]:.1f} / {before[1]:.1f} before, {after[0]:.1f} / "
         f"{after[1]:.1f} after (1 / 5 min; 2 cores shared with other work).  ",
         f"Model: `swarm synth` at Qwen3.6-35B-A3B's layer shape, 4 layers (D 2048, E 256, K 8, F 512; Q4_K "
-        f"experts, Q8_0 dense). Workload: one {n_tokens}-token prompt read through the swarm (prefill, its "
-        "logits kept). Swarm: 4 nodes (`--threads 1`, 64 experts each, swarm key: TLS), each in a network "
+        f"experts, Q8_0 dense). Workload: one {n_tokens}-token prompt read through the swarm as `swarm run` "
+        "reads one (its last token's logits). Swarm: 4 nodes (`--threads 1`, 64 experts each, swarm key: TLS), each in a network "
         "namespace of its own, its veth shaped in both directions with `tc tbf` (burst 64 kB, latency 100 ms) "
         "at the rate shown; one coordinator engine per wire format on the same nodes, audits off, native "
         f"numerics. {args.reps} repetitions per rate in a rotating order of the formats; medians. Answers "
-        "come back in float32 for f32 and q8, in the rows' type for f16 and bf16.",
+        "come back in float32 for f32, packed in byte planes (the same bits) for q8, in the rows' type for f16 "
+        "and bf16; the byte counts are what the calls and replies carried, averaged over all rows.",
         "",
         "| link | wire | row bytes out / back | prompt tok/s | vs f32 | s waiting on nodes | vs f32 | logits vs f32 "
         "| seconds (on nodes) of each run |",
@@ -184,9 +187,9 @@ def report(
                 if diffs[wire] == 0
                 else f"max abs diff {diffs[wire]:.2g}"
             )
-            back = per_row["f32"] if wire == "q8" else per_row[wire]
+            out, back = per_row[wire]
             lines.append(
-                f"| {rate} | {wire} | {per_row[wire]:.0f} / {back:.0f} | {n_tokens / med[0]:.1f} | "
+                f"| {rate} | {wire} | {out:.0f} / {back:.0f} | {n_tokens / med[0]:.1f} | "
                 f"{base[0] / med[0]:.2f}x | {med[1]:.1f} | {base[1] / med[1]:.2f}x | {same} | "
                 + ", ".join(f"{t:.1f} ({w:.1f})" for t, w in runs)
                 + " |"
@@ -197,6 +200,8 @@ def report(
         )
         for rate in args.rates.split(",")
     }
+    q8_out, q8_back = per_row["q8"]
+    ceiling = sum(per_row["f32"]) / (q8_out + q8_back)
     lines += [
         "",
         "q8 against f32 in each repetition (prompt time ratio): "
@@ -206,10 +211,13 @@ def report(
         "q8 sends each row as the Q8_K blocks the Q4_K kernels quantize it to (256 values: an f32 scale and 256 "
         "int8, 260 bytes), made on the coordinator by ggml's own quantizer; the node hands ggml float rows that "
         "quantize back to exactly those blocks, so its answers are those of the float32 rows. The answers "
-        "themselves stay float32 (their bits are the result), so a layer's bytes on a link go from 8192 + "
-        "8192 a row to 2080 + 8192: at best 1.59x less time on links that carry nothing else, less once the "
-        "coordinator's own work (attention, DeltaNet, the router: seconds of CPU for a prompt this long) and "
-        "the nodes' matmuls are counted. f16 and bf16 halve both directions, and round the rows and answers.",
+        "are float32 (their bits are the result) and come back as byte planes (swarm.proto.planes): the "
+        "three mantissa-bearing bytes of each value as they are, the top bytes (sign and exponent) Huffman "
+        f"coded, {q8_back:.0f} bytes a row here for 8192. So a layer's bytes on a link go from 8192 + 8192 a "
+        f"row to {q8_out:.0f} + {q8_back:.0f}: at best {ceiling:.2f}x less time on links that carry nothing "
+        "else, less once the coordinator's own work (attention, DeltaNet, the router: seconds of CPU for a "
+        "prompt this long) and the nodes' matmuls are counted. f16 and bf16 halve both directions, and round "
+        "the rows and answers.",
     ]
     return "\n".join(lines)
 

@@ -68,6 +68,7 @@ class ComputeCall:
         self._future = future
         self._stream = stream
         self.seconds: float | None = None
+        self.answer_bytes = 0  # the answer's bytes as they came (once result() has read them)
         started = time.perf_counter()
         me = weakref.ref(self)  # the future must not keep the call alive (see __del__)
 
@@ -109,6 +110,7 @@ class ComputeCall:
             raise NodeCallError(
                 self.address, "Compute", grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {timeout} s"
             ) from None
+        self.answer_bytes = len(reply.rows.data)
         rows = decode_array(reply.rows, "reply rows")
         return to_torch(rows) if self._torch else rows
 

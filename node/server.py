@@ -26,7 +26,7 @@ from swarm.node.files import BadPath, NotOffered, ShardFiles, chunks
 from swarm.node.streams import StreamServer, tls_context
 from swarm.proto import expert_pb2 as pb
 from swarm.proto import expert_pb2_grpc as pb_grpc
-from swarm.proto.arrays import cast_rows
+from swarm.proto.arrays import F32, cast_rows
 from swarm.proto.channel import (
     CHANNEL_OPTIONS,
     MAX_MESSAGE_BYTES,
@@ -37,6 +37,7 @@ from swarm.proto.codec import (
     CodecError,
     decode_rows,
     dtype_from_proto,
+    encode_planes,
     encode_tensor,
     held_to_proto,
     is_q8,
@@ -203,9 +204,14 @@ class ExpertServicer(pb_grpc.ExpertNodeServicer):
             if numerics == Numerics.EXACT and is_q8(request.rows.dtype):
                 raise BadCall("8-bit rows are for native numerics; send float rows (f32) for exact")
             rows = decode_rows(request.rows, "rows")  # 8-bit rows: float32 rows that quantize back to them
-            out_dtype = dtype_from_proto(request.out_dtype) if request.out_dtype else rows.dtype
+            planes = request.out_dtype == pb.F32_PLANES  # float32 answers, packed without losing a bit
+            if planes:
+                out_dtype = F32
+            else:
+                out_dtype = dtype_from_proto(request.out_dtype) if request.out_dtype else rows.dtype
             out = self.store.compute(request.layer, expert_ids, counts, rows, numerics)  # type: ignore[arg-type]
-            reply = pb.ComputeReply(rows=encode_tensor(cast_rows(out, out_dtype)))
+            answer = cast_rows(out, out_dtype)
+            reply = pb.ComputeReply(rows=encode_planes(answer) if planes else encode_tensor(answer))
             ok = True
             return reply
         finally:

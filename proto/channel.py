@@ -8,7 +8,8 @@ from __future__ import annotations
 # Bumped when a change to expert.proto or its meaning breaks older peers.
 # 2: ComputeRequest.numerics (native ggml kernels vs exact float32); a node of version 1 computes float32 only.
 # 3: Fetch (a node gives out its shard files) and InfoReply.serves_files.
-PROTOCOL_VERSION = 3
+# 4: rows as 8-bit blocks (DType Q8_0, Q8_K) and answers as F32_PLANES (--wire q8); a node of version 3 refuses them.
+PROTOCOL_VERSION = 4
 
 # The most file bytes one FileChunk of a Fetch stream carries.
 FETCH_CHUNK_BYTES = 1 << 20

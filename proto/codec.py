@@ -1,7 +1,8 @@
 """The one place tensors and slab sets cross the wire: arrays (numpy; the coordinator's torch tensors too)
 <-> expert_pb2 messages.
 
-Tensors travel as raw little-endian row-major bytes with shape and dtype (f32, f16, bf16).
+Tensors travel as raw little-endian row-major bytes with shape and dtype (f32, f16, bf16); rows may also go
+as 8-bit blocks (swarm.proto.q8) and answers as float32 packed in byte planes (swarm.proto.planes).
 A set of held slabs {(layer, expert)} travels compactly as groups of layer ranges that hold the same
 expert ranges, which is what real nodes hold ("experts 0-63 of every layer" is one group).
 """
@@ -17,6 +18,7 @@ import numpy as np
 from swarm.proto import expert_pb2 as pb
 from swarm.proto.arrays import BF16, F16, F32, row_dtype, to_numpy, to_torch
 from swarm.proto.numerics import Numerics
+from swarm.proto.planes import PLANES, PlanesError, pack_planes, unpack_planes
 from swarm.proto.q8 import BLOCK, NAMES, Q8_0, Q8_K, Q8Rows, float_rows, wire_row_bytes
 
 _TO_NUMPY = {pb.F32: F32, pb.F16: F16, pb.BF16: BF16}
@@ -66,9 +68,17 @@ def encode_tensor(t: Any) -> pb.Tensor:
     return pb.Tensor(dtype=code, shape=list(a.shape), data=a.tobytes())
 
 
+def encode_planes(values: Any) -> pb.Tensor:
+    """float32 answers packed as F32_PLANES (swarm.proto.planes): the same bits, fewer bytes."""
+    a = to_numpy(values)
+    return pb.Tensor(dtype=pb.F32_PLANES, shape=list(a.shape), data=pack_planes(a))
+
+
 def decode_array(msg: pb.Tensor, what: str = "tensor") -> np.ndarray:
-    """A wire tensor as a numpy array (its own writable copy of the bytes; bfloat16 as uint16 bits)."""
-    dtype = dtype_from_proto(msg.dtype)
+    """A wire tensor as a numpy array (its own writable copy of the bytes; bfloat16 as uint16 bits;
+    F32_PLANES as the float32 values it packs)."""
+    planes = msg.dtype == pb.F32_PLANES
+    dtype = np.dtype(F32) if planes else dtype_from_proto(msg.dtype)
     shape = tuple(int(d) for d in msg.shape)
     if len(shape) > MAX_DIMS or any(not 0 <= d < MAX_DIM for d in shape):
         shown = ", ".join(str(d) for d in shape[:MAX_DIMS + 1]) + (", ..." if len(shape) > MAX_DIMS + 1 else "")
@@ -78,6 +88,13 @@ def decode_array(msg: pb.Tensor, what: str = "tensor") -> np.ndarray:
     n = 1
     for d in shape:
         n *= d
+    if planes:
+        try:
+            return unpack_planes(msg.data, n).reshape(shape)
+        except PlanesError as e:
+            raise CodecError(
+                f"{what} of shape {list(shape)} in F32_PLANES: {e}; send what swarm.proto.planes packs"
+            ) from None
     itemsize = dtype.itemsize
     if len(msg.data) != n * itemsize:
         raise CodecError(
@@ -134,7 +151,12 @@ def compute_request(
     protocol_version: int = 0,
     numerics: Numerics = Numerics.NATIVE,
 ) -> pb.ComputeRequest:
-    """The one place a Compute request is built: rows [sum(counts), D] packed expert-major."""
+    """The one place a Compute request is built: rows [sum(counts), D] packed expert-major; answers in
+    `out_dtype` (a row type, or PLANES: float32 packed as swarm.proto.planes), else in the rows' own type."""
+    if out_dtype is None:
+        out = pb.DTYPE_UNSPECIFIED
+    else:
+        out = pb.F32_PLANES if isinstance(out_dtype, str) and out_dtype == PLANES else dtype_to_proto(out_dtype)
     return pb.ComputeRequest(
         fingerprint=fingerprint or "",
         protocol_version=protocol_version,
@@ -142,7 +164,7 @@ def compute_request(
         expert_ids=[int(e) for e in expert_ids],
         counts=[int(c) for c in counts],
         rows=encode_tensor(rows),
-        out_dtype=dtype_to_proto(out_dtype) if out_dtype is not None else pb.DTYPE_UNSPECIFIED,
+        out_dtype=out,
         numerics=numerics_to_proto(numerics),
     )
 

@@ -15,6 +15,7 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     BF16: _ClassVar[DType]
     Q8_0: _ClassVar[DType]
     Q8_K: _ClassVar[DType]
+    F32_PLANES: _ClassVar[DType]
 
 class Numerics(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -27,6 +28,7 @@ F16: DType
 BF16: DType
 Q8_0: DType
 Q8_K: DType
+F32_PLANES: DType
 NUMERICS_UNSPECIFIED: Numerics
 NATIVE: Numerics
 EXACT: Numerics

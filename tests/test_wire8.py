@@ -5,10 +5,13 @@ The blocks' float preimage (swarm.proto.q8) must quantize back to the very block
 node takes: the repacked Q4_K kernels (which take only float32 rows), mul_mat_id over a GGUF's stacked
 experts, per-expert graphs, tinyBLAS on Q8_0. Then three real nodes on loopback give the same logits as the
 f32 wire and as in process, with the rows' bytes measured; float weights and the exact numerics fall back to
-float32 rows.
+float32 rows. Answers come back packed in byte planes (swarm.proto.planes), every bit kept. A node of an older
+swarm version (which would refuse these calls) is passed over with a warning.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -27,10 +30,13 @@ from swarm.coordinator.remote.wire import expert_row_types
 from swarm.coordinator.spawn import start_nodes
 from swarm.node.auth import KEY_ENV, SwarmKey, generate_key_text
 from swarm.node.client import NodeCallError, NodeClient
+from swarm.node.discovery import browse
 from swarm.proto import expert_pb2 as pb
 from swarm.proto.codec import CodecError, decode_rows, encode_tensor
 from swarm.proto.numerics import Numerics
+from swarm.proto.planes import PLANES
 from swarm.proto.q8 import Q8_0, Q8_K, WIRE_BLOCK, Q8Rows, float_rows, to_wire
+from swarm.sharding.errors import UserError
 from swarm.sharding.shard import shard_model
 from swarm.sharding.slabs import read_manifest, slabs_from_shard
 
@@ -193,6 +199,10 @@ def _row_bytes(engine) -> tuple[int, int]:
     return sum(e.row_bytes_per_node.values()), sum(e.rows_per_node.values())
 
 
+def _answer_bytes(engine) -> int:
+    return sum(engine.experts.answer_bytes_per_node.values())
+
+
 @pytest.mark.slow
 def test_q8_wire_gives_the_f32_wires_logits_bit_for_bit(swarms):
     shard_dir, nodes = swarms["quant"]
@@ -214,6 +224,9 @@ def test_q8_wire_gives_the_f32_wires_logits_bit_for_bit(swarms):
         assert q8_bytes == d // 256 * 260 * q8_rows, "every row went as Q8_K blocks"
         assert f32_bytes / q8_bytes > 3.9
         assert q8.experts._q8.fallbacks == 0
+        # the float32 answers came back packed in byte planes: the same bits, fewer bytes
+        assert _answer_bytes(f32) == 4 * d * f32_rows
+        assert 0.75 < _answer_bytes(q8) / _answer_bytes(f32) < 0.9, _answer_bytes(q8) / _answer_bytes(f32)
     finally:
         for e in (q8, f32, local):
             e.close()
@@ -234,6 +247,7 @@ def test_float_weights_and_exact_numerics_fall_back_to_f32_rows(swarms):
             for x, y in zip(_logits(q8, prompts), _logits(f32, prompts), strict=True):
                 assert torch.equal(x, y)
             assert _row_bytes(q8) == _row_bytes(f32), f"{name} {numerics}: float32 rows"
+            assert _answer_bytes(q8) < 0.9 * _answer_bytes(f32), f"{name} {numerics}: answers packed"
         finally:
             q8.close()
             f32.close()
@@ -252,6 +266,30 @@ def test_a_node_refuses_q8_rows_in_exact_numerics(swarms):
         with pytest.raises(NodeCallError) as e:
             client.compute(layer, [0], [3], rows, 30.0, numerics=Numerics.EXACT)
         assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "native" in str(e.value)
+    finally:
+        client.close()
+
+
+@pytest.mark.slow
+def test_a_node_packs_answers_as_asked_whatever_the_rows(swarms):
+    """Answers asked for as planes are the node's float32 answers bit for bit, for float32, float16 and 8-bit
+    rows alike, in both numerics (float16 rows: float32 answers, not float16 ones)."""
+    shard_dir, nodes = swarms["quant"]
+    manifest = read_manifest(shard_dir)
+    d, layer = manifest.n_embd, manifest.moe_layers[0]
+    x = _rows(5, d, 9)
+    client = NodeClient(nodes[0].address, key=KEY)  # it holds experts 0 and 1
+    try:
+        for rows, numerics in [
+            (torch.from_numpy(x), Numerics.NATIVE),
+            (torch.from_numpy(x), Numerics.EXACT),
+            (torch.from_numpy(x).half(), Numerics.NATIVE),
+            (Q8Rows(Q8_K, torch.from_numpy(wire_rows(x, Q8_K).data), d), Numerics.NATIVE),
+        ]:
+            plain = client.compute(layer, [0, 1], [2, 3], rows, 30.0, np.dtype(np.float32), numerics)
+            packed = client.compute(layer, [0, 1], [2, 3], rows, 30.0, PLANES, numerics)
+            assert packed.dtype == plain.dtype == torch.float32 and packed.shape == (5, d)
+            assert torch.equal(packed.view(torch.int32), plain.view(torch.int32)), numerics
     finally:
         client.close()
 
@@ -283,3 +321,34 @@ def test_q8_rows_fail_over_to_a_replica_as_they_are(swarms, tmp_path):
     finally:
         backend.close()
         replica.stop()
+
+
+@pytest.mark.slow
+def test_a_node_of_another_swarm_version_is_passed_over(swarms, tmp_path, caplog):
+    """A device left on an older release refuses every call of this one: the coordinator leaves it out, by
+    --peer and by mDNS, and says why when it was the only node."""
+    shard_dir, _ = swarms["quant"]
+    program = [str(Path(__file__).resolve().parent / "old_node.py"), "3"]
+    env = {KEY_ENV: KEY_TEXT}
+    (old,) = start_nodes([(shard_dir, [])], tmp_path, env=env, prefix="old", program=program)
+    nodes = start_nodes([(shard_dir, [])], tmp_path, env=env)  # (the fixture's: one of them is killed above)
+    nodes.append(old)  # (stopped with them)
+    try:
+        client = NodeClient(old.address, key=KEY)
+        assert client.info().protocol_version == 3
+        client.close()
+        peers = open_engine(shard_dir, peers=tuple(n.address for n in nodes), mdns=False, device="cpu", key=KEY)
+        peers.close()
+        assert set(peers.experts.clients) == {nodes[0].address}
+        assert f"passing over node {old.address}: it speaks swarm protocol 3" in caplog.text
+        with browse(interfaces=LOOPBACK, key=KEY) as browser:  # its record says so
+            seen = browser.wait_for(lambda ns: any(n.address == old.address for n in ns), 10.0)
+            assert seen and {n.address: n.protocol_version for n in seen}[old.address] == 3
+        found = open_engine(shard_dir, mdns_interfaces=LOOPBACK, wait=10.0, device="cpu", key=KEY)
+        found.close()
+        assert old.address not in found.experts.clients and nodes[0].address in found.experts.clients
+        with pytest.raises(UserError, match=rf"passed over {old.address}: another swarm version"):
+            open_engine(shard_dir, peers=(old.address,), mdns=False, device="cpu", key=KEY)
+    finally:
+        for node in nodes:
+            node.stop()

@@ -16,6 +16,7 @@ from swarm.coordinator.remote.dispatch import SwarmExperts
 from swarm.coordinator.remote.placement import Placement, describe_missing
 from swarm.node.auth import SwarmKey
 from swarm.node.client import NodeCallError, NodeClient, ask_peer
+from swarm.proto.channel import PROTOCOL_VERSION
 from swarm.proto.numerics import Numerics
 from swarm.sharding.errors import UserError
 from swarm.sharding.identity import Match, ModelIdentity
@@ -41,6 +42,7 @@ class _Found:
     classes: dict[str, str] = field(default_factory=dict)  # address -> numerics class, of every node taken
     own_class: str = field(default_factory=numerics_class)
     other_class: set[str] = field(default_factory=set)  # passed over for --numerics-class same
+    other_protocol: set[str] = field(default_factory=set)  # passed over: another swarm version
 
     def class_ok(self, address: str, cls: str) -> bool:
         if not self.same_class_only or same_class(cls, self.own_class):
@@ -53,8 +55,22 @@ class _Found:
             )  # fmt: skip
         return False
 
+    def speaks_ours(self, address: str, version: int) -> bool:
+        """Whether a node speaks this coordinator's protocol (a node refuses every call of another)."""
+        if version == PROTOCOL_VERSION:
+            return True
+        if address not in self.other_protocol:
+            self.other_protocol.add(address)
+            log.warning(
+                "passing over node %s: it speaks swarm protocol %d, this coordinator %d; run one swarm version "
+                "on every device", address, version, PROTOCOL_VERSION,
+            )  # fmt: skip
+        return False
+
     def add(self, n: DiscoveredNode) -> None:
         """A node mDNS found (the browser only reports nodes that `identity` matches)."""
+        if not self.speaks_ours(n.address, n.protocol_version):
+            return
         if not self.class_ok(n.address, n.numerics_class):
             return
         self.classes[n.address] = n.numerics_class
@@ -90,7 +106,7 @@ class _Found:
             )
             self.strangers.append(peer)
             return
-        if not self.class_ok(peer, info.numerics_class):
+        if not self.speaks_ours(peer, info.protocol_version) or not self.class_ok(peer, info.numerics_class):
             client.close()
             return
         self.classes[peer] = info.numerics_class
@@ -136,6 +152,8 @@ def _give_up(
             hint += f" (passed over {', '.join(found.strangers)}: another model)"
         if found.other_class:
             hint += f" (passed over {', '.join(sorted(found.other_class))}: another numerics class, --numerics-class same)"
+        if found.other_protocol:
+            hint += f" (passed over {', '.join(sorted(found.other_protocol))}: another swarm version)"
         raise UserError(
             f"no swarm nodes found for this model{hint}. Start one with `swarm node {source} --experts 0-7` "
             "on this or another machine, or run with --local to compute the experts here"

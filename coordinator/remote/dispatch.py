@@ -23,7 +23,9 @@ from swarm.coordinator.remote.placement import Placement, describe_missing
 from swarm.coordinator.remote.wire import Q8Wire
 from swarm.node.auth import SwarmKey
 from swarm.node.client import NodeCallError, NodeClient
+from swarm.proto.channel import PROTOCOL_VERSION
 from swarm.proto.numerics import Numerics
+from swarm.proto.planes import PLANES
 from swarm.sharding.errors import UserError
 from swarm.sharding.slabs import SlabKey
 
@@ -66,7 +68,8 @@ class SwarmExperts:
         self.wire_dtype = wire_dtype
         self.numerics = numerics  # sent with every call: nodes compute as the in-process backend would
         # --wire q8: rows go as the 8-bit blocks their kernels quantize them to, where the layer's experts
-        # have such a type and the numerics is native (float32 rows otherwise); the answers keep their bits
+        # have such a type and the numerics is native (float32 rows otherwise), and the float32 answers come
+        # back packed in byte planes (swarm.proto.planes); the answers keep their bits
         self.q8_rows = False
         self._q8: Q8Wire | None = None
         self.timeout = timeout
@@ -74,6 +77,7 @@ class SwarmExperts:
         self.calls_per_node: Counter[str] = Counter()
         self.rows_per_node: Counter[str] = Counter()
         self.row_bytes_per_node: Counter[str] = Counter()  # the rows' bytes in the calls (less framing)
+        self.answer_bytes_per_node: Counter[str] = Counter()  # the answers' bytes in the replies
         self.seconds_per_node: Counter[str] = Counter()  # waiting on answers
         self.failures_per_node: Counter[str] = Counter()
         self.failovers = 0
@@ -192,6 +196,7 @@ class SwarmExperts:
         """One compute call (or several, when its rows exceed call_bytes) for each node's parts."""
         offsets = groups.offsets()
         max_rows = max(1, self.call_bytes // max(1, rows.row_bytes))
+        packed = self.q8_rows and self.wire_dtype == torch.float32
         calls = []
         for address, node_parts in by_node.items():
             for chunk in split_parts(node_parts, max_rows):
@@ -203,6 +208,7 @@ class SwarmExperts:
                     [p.rows for p in chunk],
                     carried,
                     self.timeout,
+                    PLANES if packed else None,
                     numerics=self.numerics,
                 )
                 self.calls_per_node[address] += 1
@@ -236,7 +242,8 @@ class SwarmExperts:
         now = {
             n.address: n
             for n in b.nodes()
-            if not self.same_class_only or same_class(n.numerics_class, numerics_class())
+            if (not self.same_class_only or same_class(n.numerics_class, numerics_class()))
+            and n.protocol_version == PROTOCOL_VERSION  # (a node refuses every call of another version)
         }
         for address, n in now.items():
             self.classes[address] = n.numerics_class
@@ -289,6 +296,7 @@ class SwarmExperts:
         sends the rows to another holder instead of mixing garbage into the sum.
         """
         result = c.call.result()
+        self.answer_bytes_per_node[c.address] += c.call.answer_bytes
         expect = (sum(p.rows for p in c.parts), c.width)
         if tuple(result.shape) != expect:
             raise NodeCallError(
