@@ -200,6 +200,14 @@ def report(
         )
         for rate in args.rates.split(",")
     }
+    goal = ""
+    if "20mbit" in args.rates.split(","):
+        f32_s, q8_s = (statistics.median(r[0] for r in times[("20mbit", w)]) for w in ("f32", "q8"))
+        ratio = f32_s / q8_s
+        goal = (
+            f"Goal (a prompt at 20 Mbit/s with 8-bit rows >= 1.5x the float32 figure, bit for bit the same "
+            f"logits): {'met' if ratio >= 1.5 and diffs['q8'] == 0 else 'NOT met'} ({ratio:.2f}x)."
+        )
     q8_out, q8_back = per_row["q8"]
     ceiling = sum(per_row["f32"]) / (q8_out + q8_back)
     lines += [
@@ -207,6 +215,7 @@ def report(
         "q8 against f32 in each repetition (prompt time ratio): "
         + "; ".join(f"{rate}: {r}" for rate, r in per_rep.items())
         + ".",
+        *(["", goal] if goal else []),
         "",
         "q8 sends each row as the Q8_K blocks the Q4_K kernels quantize it to (256 values: an f32 scale and 256 "
         "int8, 260 bytes), made on the coordinator by ggml's own quantizer; the node hands ggml float rows that "
