@@ -21,7 +21,7 @@ from swarm.compute.slabs import allow_open_files, load_slabs, slab_progress
 from swarm.compute.store import ExpertStore
 from swarm.coordinator.audit import DEFAULT_RATE, Auditor
 from swarm.coordinator.experts import LocalExperts
-from swarm.coordinator.loader import default_device, load_model, load_mtp_head
+from swarm.coordinator.loader import default_device, first_mtp_layer, load_model, load_mtp_head
 from swarm.coordinator.models.base import DecoderModel
 from swarm.coordinator.models.mtp import MTPHead
 from swarm.coordinator.remote.discovery import connect
@@ -138,6 +138,9 @@ def open_engine(
         experts, fingerprint = _local_experts(path, dev, wire_dtype, numerics, memory_budget, progress)
     else:
         identity, needed = model_identity(path)
+        first_mtp = None if mtp else first_mtp_layer(path)
+        if first_mtp is not None:  # without drafts the MTP block's experts are never asked for
+            needed = [k for k in needed if k[0] < first_mtp]
         fingerprint = identity.fingerprint
         experts = connect(
             needed,

@@ -16,6 +16,7 @@ from gguf import GGMLQuantizationType
 
 from swarm.coordinator.engine import Engine, open_engine
 from swarm.coordinator.experts import ExpertBackend, PendingExperts
+from swarm.coordinator.generate import forward_one
 from swarm.coordinator.models.base import Batch
 from swarm.coordinator.models.linear import GGMLMatrix
 from swarm.coordinator.models.mtp import MTPHead
@@ -23,6 +24,7 @@ from swarm.coordinator.mtp_drafts import MTPDrafter
 from swarm.coordinator.remote.dispatch import SwarmExperts
 from swarm.coordinator.spawn import start_nodes, stop_nodes
 from swarm.proto.numerics import Numerics
+from swarm.sharding.errors import UserError
 from swarm.sharding.gguf_io import GGUFError
 from swarm.sharding.shard import shard_model
 from swarm.sharding.slabs import read_manifest
@@ -338,3 +340,25 @@ def test_drafts_through_three_nodes_are_the_in_process_ones(tmp_path, engines: d
             swarm.close()
         local.close()
         stop_nodes(nodes)
+
+
+def test_nodes_without_the_mtp_layer_serve_a_run_without_drafts(tmp_path) -> None:
+    """The MTP block's experts are asked for only with --mtp: a swarm holding the main layers alone runs the
+    model (the logits the in-process run gives), and refuses --mtp naming the layer it lacks."""
+    shard_dir = tmp_path / "m.swarm"
+    shard_model(MODEL / "model-f32.gguf", shard_dir)
+    (node,) = start_nodes([(shard_dir, ["--no-mdns", "--layers", "0-3"])], tmp_path / "nodes")
+    local = open_engine(shard_dir, local=True, device="cpu")
+    try:
+        swarm = open_engine(shard_dir, peers=(node.address,), mdns=False, device="cpu", wait=0.5)
+        try:
+            tokens = _refs("f32")["tokens_0"].tolist()
+            got, expect = (forward_one(e.model, tokens, e.model.new_state(), "cpu") for e in (swarm, local))
+            assert torch.equal(got, expect)
+        finally:
+            swarm.close()
+        with pytest.raises(UserError, match="layer 4"):
+            open_engine(shard_dir, peers=(node.address,), mdns=False, device="cpu", mtp=True, wait=0.5)
+    finally:
+        local.close()
+        stop_nodes([node])
