@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import torch
 
 from swarm.coordinator.sampling import Sampler
+from swarm.coordinator.turns import Turns
 
 
 class CausalLM(Protocol):
@@ -183,14 +184,19 @@ class Steps:
         else:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=MAX_GROUPS - 1, thread_name_prefix="swarm-group")
-            later = [self._pool.submit(self._call, p) for p in parts[1:]]
+            turns = Turns()  # the groups take turns at the dense work, each giving it up while it waits
+            later = [self._pool.submit(self._take_turns, turns, p) for p in parts[1:]]
             try:
-                self._call(parts[0])
+                self._take_turns(turns, parts[0])
             finally:
                 for f in later:
                     f.result()  # (the first error raised goes up; every group has ended before)
         if self.groups is not None:
             self.groups.done()
+
+    def _take_turns(self, turns: Turns, entries: list[Entry]) -> None:
+        with turns.turn():
+            self._call(entries)
 
     def _call(self, entries: list[Entry]) -> None:
         """One model call for these entries, then their outputs."""

@@ -14,6 +14,7 @@ from swarm.compute.numclass import same_class
 from swarm.coordinator.experts import ExpertMajor
 from swarm.coordinator.recompute import same_bits
 from swarm.coordinator.remote.calls import Part, SentCall, WireRows, span
+from swarm.coordinator.turns import away
 from swarm.node.client import NodeCallError, wait_calls
 
 if TYPE_CHECKING:
@@ -202,6 +203,7 @@ class TimedPending:
     def wait(self) -> torch.Tensor:
         t0 = time.perf_counter()
         try:
-            return self.inner.wait()
+            with away():  # another group of the pass computes meanwhile (coordinator.turns)
+                return self.inner.wait()
         finally:
             self.backend.wait_seconds += time.perf_counter() - t0
