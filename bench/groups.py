@@ -28,8 +28,8 @@ import threading
 import time
 from pathlib import Path
 
-import torch
 from _doc import command, machine, publish
+from _emulated import emulate
 from _models import prepare
 from _relay import relay
 
@@ -38,7 +38,6 @@ from swarm.coordinator.generate import SamplingParams
 from swarm.coordinator.serve import scheduler as sched
 from swarm.coordinator.serve.groups import WaitShare
 from swarm.coordinator.spawn import LocalNode, start_nodes, stop_nodes
-from swarm.coordinator.turns import away
 from swarm.node.client import NodeClient
 from swarm.sharding.slabs import read_manifest
 
@@ -152,39 +151,6 @@ def render(rows: list[tuple[float, dict[str, float], dict[str, str]]], args: arg
     return "\n".join(lines)
 
 
-class _Answered:
-    """A wait on emulated nodes: the answers (zeros) arrive one round trip after the call."""
-
-    in_flight = True
-    dropped = None
-
-    def __init__(self, backend: Emulated, due: float, shape: tuple[int, int, int]) -> None:
-        self.backend, self.due, self.shape = backend, due, shape
-
-    def wait(self) -> torch.Tensor:
-        t0 = time.perf_counter()
-        with away():  # as the swarm backend's wait does (coordinator.turns)
-            left = self.due - time.monotonic()
-            if left > 0:
-                time.sleep(left)
-        self.backend.wait_seconds += time.perf_counter() - t0
-        return torch.zeros(self.shape)
-
-
-class Emulated:
-    """Nodes with cores of their own: every layer's answers come one round trip after the call and cost this
-    machine nothing. They are zeros, so the text is not the model's: this measures the coordinator's side."""
-
-    def __init__(self, rtt_ms: float) -> None:
-        self.rtt, self.wait_seconds = rtt_ms / 1000.0, 0.0
-
-    def stack(self, layer: int, ids: torch.Tensor) -> None:
-        return None
-
-    def start(self, layer: int, x: torch.Tensor, ids: torch.Tensor) -> _Answered:
-        return _Answered(self, time.monotonic() + self.rtt, (int(ids.shape[0]), int(ids.shape[1]), int(x.shape[1])))
-
-
 def emulated(args: argparse.Namespace) -> str:
     """--emulated: the same passes with the nodes' work and links emulated (Emulated), 1-4 groups, and what a
     one-group pass's dense work costs by the number of conversations."""
@@ -196,9 +162,7 @@ def emulated(args: argparse.Namespace) -> str:
     rows, costs = [], []
     try:
         for rtt in args.rtts:
-            backend = Emulated(rtt)
-            engine.model.set_experts(backend)
-            engine.experts = backend
+            emulate(engine, rtt)
             one_run(engine, prompts, 4, 1)
             got: dict[int, list[float]] = {g: [] for g in groups}
             for _ in range(args.reps):
@@ -206,9 +170,7 @@ def emulated(args: argparse.Namespace) -> str:
                     got[g].append(one_run(engine, prompts, args.tokens, g)[0])
             rows.append((rtt, {g: statistics.median(v) for g, v in got.items()}))
             print(f"emulated {rtt:g} ms {rows[-1][1]}", file=sys.stderr, flush=True)
-        backend = Emulated(0.0)
-        engine.model.set_experts(backend)
-        engine.experts = backend
+        emulate(engine, 0.0)
         n = 1
         while n <= args.conversations:
             tps = statistics.median(one_run(engine, prompts[:n], args.tokens, 1)[0] for _ in range(args.reps))
