@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import re
@@ -76,3 +77,21 @@ def machine() -> str:
         f"{platform.machine()} ({cpu_kind()}), {os.cpu_count()} cores; "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
     )
+
+
+def bench_parser(doc: str) -> argparse.ArgumentParser:
+    """A bench's argument parser with the options every bench of the decode models takes: --workdir (where
+    bench/_models.py keeps its models) and --no-write (print the section instead of writing it)."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--workdir", default="/work/bench-models/decode")
+    p.add_argument("--no-write", action="store_true", help="print the section only")
+    return p
+
+
+def bench_args(p: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """The parsed options, with `argv` (what the section's command line shows) and `load` (the 1-minute load
+    average before the run)."""
+    args = p.parse_args(argv)
+    args.argv = argv if argv is not None else sys.argv[1:]
+    args.load = os.getloadavg()[0]
+    return args

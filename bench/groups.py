@@ -21,14 +21,13 @@ where the nodes do not share this machine's cores (section bench:groups-emulated
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import threading
 import time
 from pathlib import Path
 
-from _doc import command, machine, publish
+from _doc import bench_args, bench_parser, command, machine, publish
 from _emulated import emulate
 from _models import prepare
 from _relay import relay
@@ -202,18 +201,14 @@ def emulated(args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = bench_parser(__doc__)
     p.add_argument("--rtts", default="0,2,5,25", help="round trips added by the relay, ms")
     p.add_argument("--conversations", type=int, default=8)
     p.add_argument("--tokens", type=int, default=24, help="tokens each conversation generates")
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--workdir", default="/work/bench-models/decode")
-    p.add_argument("--no-write", action="store_true", help="print the section only")
     p.add_argument("--emulated", action="store_true", help="nodes emulated (answers after the RTT, no CPU here)")
-    args = p.parse_args(argv)
-    args.argv = argv if argv is not None else sys.argv[1:]
+    args = bench_args(p, argv)
     args.rtts = [float(x) for x in args.rtts.split(",")]
-    args.load = os.getloadavg()[0]
     if args.emulated:
         publish("groups-emulated", emulated(args), not args.no_write)
     else:

@@ -14,12 +14,11 @@ bench:latency-emulated of docs/BENCHMARKS.md.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 from pathlib import Path
 
-from _doc import command, machine, publish
+from _doc import bench_args, bench_parser, command, machine, publish
 from _emulated import emulate
 from _models import prepare, prompt_tokens
 
@@ -79,16 +78,12 @@ def bench(args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = bench_parser(__doc__)
     p.add_argument("--rtts", default="5,25", help="round trips of the emulated links, ms")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--decode-tokens", type=int, default=48)
-    p.add_argument("--workdir", default="/work/bench-models/decode")
-    p.add_argument("--no-write", action="store_true", help="print the section only")
-    args = p.parse_args(argv)
-    args.argv = argv if argv is not None else sys.argv[1:]
+    args = bench_args(p, argv)
     args.rtts = [float(x) for x in args.rtts.split(",")]
-    args.load = os.getloadavg()[0]
     publish("latency-emulated", bench(args), not args.no_write)
     return 0
 

@@ -16,14 +16,13 @@ recompute after a rejection). Figures scale with the number of DeltaNet layers (
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
-from _doc import command, machine, publish
+from _doc import bench_args, bench_parser, command, machine, publish
 from _models import prepare, prompt_tokens
 
 from swarm.coordinator.engine import open_engine
@@ -97,15 +96,11 @@ def bench(args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = bench_parser(__doc__)
     p.add_argument("--drafts", default="1,2,3")
     p.add_argument("--reps", type=int, default=30)
-    p.add_argument("--workdir", default="/work/bench-models/decode")
-    p.add_argument("--no-write", action="store_true")
-    args = p.parse_args(argv)
-    args.argv = argv if argv is not None else sys.argv[1:]
+    args = bench_args(p, argv)
     args.drafts = [int(x) for x in args.drafts.split(",")]
-    args.load = os.getloadavg()[0]
     publish("window-state", bench(args), not args.no_write)
     return 0
 
