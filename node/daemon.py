@@ -399,12 +399,12 @@ def _keep_announced(
             print("swarm node: the process that started this node is gone; stopping", file=sys.stderr)
             break
         fetch_ended = node.fetching and fetch is not None and fetch.done()
-        if grown.is_set() or checked.is_set() or fetch_ended:
-            grown.clear()
-            if advertiser is not None:
-                advertiser.update()
-        if checked.is_set():
-            checked.clear()
+        # taken (cleared) before the node's state is read: a slab fetched or dropped meanwhile sets them again,
+        # and is announced next time (cleared after the reading, its change could be missed for good)
+        was_grown, was_checked = _take(grown), _take(checked)
+        if (was_grown or was_checked or fetch_ended) and advertiser is not None:
+            advertiser.update()
+        if was_checked:
             dropped = node.store.dropped()
             node.say_serving(
                 f" dropped={format_slabs(dropped)} (their files failed the check)" if dropped else ""
@@ -420,6 +420,14 @@ def _keep_announced(
                 print(line, file=sys.stderr, flush=True)
             node.say_serving()
             node.write_ready()
+
+
+def _take(event: threading.Event) -> bool:
+    """Whether `event` was set, clearing it if so (one set after the look stays set for the next)."""
+    if not event.is_set():
+        return False
+    event.clear()
+    return True
 
 
 def _shut_down(
