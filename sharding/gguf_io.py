@@ -38,17 +38,29 @@ class GGUFError(UserError, ValueError):
 
 
 class _BoundedReader(GGUFReader):
-    """gguf's reader, refusing to read past the end of the file.
+    """gguf's reader, refusing to read past the end of the file, and reading its header 3-4x faster.
 
     Its reads are slices of the memory map, which come back short (not failing) past the end, so a
     damaged header with an absurd array length would loop over empty reads for as long as the length says
-    (a hang, not an error). Every read of a header value goes through `_get`: a short one raises here."""
+    (a hang, not an error). Every read of a header value goes through `_get`: a short one raises here.
+
+    `_get` is gguf's own read, on a plain-array view of the same memory map: every slice of numpy's memmap
+    subclass runs Python-level bookkeeping, and a 151k-token vocabulary with its merges is 750k slices (19 s
+    to open on a 2-core VM, 5 s this way). The arrays are views of the same mapped bytes."""
+
+    _flat: np.ndarray | None = None
 
     def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> Any:
-        arr = super()._get(offset, dtype, count, override_order)
-        if len(arr) != int(count):
+        flat = self._flat
+        if flat is None:
+            flat = self._flat = self.data.view(np.ndarray)
+        count = int(count)
+        dt = np.dtype(dtype)
+        arr = flat[offset : offset + dt.itemsize * count].view(dt)[:count]
+        if len(arr) != count:
             raise EOFError(f"the header runs past the end of the file at byte {offset}")
-        return arr
+        order = self.byte_order if override_order is None else override_order
+        return arr if order == "I" else arr.view(arr.dtype.newbyteorder(order))
 
 
 def open_gguf(path: str | Path) -> GGUFReader:
@@ -56,7 +68,8 @@ def open_gguf(path: str | Path) -> GGUFReader:
 
     Readers are shared: opening the same unchanged file again (same inode, size and mtime) returns the
     reader already made. gguf's reader builds a Python object for every metadata string, so a 151k-token
-    vocabulary takes seconds to parse, and one `swarm run` on a GGUF looks at it three or four times
+    vocabulary takes seconds to parse even with _BoundedReader's faster reads, and one `swarm run` on a GGUF
+    looks at it three or four times
     (identity, fingerprint, slabs, dense weights). Readers are read-only; callers must not modify them.
     """
     path = Path(path)
