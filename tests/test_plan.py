@@ -127,19 +127,19 @@ def test_a_running_coordinator_takes_in_slabs_a_node_announces_later() -> None:
 
     from swarm.coordinator.remote.dispatch import SwarmExperts
     from swarm.coordinator.remote.placement import Placement
+    from swarm.proto.channel import PROTOCOL_VERSION
 
-    node = SimpleNamespace(
-        address="127.0.0.1:1",
-        identity=SimpleNamespace(fingerprint="f"),
-        tls=False,
-        held=[(0, 0)],
-        stream_port=0,
-        numerics_class="",
-    )
-    browser = SimpleNamespace(version=1, nodes=lambda: [node], close=lambda: None)
+    def announced(address: str, held: list, version: int = PROTOCOL_VERSION) -> SimpleNamespace:
+        return SimpleNamespace(address=address, identity=SimpleNamespace(fingerprint="f"), tls=False, held=held,
+                               stream_port=0, numerics_class="", protocol_version=version)  # fmt: skip
+
+    node = announced("127.0.0.1:1", [(0, 0)])
+    older = announced("127.0.0.1:2", [(0, 1)], PROTOCOL_VERSION - 1)  # refuses this coordinator's calls
+    browser = SimpleNamespace(version=1, nodes=lambda: [node, older], close=lambda: None)
     experts = SwarmExperts({}, Placement(), "m.swarm", browser=browser)  # type: ignore[arg-type]
     experts.follow_mdns()
     assert experts.placement.pick(0, 0) == node.address and experts.placement.pick(0, 1) is None
+    assert older.address not in experts.clients
     experts.placement.mark_down(node.address, 60.0)
     node.held = [(0, 0), (0, 1)]
     browser.version = 2
