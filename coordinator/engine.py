@@ -21,7 +21,7 @@ from swarm.compute.slabs import allow_open_files, load_slabs, slab_progress
 from swarm.compute.store import ExpertStore
 from swarm.coordinator.audit import DEFAULT_RATE, Auditor
 from swarm.coordinator.experts import LocalExperts
-from swarm.coordinator.loader import default_device, first_mtp_layer, load_model, load_mtp_head
+from swarm.coordinator.loader import default_device, load_model, load_mtp_head
 from swarm.coordinator.models.base import DecoderModel
 from swarm.coordinator.models.mtp import MTPHead
 from swarm.coordinator.remote.discovery import connect
@@ -30,7 +30,7 @@ from swarm.coordinator.tokenizer import GGUFTokenizer
 from swarm.node.auth import SwarmKey
 from swarm.proto.numerics import Numerics
 from swarm.sharding.errors import UserError
-from swarm.sharding.identity import model_identity
+from swarm.sharding.identity import first_mtp_layer, model_identity
 from swarm.sharding.manifest import EXPERTS_DIR
 from swarm.sharding.slabs import ExpertSlab, LazySlabs, SlabKey
 

@@ -260,20 +260,6 @@ def fill_tensors(
     )
 
 
-def first_mtp_layer(path: str | Path) -> int | None:
-    """The first MTP block's layer of the model file at `path` (blk.L after the L main blocks), or None when
-    it has none: the layers from it on run only with MTP drafts."""
-    gguf_path = resolve_gguf(path)
-    meta = read_metadata(open_gguf(gguf_path))
-    arch = architecture(meta, gguf_path)
-    blocks, n_mtp = meta.get(Keys.LLM.BLOCK_COUNT.format(arch=arch)), meta.get(
-        Keys.LLM.NEXTN_PREDICT_LAYERS.format(arch=arch), 0
-    )
-    if not isinstance(blocks, int) or not isinstance(n_mtp, int) or not 0 < n_mtp < blocks:
-        return None
-    return blocks - n_mtp
-
-
 def load_mtp_head(
     path: str | Path, model: DecoderModel, experts: ExpertBackend, numerics: Numerics = Numerics.NATIVE
 ) -> MTPHead:

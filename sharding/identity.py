@@ -22,9 +22,11 @@ import enum
 from dataclasses import dataclass
 from pathlib import Path
 
+from gguf import Keys
+
 from swarm.sharding.errors import UserError
-from swarm.sharding.gguf_io import expert_tensors, open_gguf
-from swarm.sharding.manifest import read_manifest
+from swarm.sharding.gguf_io import expert_tensors, open_gguf, read_metadata
+from swarm.sharding.manifest import DENSE_NAME, read_manifest
 from swarm.sharding.slabs import SlabKey, hash_file_range
 
 
@@ -87,3 +89,16 @@ def model_identity(path: str | Path) -> tuple[ModelIdentity, list[SlabKey]]:
     reader = open_gguf(path)
     needed = sorted({(et.layer, e) for et in expert_tensors(reader, path) for e in range(et.n_expert)})
     return identity, needed
+
+
+def first_mtp_layer(path: str | Path) -> int | None:
+    """The first MTP block's layer of the model at `path` (a GGUF or a shard directory: blk.L after the L main
+    blocks), or None when it has none: the layers from it on run only with MTP drafts (--mtp)."""
+    path = Path(path)
+    meta = read_metadata(open_gguf(path / DENSE_NAME if path.is_dir() else path))
+    arch = meta.get(Keys.General.ARCHITECTURE)
+    blocks = meta.get(Keys.LLM.BLOCK_COUNT.format(arch=arch))
+    n_mtp = meta.get(Keys.LLM.NEXTN_PREDICT_LAYERS.format(arch=arch), 0)
+    if not isinstance(blocks, int) or not isinstance(n_mtp, int) or not 0 < n_mtp < blocks:
+        return None
+    return blocks - n_mtp

@@ -14,6 +14,7 @@ import torch
 from conftest import FIXTURES
 from gguf import GGMLQuantizationType
 
+from swarm.coordinator.cli import main
 from swarm.coordinator.engine import Engine, open_engine
 from swarm.coordinator.experts import ExpertBackend, PendingExperts
 from swarm.coordinator.generate import forward_one
@@ -342,9 +343,10 @@ def test_drafts_through_three_nodes_are_the_in_process_ones(tmp_path, engines: d
         stop_nodes(nodes)
 
 
-def test_nodes_without_the_mtp_layer_serve_a_run_without_drafts(tmp_path) -> None:
+def test_nodes_without_the_mtp_layer_serve_a_run_without_drafts(tmp_path, capsys) -> None:
     """The MTP block's experts are asked for only with --mtp: a swarm holding the main layers alone runs the
-    model (the logits the in-process run gives), and refuses --mtp naming the layer it lacks."""
+    model (the logits the in-process run gives), refuses --mtp naming the layer it lacks, and `swarm status`
+    calls it covered, naming what --mtp would need."""
     shard_dir = tmp_path / "m.swarm"
     shard_model(MODEL / "model-f32.gguf", shard_dir)
     (node,) = start_nodes([(shard_dir, ["--no-mdns", "--layers", "0-3"])], tmp_path / "nodes")
@@ -359,6 +361,11 @@ def test_nodes_without_the_mtp_layer_serve_a_run_without_drafts(tmp_path) -> Non
             swarm.close()
         with pytest.raises(UserError, match="layer 4"):
             open_engine(shard_dir, peers=(node.address,), mdns=False, device="cpu", mtp=True, wait=0.5)
+        capsys.readouterr()
+        assert main(["status", str(shard_dir), "--no-mdns", "--peer", node.address]) == 0  # it can run
+        out = capsys.readouterr().out
+        assert "every expert a run without --mtp uses" in out and "has a holder" in out, out
+        assert "for --mtp (the MTP block's layer" in out and "no node holds layer 4: experts 0-31" in out, out
     finally:
         local.close()
         stop_nodes([node])

@@ -25,7 +25,7 @@ from swarm.coordinator.session import add_discovery_args
 from swarm.node.auth import swarm_key
 from swarm.proto.numerics import Numerics
 from swarm.sharding.errors import UserError
-from swarm.sharding.identity import model_identity
+from swarm.sharding.identity import first_mtp_layer, model_identity
 from swarm.sharding.ranges import format_ranges
 
 
@@ -109,6 +109,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     for layer, expert in needed:
         if not holders[(layer, expert)]:
             missing.setdefault(layer, []).append(expert)
+    first_mtp = first_mtp_layer(args.model)  # its layers only runs with MTP drafts (--mtp) need
+    drafts_only = {layer: es for layer, es in missing.items() if first_mtp is not None and layer >= first_mtp}
+    missing = {layer: es for layer, es in missing.items() if layer not in drafts_only}
     if args.json:
         return 1 if missing else 0
     print("\ncoverage (slabs with 0 / 1 / 2+ live holders):")
@@ -117,9 +120,13 @@ def cmd_status(args: argparse.Namespace) -> int:
     if missing:
         print(f"\nnot covered: {describe_missing(missing, args.model)}")
         return 1
-    replicas = Counter(holders[k] for k in needed)
+    used = [k for k in needed if k[0] not in drafts_only]
+    replicas = Counter(holders[k] for k in used)
     spread = ", ".join(f"{n} with {k} holder{'s' if k > 1 else ''}" for k, n in sorted(replicas.items()))
-    print(f"\nevery expert of {args.model} has a holder: {len(needed)} slabs, {spread}")
+    what = "every expert a run without --mtp uses" if drafts_only else "every expert"
+    print(f"\n{what} of {args.model} has a holder: {len(used)} slabs, {spread}")
+    if drafts_only:
+        print(f"for --mtp (the MTP block's layer, which only drafts use): {describe_missing(drafts_only, args.model)}")
     return 0
 
 
