@@ -135,7 +135,7 @@ def open_engine(
     wire_dtype = WIRE_DTYPES[wire]
     experts: LocalExperts | SwarmExperts
     if local:
-        experts, fingerprint = _local_experts(path, dev, wire_dtype, numerics, memory_budget, progress)
+        experts, fingerprint = _local_experts(path, dev, wire_dtype, numerics, memory_budget, progress, mtp)
     else:
         identity, needed = model_identity(path)
         first_mtp = None if mtp else first_mtp_layer(path)
@@ -187,10 +187,13 @@ def _local_experts(
     numerics: Numerics,
     memory_budget: int | None,
     progress: bool,
+    mtp: bool,
 ) -> tuple[LocalExperts, str]:
-    """(the experts computed in this process, every slab checked as it loads; the model's fingerprint)."""
+    """(the experts computed in this process, every slab checked as it loads; the model's fingerprint).
+    Without `mtp` the MTP block's experts stay on disk (nothing asks for them)."""
+    first_mtp = None if mtp else first_mtp_layer(path)
     with slab_progress("checking slabs", enabled=progress) as on_slab:
-        loaded = load_slabs(path, progress=on_slab)
+        loaded = load_slabs(path, layers=range(first_mtp) if first_mtp is not None else None, progress=on_slab)
     if loaded.problems:
         raise UserError(f"{path}: some expert slabs cannot be used: " + "; ".join(loaded.problems[:5]))
     budget = default_memory_budget() if memory_budget is None else memory_budget

@@ -351,6 +351,7 @@ def test_nodes_without_the_mtp_layer_serve_a_run_without_drafts(tmp_path, capsys
     shard_model(MODEL / "model-f32.gguf", shard_dir)
     (node,) = start_nodes([(shard_dir, ["--no-mdns", "--layers", "0-3"])], tmp_path / "nodes")
     local = open_engine(shard_dir, local=True, device="cpu")
+    assert {layer for layer, _ in local.experts.store.held()} == {0, 1, 2, 3}  # (in process too)
     try:
         swarm = open_engine(shard_dir, peers=(node.address,), mdns=False, device="cpu", wait=0.5)
         try:
