@@ -30,9 +30,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 from _loopback import free_port  # noqa: E402
 from test_trust import MODEL, other_weights  # noqa: E402
 
+from swarm.coordinator.cli.spawn import LocalNode, start_nodes, stop_nodes  # noqa: E402
+from swarm.coordinator.decode.one import SamplingParams, checked_logits, forward_one, generate  # noqa: E402
 from swarm.coordinator.engine import open_engine  # noqa: E402
-from swarm.coordinator.generate import SamplingParams, checked_logits, forward_one, generate  # noqa: E402
-from swarm.coordinator.spawn import LocalNode, start_nodes, stop_nodes  # noqa: E402
 from swarm.node.auth import KEY_ENV, SwarmKey, generate_key_text  # noqa: E402
 from swarm.sharding.shard import shard_model  # noqa: E402
 

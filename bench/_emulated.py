@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from swarm.coordinator.turns import away
+from swarm.coordinator.decode.turns import away
 
 
 class _Answered:

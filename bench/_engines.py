@@ -15,9 +15,9 @@ from _timing import Run, run_engine
 
 from swarm.compute.ggml import set_threads
 from swarm.compute.openmp import wait_policy_env
+from swarm.coordinator.cli.spawn import SWARM_CLI, LocalNode, start_nodes, stop_nodes
 from swarm.coordinator.engine import open_engine
-from swarm.coordinator.remote.dispatch import SwarmExperts
-from swarm.coordinator.spawn import SWARM_CLI, LocalNode, start_nodes, stop_nodes
+from swarm.coordinator.experts.remote.dispatch import SwarmExperts
 from swarm.node.client import NodeClient
 from swarm.sharding.ranges import format_ranges
 from swarm.sharding.slabs import read_manifest

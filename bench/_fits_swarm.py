@@ -15,7 +15,7 @@ from _fits_groups import JOIN, Device, MiB, drop_page_cache
 from _relay import relay
 
 from swarm.compute.expert_copies import LATER_BYTES, MARGIN_FRACTION, MIN_MARGIN
-from swarm.coordinator.spawn import LocalNode, spawn_node, stop_nodes
+from swarm.coordinator.cli.spawn import LocalNode, spawn_node, stop_nodes
 from swarm.node.client import NodeClient
 from swarm.sharding.slabs import read_manifest
 

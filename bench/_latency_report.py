@@ -281,7 +281,7 @@ def _relay_notes(f: Figures) -> list[str]:
         )
     runs = [r for rs in f.runs.values() for r in rs]
     out.append(
-        f"- Hedging and failover (coordinator/remote/pending.py) never fired: {sum(r.hedges for r in runs)} "
+        f"- Hedging and failover (coordinator/experts/remote/pending.py) never fired: {sum(r.hedges for r in runs)} "
         f"hedged calls and {sum(r.failovers for r in runs)} failovers in all runs (a call is hedged only after "
         "max(0.5 s, 4x the node's usual time), and with disjoint quarters no other holder exists)."
     )

@@ -13,10 +13,10 @@ from pathlib import Path
 
 from _relay import relay
 
+from swarm.coordinator.cli.spawn import LocalNode, start_nodes, stop_nodes
+from swarm.coordinator.decode.one import GenerationStats, SamplingParams, generate
 from swarm.coordinator.engine import Engine, open_engine
-from swarm.coordinator.generate import GenerationStats, SamplingParams, generate
-from swarm.coordinator.remote.dispatch import SwarmExperts
-from swarm.coordinator.spawn import LocalNode, start_nodes, stop_nodes
+from swarm.coordinator.experts.remote.dispatch import SwarmExperts
 from swarm.node.client import NodeClient
 from swarm.sharding.ranges import format_ranges
 from swarm.sharding.slabs import read_manifest

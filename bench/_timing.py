@@ -13,10 +13,10 @@ import torch
 from _models import prompt_tokens
 
 from swarm.compute import ffn
+from swarm.coordinator.decode.one import GenerationStats, SamplingParams, generate
 from swarm.coordinator.engine import Engine
-from swarm.coordinator.experts import PendingExperts
-from swarm.coordinator.generate import GenerationStats, SamplingParams, generate
-from swarm.coordinator.remote.dispatch import SwarmExperts
+from swarm.coordinator.experts.backend import PendingExperts
+from swarm.coordinator.experts.remote.dispatch import SwarmExperts
 from swarm.node.client import NodeClient
 
 

@@ -2,7 +2,7 @@
 
 For every answer file recorded on an arm64 ggml build (tests/fixtures/numerics/, made with its record.py
 under qemu-user), this machine computes its own answers for the same rows and slabs, and the bound of
-coordinator/tolerance.py for each row. Reported per file: the share of output elements whose bits differ
+coordinator/checks/tolerance.py for each row. Reported per file: the share of output elements whose bits differ
 from this machine's, the largest |theirs - ours| / bound over the honest answers (an honest answer is
 accepted up to SAFETY), and, for the damaged copies (1 % of each recorded expert's slab bytes with one bit
 flipped; and a single flipped bit per slab), the smallest over experts of the largest ratio: above SAFETY,
@@ -30,7 +30,7 @@ from _doc import command, machine, publish  # noqa: E402
 from swarm.compute.numclass import numerics_class  # noqa: E402
 from swarm.compute.slabs import load_slabs  # noqa: E402
 from swarm.compute.store import ExpertStore  # noqa: E402
-from swarm.coordinator.tolerance import SAFETY, expert_bound  # noqa: E402
+from swarm.coordinator.checks.tolerance import SAFETY, expert_bound  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "fixtures"
 

@@ -46,7 +46,7 @@ from _llama import AVX2_BUILD, DEFAULT_BUILD, llama_bench, llama_version, run_ll
 from _models import MODELS, prepare
 from _timing import Run
 
-from swarm.coordinator.audit import DEFAULT_RATE
+from swarm.coordinator.checks.audit import DEFAULT_RATE
 
 log = logging.getLogger("bench.decode")
 

@@ -39,10 +39,10 @@ from _models import MODELS, prepare, prompt_tokens  # noqa: E402
 
 from swarm.compute.ggml import set_threads  # noqa: E402
 from swarm.compute.openmp import set_wait_policy  # noqa: E402
+from swarm.coordinator.cli.spawn import LocalNode, spawn_node, start_nodes, stop_nodes  # noqa: E402
+from swarm.coordinator.decode.one import GenerationStats, SamplingParams, forward_one, generate  # noqa: E402
 from swarm.coordinator.engine import Engine, open_engine  # noqa: E402
-from swarm.coordinator.experts import WithoutExperts  # noqa: E402
-from swarm.coordinator.generate import GenerationStats, SamplingParams, forward_one, generate  # noqa: E402
-from swarm.coordinator.spawn import LocalNode, spawn_node, start_nodes, stop_nodes  # noqa: E402
+from swarm.coordinator.experts.backend import WithoutExperts  # noqa: E402
 from swarm.node.auth import KEY_ENV, SwarmKey, generate_key_text  # noqa: E402
 from swarm.sharding.ranges import format_ranges  # noqa: E402
 from swarm.sharding.slabs import read_manifest  # noqa: E402

@@ -25,7 +25,7 @@ from _doc import publish  # noqa: E402
 from test_native import N_PROMPTS, PER_ROW, VARIANTS, agreement, kl_rows, load_native  # noqa: E402
 
 from swarm.compute.store import ExpertStore  # noqa: E402
-from swarm.coordinator.experts import LocalExperts  # noqa: E402
+from swarm.coordinator.experts.backend import LocalExperts  # noqa: E402
 from swarm.coordinator.loader import load_model  # noqa: E402
 from swarm.sharding.gguf_io import open_gguf  # noqa: E402
 from swarm.sharding.slabs import slabs_from_gguf  # noqa: E402

@@ -1,5 +1,5 @@
 """Several conversations over slow links: `swarm serve`'s pass in one group against the same pass split into
-groups in flight at once (coordinator/steps.py, coordinator/serve/groups.py), aggregate decode tok/s.
+groups in flight at once (coordinator/decode/passes.py, coordinator/serve/groups.py), aggregate decode tok/s.
 
     .venv/bin/python bench/groups.py [--rtts 0,2,5,25] [--conversations 8] [--tokens 24] [--reps 3]
                                      [--workdir /work/bench-models/decode] [--no-write]
@@ -32,11 +32,11 @@ from _emulated import emulate
 from _models import prepare
 from _relay import relay
 
+from swarm.coordinator.cli.spawn import LocalNode, start_nodes, stop_nodes
+from swarm.coordinator.decode.one import SamplingParams
 from swarm.coordinator.engine import open_engine
-from swarm.coordinator.generate import SamplingParams
 from swarm.coordinator.serve import scheduler as sched
 from swarm.coordinator.serve.groups import WaitShare
-from swarm.coordinator.spawn import LocalNode, start_nodes, stop_nodes
 from swarm.node.client import NodeClient
 from swarm.sharding.slabs import read_manifest
 
@@ -183,7 +183,7 @@ def emulated(args: argparse.Namespace) -> str:
         "layer's answers arrive one round trip after the call at no cost to this machine (zeros: the text is not "
         "the model's), as nodes with cores of their own and an ideal link would give them; the coordinator's "
         "side alone. Aggregate decode tok/s by groups (medians of "
-        f"{args.reps}; the groups take turns at the dense work, coordinator/turns.py).",
+        f"{args.reps}; the groups take turns at the dense work, coordinator/decode/turns.py).",
         "",
         "| RTT | 1 group | 2 groups | 3 groups | 4 groups | best / 1 group |",
         "|---|---|---|---|---|---|",

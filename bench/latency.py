@@ -12,7 +12,7 @@ process on the relay's addresses. Per round trip and repetition, each a greedy g
 64-token prompt (a 16-token passage repeated 4 times):
 
 1. no drafts;
-2. prompt-lookup drafts (coordinator/drafts.py PromptLookup(3)), with the accept rate;
+2. prompt-lookup drafts (coordinator/drafts/lookup.py PromptLookup(3)), with the accept rate;
 3. known-right drafts: Scripted(prompt + the no-draft continuation, k) at k = 1, 2, 3; the text must equal
    the no-draft text;
 4. what the published accept rate (~0.82 per draft, llama.cpp's draft-mtp on Qwen3.6-35B) would give at
@@ -48,7 +48,7 @@ from _latency_swarm import Drafter, Nodes, linked, timed  # noqa: E402
 from _models import prepare, prompt_tokens  # noqa: E402
 from _relay import measured_rtt_ms  # noqa: E402
 
-from swarm.coordinator.drafts import PromptLookup, Scripted  # noqa: E402
+from swarm.coordinator.drafts.lookup import PromptLookup, Scripted  # noqa: E402
 from swarm.coordinator.engine import Engine  # noqa: E402
 from swarm.sharding.slabs import read_manifest  # noqa: E402
 

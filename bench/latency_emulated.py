@@ -22,9 +22,9 @@ from _doc import bench_args, bench_parser, command, machine, publish
 from _emulated import emulate
 from _models import prepare, prompt_tokens
 
-from swarm.coordinator.drafts import Scripted
+from swarm.coordinator.decode.one import GenerationStats, SamplingParams, generate
+from swarm.coordinator.drafts.lookup import Scripted
 from swarm.coordinator.engine import open_engine
-from swarm.coordinator.generate import GenerationStats, SamplingParams, generate
 
 KS = (0, 1, 2, 3)
 

@@ -22,9 +22,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _doc import command, machine, publish  # noqa: E402
 
+from swarm.coordinator.cli.spawn import start_nodes, stop_nodes  # noqa: E402
+from swarm.coordinator.decode.one import forward_one  # noqa: E402
 from swarm.coordinator.engine import open_engine  # noqa: E402
-from swarm.coordinator.generate import forward_one  # noqa: E402
-from swarm.coordinator.spawn import start_nodes, stop_nodes  # noqa: E402
 from swarm.sharding.shard import shard_model  # noqa: E402
 from swarm.sharding.slabs import read_manifest  # noqa: E402
 from swarm.sharding.synth import synthesize  # noqa: E402

@@ -34,7 +34,7 @@ from gguf.quants import quantize
 from swarm.compute.dequant import dequantize
 from swarm.compute.expert_weights import dequantize_expert
 from swarm.compute.store import ExpertStore
-from swarm.coordinator.spawn import start_nodes, stop_nodes
+from swarm.coordinator.cli.spawn import start_nodes, stop_nodes
 from swarm.node.client import NodeClient
 from swarm.sharding import gguf_io
 from swarm.sharding.slabs import ExpertSlab, SlabTensor, slabs_from_gguf

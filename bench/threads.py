@@ -208,7 +208,7 @@ def _render_waits(
 
 def swarm_waits(shard_dir: Path, reps: int, write: bool) -> None:
     """Decode through 4 loopback nodes under each coordinator wait of SWARM_WAITS, side by side."""
-    from swarm.coordinator.spawn import start_nodes, stop_nodes
+    from swarm.coordinator.cli.spawn import start_nodes, stop_nodes
     from swarm.sharding.slabs import read_manifest
 
     n_expert = read_manifest(shard_dir).n_expert

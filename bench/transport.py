@@ -30,7 +30,7 @@ from _engines import ZERO_NODE  # noqa: E402
 from _loopback import LOOPBACK  # noqa: E402
 from _models import prepare  # noqa: E402
 
-from swarm.coordinator.spawn import start_nodes, stop_nodes  # noqa: E402
+from swarm.coordinator.cli.spawn import start_nodes, stop_nodes  # noqa: E402
 from swarm.node.client import NodeClient  # noqa: E402
 
 log = logging.getLogger("bench.transport")

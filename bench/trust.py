@@ -47,16 +47,16 @@ from _timing import run_engine  # noqa: E402
 from test_trust import MODEL, ROT_LAYER, other_weights, rot  # noqa: E402
 
 from swarm.compute.ggml import set_threads  # noqa: E402
-from swarm.coordinator.audit import DEFAULT_RATE, PROBE_SLABS  # noqa: E402
-from swarm.coordinator.engine import open_engine  # noqa: E402
-from swarm.coordinator.generate import (  # noqa: E402
+from swarm.coordinator.checks.audit import DEFAULT_RATE, PROBE_SLABS  # noqa: E402
+from swarm.coordinator.cli.spawn import LocalNode, start_nodes, stop_nodes  # noqa: E402
+from swarm.coordinator.decode.one import (  # noqa: E402
     SamplingParams,
     checked_logits,
     forward_one,
     generate,
 )
-from swarm.coordinator.spawn import LocalNode, start_nodes, stop_nodes  # noqa: E402
-from swarm.coordinator.steps import SETTLE_EVERY  # noqa: E402
+from swarm.coordinator.decode.passes import SETTLE_EVERY  # noqa: E402
+from swarm.coordinator.engine import open_engine  # noqa: E402
 from swarm.node.auth import KEY_ENV, SwarmKey, generate_key_text  # noqa: E402
 from swarm.sharding.ranges import format_ranges  # noqa: E402
 from swarm.sharding.shard import shard_model  # noqa: E402

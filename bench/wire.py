@@ -32,9 +32,9 @@ from _doc import command, machine, publish  # noqa: E402
 from _models import prepare, prompt_tokens  # noqa: E402
 from netns_swarm import Net, build_network, sh, tear_down  # noqa: E402
 
+from swarm.coordinator.cli.spawn import SWARM_CLI, LocalNode  # noqa: E402
+from swarm.coordinator.decode.one import forward_one  # noqa: E402
 from swarm.coordinator.engine import open_engine  # noqa: E402
-from swarm.coordinator.generate import forward_one  # noqa: E402
-from swarm.coordinator.spawn import SWARM_CLI, LocalNode  # noqa: E402
 from swarm.node.auth import KEY_ENV, SwarmKey, generate_key_text  # noqa: E402
 from swarm.sharding.slabs import read_manifest  # noqa: E402
 

@@ -19,14 +19,14 @@ from swarm.compute.expert_copies import default_memory_budget, within_cap
 from swarm.compute.expert_weights import slab_dims
 from swarm.compute.slabs import allow_open_files, load_slabs, slab_progress
 from swarm.compute.store import ExpertStore
-from swarm.coordinator.audit import DEFAULT_RATE, Auditor
-from swarm.coordinator.experts import LocalExperts
+from swarm.coordinator.checks.audit import DEFAULT_RATE, Auditor
+from swarm.coordinator.experts.backend import LocalExperts
+from swarm.coordinator.experts.remote.discovery import connect
+from swarm.coordinator.experts.remote.dispatch import SwarmExperts
 from swarm.coordinator.loader import default_device, load_model, load_mtp_head
 from swarm.coordinator.models.base import DecoderModel
 from swarm.coordinator.models.mtp import MTPHead
-from swarm.coordinator.remote.discovery import connect
-from swarm.coordinator.remote.dispatch import SwarmExperts
-from swarm.coordinator.tokenizer import GGUFTokenizer
+from swarm.coordinator.text.tokenizer import GGUFTokenizer
 from swarm.node.auth import SwarmKey
 from swarm.proto.numerics import Numerics
 from swarm.sharding.errors import UserError
@@ -124,7 +124,7 @@ def open_engine(
     `progress`: progress bars on stderr (only when it is a terminal) while slabs and weights load.
     `numerics`: native (every weight multiplied in its file type with ggml's kernels, llama.cpp's numerics)
     or exact (float32 on weights dequantized exactly); nodes are asked for the same. `audit`: the share of
-    node answers recomputed here to check them (swarm.coordinator.audit; 0: trust every node). `verify`:
+    node answers recomputed here to check them (swarm.coordinator.checks.audit; 0: trust every node). `verify`:
     "sample" (that share, and every answer of a prompt pass on one row per expert), "pair" (every call also
     sent to a second holder, the two compared) or "all" (every answer recomputed here). `numerics_class`:
     "same" takes only nodes whose answers are checked bit for bit (swarm.compute.numclass). `mtp`: the
@@ -164,7 +164,7 @@ def open_engine(
         tokenizer = GGUFTokenizer(meta)
         vision = None
         if mmproj is not None:
-            from swarm.coordinator.pictures import open_vision
+            from swarm.coordinator.text.pictures import open_vision
 
             vision = open_vision(meta, mmproj, numerics, dev, *image_tokens)
         if isinstance(experts, SwarmExperts):

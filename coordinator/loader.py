@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from swarm.compute import pages, weights
 from swarm.compute.dequant import dequantize
-from swarm.coordinator.experts import ExpertBackend
+from swarm.coordinator.experts.backend import ExpertBackend
 from swarm.coordinator.models import get_arch
 from swarm.coordinator.models.base import DecoderModel, PackedEmbedding
 from swarm.coordinator.models.gguf_meta import n_main_layers

@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import FIXTURES
 
-from swarm.coordinator.spawn import start_nodes
+from swarm.coordinator.cli.spawn import start_nodes
 from swarm.node.auth import AUTH_METADATA, KEY_ENV, Signer, SwarmKey, generate_key_text
 from swarm.node.client import NodeClient
 from swarm.proto import expert_pb2 as pb

@@ -15,11 +15,17 @@ import torch
 from conftest import FIXTURES, flip_bytes
 
 from swarm.compute import weights
-from swarm.coordinator.audit import DEFAULT_RATE, Auditor, Verdict
+from swarm.coordinator.checks.audit import DEFAULT_RATE, Auditor, Verdict
 from swarm.coordinator.cli import main
+from swarm.coordinator.cli.spawn import start_nodes, stop_nodes
+from swarm.coordinator.decode.one import (
+    GenerationStats,
+    SamplingParams,
+    checked_logits,
+    forward_one,
+    generate,
+)
 from swarm.coordinator.engine import open_engine
-from swarm.coordinator.generate import GenerationStats, SamplingParams, checked_logits, forward_one, generate
-from swarm.coordinator.spawn import start_nodes, stop_nodes
 from swarm.node.auth import KEY_ENV, SwarmKey, generate_key_text
 from swarm.sharding.gguf_io import open_gguf
 from swarm.sharding.shard import shard_model
@@ -118,7 +124,7 @@ def test_nodes_found_at_start_are_probed_while_the_model_loads(rig):
     """Admission probes of the nodes found at start run beside the model's loading: by the first call every
     node is admitted, and the first prompt sends no probe. (Static peers: both nodes are known at start on
     any machine; by mDNS a node whose answer comes after the settle time is found later, and probed then.)"""
-    from swarm.coordinator.audit import PROBE_SLABS
+    from swarm.coordinator.checks.audit import PROBE_SLABS
 
     honest_dir, _, nodes = rig
     swarm = _swarm(honest_dir, rate=0.0001, peers=tuple(n.address for n in nodes))
@@ -139,8 +145,8 @@ def test_a_shard_directorys_slab_files_are_read_as_audits_draw_them(rig, monkeyp
     for the 35B): a coordinator reads none to start, and each on the first probe or audit that draws it,
     once; an audit of a call reads the files of the experts it checks, not of every expert in the call (a
     prompt's call holds a node's share of a whole layer)."""
-    from swarm.coordinator import audit
-    from swarm.coordinator.audit import PROBE_SLABS
+    from swarm.coordinator.checks import audit
+    from swarm.coordinator.checks.audit import PROBE_SLABS
     from swarm.sharding import slabs
 
     monkeypatch.setattr(audit, "AUDIT_EXPERTS", 1)
@@ -175,7 +181,7 @@ def test_the_engine_is_returned_once_the_admission_has_ended(rig, monkeypatch):
     the first prompt's time is the prompt's (bench/decode times prefill from it)."""
     import time
 
-    from swarm.coordinator.audit import PROBE_SLABS
+    from swarm.coordinator.checks.audit import PROBE_SLABS
 
     honest_dir, _, nodes = rig
     real = Auditor.probe
@@ -327,7 +333,7 @@ def test_an_agreeing_answer_needs_no_hashing_and_a_damaged_slab_of_ours_bans_nob
     assert hashed == [] and auditor.report.audits == 1 and auditor.settle() is Verdict.SETTLED
 
     right0 = honest.expected(0, [0, 1], [2, 1], x)  # the node is right; our slab 0:0 is not
-    with caplog.at_level("WARNING", logger="swarm.coordinator.audit"):
+    with caplog.at_level("WARNING", logger="swarm.coordinator.checks.audit"):
         assert torch.equal(auditor.answered("a", 0, [0, 1], [2, 1], x, right0), right0)
     assert not auditor.report.banned and auditor.settle(force=True) is Verdict.SETTLED
     assert "cannot audit with slab 0:0" in caplog.text
@@ -348,7 +354,7 @@ def test_a_call_of_many_experts_is_checked_on_a_random_few_and_forced_audits_sha
 
     from swarm.compute.slabs import load_slabs
     from swarm.compute.store import ExpertStore
-    from swarm.coordinator import audit
+    from swarm.coordinator.checks import audit
 
     monkeypatch.setattr(audit, "AUDIT_EXPERTS", 2)  # the fixture has 8 experts a layer
     auditor = Auditor(ExpertStore(load_slabs(MODEL).slabs), "native", torch.float32, rate=1.0, seed=3,
@@ -403,7 +409,7 @@ def test_the_audit_thread_takes_idle_time_and_a_forced_settle_never_waits_on_it(
 
     from swarm.compute.slabs import load_slabs
     from swarm.compute.store import ExpertStore
-    from swarm.coordinator import audit
+    from swarm.coordinator.checks import audit
 
     auditor = Auditor(ExpertStore(load_slabs(MODEL).slabs), "native", torch.float32, rate=1.0, seed=2)
     expected = auditor.expected

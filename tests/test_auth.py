@@ -19,7 +19,7 @@ from conftest import FIXTURES
 from tcp_proxy import TcpProxy
 
 from swarm.coordinator.cli import main
-from swarm.coordinator.spawn import start_nodes, stop_nodes
+from swarm.coordinator.cli.spawn import start_nodes, stop_nodes
 from swarm.node.auth import AUTH_METADATA, KEY_ENV, Signer, SwarmKey, Verifier, generate_key_text
 from swarm.node.client import NodeCallError, NodeClient
 from swarm.proto import expert_pb2 as pb

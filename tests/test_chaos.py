@@ -10,9 +10,9 @@ import time
 import pytest
 from conftest import FIXTURES
 
+from swarm.coordinator.cli.spawn import spawn_node, start_nodes, stop_nodes
+from swarm.coordinator.decode.one import GenerationStats, SamplingParams, generate
 from swarm.coordinator.engine import open_engine
-from swarm.coordinator.generate import GenerationStats, SamplingParams, generate
-from swarm.coordinator.spawn import spawn_node, start_nodes, stop_nodes
 from swarm.node.auth import KEY_ENV, SwarmKey, generate_key_text
 from swarm.sharding.shard import shard_model
 

@@ -64,7 +64,7 @@ def test_run_greedy_continues_like_transformers(capsys):
     """The text prompt of the fixture, greedy: the generated text is what transformers' greedy ids decode to."""
     import json
 
-    from swarm.coordinator.tokenizer import GGUFTokenizer
+    from swarm.coordinator.text.tokenizer import GGUFTokenizer
     from swarm.sharding.gguf_io import open_gguf, read_metadata
 
     meta = json.loads((FIXTURES / "qwen3moe-tiny" / "meta.json").read_text())
@@ -147,7 +147,7 @@ def test_demo_end_to_end_leaves_no_process_behind(tmp_path):
 
 
 def test_a_peer_with_another_key_is_a_one_line_error(tmp_path, capsys):
-    from swarm.coordinator.spawn import start_nodes
+    from swarm.coordinator.cli.spawn import start_nodes
     from swarm.node.auth import generate_key_text
 
     (node,) = start_nodes([(QWEN3MOE, ["--no-mdns"])], tmp_path, env={"SWARM_KEY": generate_key_text()})

@@ -8,7 +8,7 @@ import time
 import pytest
 from conftest import FIXTURES
 
-from swarm.coordinator.spawn import start_nodes
+from swarm.coordinator.cli.spawn import start_nodes
 from swarm.node.client import NodeClient
 from swarm.node.discovery import (
     Advertiser,

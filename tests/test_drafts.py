@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from swarm.coordinator.drafts import lookup_drafts
+from swarm.coordinator.drafts.lookup import lookup_drafts
 
 
 def test_the_latest_occurrence_of_the_longest_tail_gives_the_drafts() -> None:

@@ -23,7 +23,7 @@ import torch
 from tcp_proxy import TcpProxy
 
 from swarm.coordinator.cli import main
-from swarm.coordinator.spawn import LocalNode, spawn_node, start_nodes, stop_nodes
+from swarm.coordinator.cli.spawn import LocalNode, spawn_node, start_nodes, stop_nodes
 from swarm.node.auth import AUTH_METADATA, SwarmKey, generate_key_text
 from swarm.node.client import NodeCallError, NodeClient
 from swarm.proto import expert_pb2 as pb

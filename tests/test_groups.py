@@ -12,13 +12,13 @@ import torch
 from conftest import FIXTURES
 from test_scheduler import _Known
 
+from swarm.coordinator.cli.spawn import start_nodes, stop_nodes
+from swarm.coordinator.decode.one import SamplingParams, generate
+from swarm.coordinator.decode.passes import Entry, Seq
 from swarm.coordinator.engine import open_engine
-from swarm.coordinator.generate import SamplingParams, generate
-from swarm.coordinator.remote.discovery import connect
+from swarm.coordinator.experts.remote.discovery import connect
 from swarm.coordinator.serve import scheduler as sched
 from swarm.coordinator.serve.groups import REMEASURE_EVERY, WaitShare
-from swarm.coordinator.spawn import start_nodes, stop_nodes
-from swarm.coordinator.steps import Entry, Seq
 from swarm.sharding.shard import shard_model
 from swarm.sharding.slabs import read_manifest, slabs_from_shard
 

@@ -20,10 +20,10 @@ import torch
 from conftest import FIXTURES
 from reference import assert_logits_close
 
+from swarm.coordinator.cli.spawn import start_nodes, stop_nodes
+from swarm.coordinator.decode.one import forward_one
 from swarm.coordinator.engine import open_engine
-from swarm.coordinator.generate import forward_one
-from swarm.coordinator.remote.discovery import connect
-from swarm.coordinator.spawn import start_nodes, stop_nodes
+from swarm.coordinator.experts.remote.discovery import connect
 from swarm.node.client import NodeCallError, NodeClient
 from swarm.node.discovery import Advertiser, browse, node_properties
 from swarm.sharding.errors import UserError
@@ -35,7 +35,7 @@ from swarm.sharding.slabs import read_manifest
 LOOPBACK = ["127.0.0.1"]
 GGUF = FIXTURES / "qwen3moe-tiny" / "model-f32.gguf"
 OTHER_GGUF = FIXTURES / "qwen2moe-tiny" / "model-f32.gguf"
-SWARM_LOG = "swarm.coordinator.remote.discovery"
+SWARM_LOG = "swarm.coordinator.experts.remote.discovery"
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,7 @@ import pytest
 from swarm.compute.cgroup import memory_cap
 from swarm.compute.expert_copies import MARGIN_FRACTION, MIN_MARGIN, TRIM_STEP
 from swarm.compute.store import ExpertStore
-from swarm.coordinator.spawn import LocalNode, spawn_node
+from swarm.coordinator.cli.spawn import LocalNode, spawn_node
 from swarm.node.client import NodeClient
 from swarm.proto.numerics import Numerics
 from swarm.sharding.shard import shard_model

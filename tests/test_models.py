@@ -18,7 +18,7 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter, Keys
 from reference import assert_logits_close
 
 from swarm.compute.store import ExpertStore
-from swarm.coordinator.experts import LocalExperts
+from swarm.coordinator.experts.backend import LocalExperts
 from swarm.coordinator.loader import load_model
 from swarm.coordinator.models import ARCHS
 from swarm.coordinator.models.attention import attention, rope

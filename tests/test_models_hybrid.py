@@ -20,7 +20,7 @@ from gguf import GGUFReader, GGUFWriter, Keys
 from reference import assert_logits_close
 
 from swarm.compute.store import ExpertStore
-from swarm.coordinator.experts import LocalExperts
+from swarm.coordinator.experts.backend import LocalExperts
 from swarm.coordinator.loader import load_model
 from swarm.coordinator.models.base import DecoderModel, PackedEmbedding
 from swarm.coordinator.models.deltanet import (

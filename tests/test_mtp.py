@@ -15,15 +15,15 @@ from conftest import FIXTURES
 from gguf import GGMLQuantizationType
 
 from swarm.coordinator.cli import main
+from swarm.coordinator.cli.spawn import start_nodes, stop_nodes
+from swarm.coordinator.decode.one import forward_one
+from swarm.coordinator.drafts.mtp import MTPDrafter
 from swarm.coordinator.engine import Engine, open_engine
-from swarm.coordinator.experts import ExpertBackend, PendingExperts
-from swarm.coordinator.generate import forward_one
+from swarm.coordinator.experts.backend import ExpertBackend, PendingExperts
+from swarm.coordinator.experts.remote.dispatch import SwarmExperts
 from swarm.coordinator.models.base import Batch
 from swarm.coordinator.models.linear import GGMLMatrix
 from swarm.coordinator.models.mtp import MTPHead
-from swarm.coordinator.mtp_drafts import MTPDrafter
-from swarm.coordinator.remote.dispatch import SwarmExperts
-from swarm.coordinator.spawn import start_nodes, stop_nodes
 from swarm.proto.numerics import Numerics
 from swarm.sharding.errors import UserError
 from swarm.sharding.gguf_io import GGUFError

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from conftest import FIXTURES
 
+from swarm.coordinator.decode.one import GenerationStats, SamplingParams, generate
+from swarm.coordinator.drafts.mtp import MTPDrafter
 from swarm.coordinator.engine import open_engine
-from swarm.coordinator.generate import GenerationStats, SamplingParams, generate
-from swarm.coordinator.mtp_drafts import MTPDrafter
 
 MTP = FIXTURES / "mtp"
 

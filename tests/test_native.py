@@ -27,7 +27,7 @@ from conftest import FIXTURES
 from reference import as_f64, log_softmax
 
 from swarm.compute.store import ExpertStore
-from swarm.coordinator.experts import LocalExperts
+from swarm.coordinator.experts.backend import LocalExperts
 from swarm.coordinator.loader import load_model
 from swarm.coordinator.models.base import DecoderModel
 from swarm.sharding.slabs import slabs_from_gguf

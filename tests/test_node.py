@@ -32,7 +32,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import dequantize as gguf_dequantize
 
 from swarm.coordinator.cli import main
-from swarm.coordinator.spawn import start_nodes, stop_nodes
+from swarm.coordinator.cli.spawn import start_nodes, stop_nodes
 from swarm.node.auth import SwarmKey, generate_key_text
 from swarm.node.client import NodeCallError, NodeClient
 from swarm.proto import expert_pb2 as pb
@@ -591,7 +591,7 @@ def test_nodes_do_not_outlive_a_launcher_that_was_killed(tmp_path):
     code = (
         "import json, sys, time\n"
         "from pathlib import Path\n"
-        "from swarm.coordinator.spawn import start_nodes\n"
+        "from swarm.coordinator.cli.spawn import start_nodes\n"
         f"nodes = start_nodes([({str(F32_GGUF)!r}, ['--no-mdns', '--experts', '0-3'])], Path({str(tmp_path)!r}))\n"
         "print(json.dumps([n.pid for n in nodes]), flush=True)\n"
         "time.sleep(600)\n"

@@ -1,6 +1,6 @@
 """Numerics classes: every node says which class its ggml build computes in (Info, mDNS, `swarm status`);
 answers of the coordinator's class are checked bit for bit, of another class within the kernels' error
-bound (swarm.coordinator.tolerance); `--numerics-class same` takes only nodes of the coordinator's class.
+bound (swarm.coordinator.checks.tolerance); `--numerics-class same` takes only nodes of the coordinator's class.
 Nodes of another class are real node processes that report an ARM class (tests/class_node.py); answers
 recorded on real ARM builds are in test_arm_answers below."""
 
@@ -18,11 +18,11 @@ import torch
 from conftest import FIXTURES, flip_bytes
 
 from swarm.compute.numclass import class_of, numerics_class, same_class
-from swarm.coordinator.audit import Auditor
+from swarm.coordinator.checks.audit import Auditor
 from swarm.coordinator.cli import main
+from swarm.coordinator.cli.spawn import start_nodes, stop_nodes
+from swarm.coordinator.decode.one import checked_logits, forward_one
 from swarm.coordinator.engine import open_engine
-from swarm.coordinator.generate import checked_logits, forward_one
-from swarm.coordinator.spawn import start_nodes, stop_nodes
 from swarm.node.auth import KEY_ENV, SwarmKey, generate_key_text
 from swarm.node.client import NodeClient
 from swarm.sharding.gguf_io import open_gguf

@@ -1,4 +1,4 @@
-"""Pictures through the text model (coordinator/pictures.py, models' M-RoPE positions) against llama.cpp's mtmd
+"""Pictures through the text model (coordinator/text/pictures.py, models' M-RoPE positions) against llama.cpp's mtmd
 and transformers on the tiny fixture in tests/fixtures/qwen35moe-vision: the prompt's tokens, logits at every
 position within the fixture's floors, greedy tokens, chunks and checkpoints inside a picture, three nodes bit
 for bit equal to in process, and `swarm serve` driven by the official `openai` client."""
@@ -19,11 +19,11 @@ import torch
 from conftest import FIXTURES
 from PIL import Image
 
+from swarm.coordinator.decode.one import forward_one, generate
+from swarm.coordinator.decode.sampling import SamplingParams
 from swarm.coordinator.engine import Engine, open_engine
-from swarm.coordinator.generate import forward_one, generate
 from swarm.coordinator.models.base import Rows
-from swarm.coordinator.pictures import PicturePrompt, run_prompt
-from swarm.coordinator.sampling import SamplingParams
+from swarm.coordinator.text.pictures import PicturePrompt, run_prompt
 from swarm.proto.numerics import Numerics
 
 FIX = FIXTURES / "qwen35moe-vision"
@@ -181,7 +181,7 @@ def test_bombs_and_other_bad_pictures_are_user_errors(engines: Any) -> None:
     from swarm.coordinator.serve.openai_request import ApiError, JobReader
 
     e = engines[Numerics.NATIVE]
-    from swarm.coordinator.chat import ChatTemplate
+    from swarm.coordinator.text.chat import ChatTemplate
 
     reader = JobReader(e.tokenizer, ChatTemplate.from_tokenizer(e.tokenizer), 256, e.vision)
 
@@ -204,8 +204,8 @@ def test_image_urls_are_fetched_when_allowed(engines: Any) -> None:
     import http.server
     import threading
 
-    from swarm.coordinator.chat import ChatTemplate
     from swarm.coordinator.serve.openai_request import ApiError, JobReader
+    from swarm.coordinator.text.chat import ChatTemplate
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
@@ -244,7 +244,7 @@ def test_image_urls_are_fetched_when_allowed(engines: Any) -> None:
 
 @pytest.mark.slow
 def test_three_nodes_equal_in_process_bit_for_bit(tmp_path: Path, ref: Any) -> None:
-    from swarm.coordinator.spawn import start_nodes, stop_nodes
+    from swarm.coordinator.cli.spawn import start_nodes, stop_nodes
     from swarm.sharding.shard import shard_model
 
     shard = tmp_path / "m.swarm"
@@ -353,8 +353,8 @@ def user(names: list[str], text: str) -> dict[str, Any]:
 
 def in_process(e: Engine, messages: list[dict[str, Any]], max_tokens: int = 8) -> tuple[str, int]:
     """(the answer, prompt tokens) of a chat computed here, as the server reads it."""
-    from swarm.coordinator.chat import ChatTemplate
     from swarm.coordinator.serve.openai_request import JobReader
+    from swarm.coordinator.text.chat import ChatTemplate
 
     job = JobReader(e.tokenizer, ChatTemplate.from_tokenizer(e.tokenizer), 256, e.vision).chat_job(
         {"messages": messages}

@@ -56,7 +56,7 @@ def test_heterogeneous_capacities_replicas_two(shard_dir, capsys):
 
 @pytest.mark.slow
 def test_a_node_started_from_the_plan_holds_exactly_its_slabs(shard_dir, tmp_path, capsys):
-    from swarm.coordinator.spawn import start_nodes
+    from swarm.coordinator.cli.spawn import start_nodes
     from swarm.node.client import NodeClient
 
     total = sum(s.size for s in read_manifest(shard_dir).slabs)
@@ -125,8 +125,8 @@ def test_a_running_coordinator_takes_in_slabs_a_node_announces_later() -> None:
     then on, without forgetting that it is down if it is."""
     from types import SimpleNamespace
 
-    from swarm.coordinator.remote.dispatch import SwarmExperts
-    from swarm.coordinator.remote.placement import Placement
+    from swarm.coordinator.experts.remote.dispatch import SwarmExperts
+    from swarm.coordinator.experts.remote.placement import Placement
     from swarm.proto.channel import PROTOCOL_VERSION
 
     def announced(address: str, held: list, version: int = PROTOCOL_VERSION) -> SimpleNamespace:

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from swarm.coordinator.sampling import Sampler, SamplingParams, position_uniform
+from swarm.coordinator.decode.sampling import Sampler, SamplingParams, position_uniform
 
 
 def test_position_uniform_is_a_function_of_seed_and_position() -> None:

@@ -11,12 +11,12 @@ import pytest
 import torch
 from conftest import FIXTURES
 
+from swarm.coordinator.decode.one import SamplingParams, generate
+from swarm.coordinator.decode.passes import Entry
 from swarm.coordinator.engine import open_engine
-from swarm.coordinator.generate import SamplingParams, generate
 from swarm.coordinator.serve import scheduler as sched
 from swarm.coordinator.serve.slots import CHECKPOINT_BEFORE_END
 from swarm.coordinator.serve.startup import warm_batches
-from swarm.coordinator.steps import Entry
 
 MODEL = FIXTURES / "qwen35moe-quant" / "model-q4_k_m.gguf"
 

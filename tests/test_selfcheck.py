@@ -23,7 +23,7 @@ from conftest import FIXTURES, flip_bytes
 from swarm.compute.slabs import load_slabs
 from swarm.compute.store import ExpertStore, MissingSlabs
 from swarm.coordinator.cli import main
-from swarm.coordinator.spawn import start_nodes, stop_nodes
+from swarm.coordinator.cli.spawn import start_nodes, stop_nodes
 from swarm.node.auth import SwarmKey, generate_key_text
 from swarm.node.client import NodeCallError, NodeClient
 from swarm.node.discovery import browse

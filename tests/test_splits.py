@@ -14,7 +14,7 @@ import torch
 
 from swarm.compute.slabs import load_slabs
 from swarm.compute.store import ExpertStore
-from swarm.coordinator.experts import LocalExperts
+from swarm.coordinator.experts.backend import LocalExperts
 from swarm.coordinator.loader import load_model
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -7,7 +7,7 @@ import json
 from conftest import FIXTURES
 
 from swarm.coordinator.cli import main
-from swarm.coordinator.spawn import start_nodes
+from swarm.coordinator.cli.spawn import start_nodes
 from swarm.sharding.shard import shard_model
 
 

@@ -20,7 +20,7 @@ import torch
 from conftest import FIXTURES
 from tcp_proxy import TcpProxy
 
-from swarm.coordinator.spawn import start_nodes, stop_nodes
+from swarm.coordinator.cli.spawn import start_nodes, stop_nodes
 from swarm.node.auth import Signer, SwarmKey, generate_key_text
 from swarm.node.client import NodeCallError, NodeClient
 from swarm.proto import expert_pb2 as pb

@@ -14,13 +14,13 @@ from conftest import FIXTURES
 from reference import assert_logits_close
 
 from swarm.compute.store import ROWS_PER_MATMUL, ExpertStore
+from swarm.coordinator.cli.spawn import start_nodes
+from swarm.coordinator.decode.one import forward_one
 from swarm.coordinator.engine import open_engine
-from swarm.coordinator.experts import LocalExperts, WithoutExperts
-from swarm.coordinator.generate import forward_one
-from swarm.coordinator.remote.calls import Part, split_parts
-from swarm.coordinator.remote.discovery import connect
-from swarm.coordinator.remote.placement import Placement
-from swarm.coordinator.spawn import start_nodes
+from swarm.coordinator.experts.backend import LocalExperts, WithoutExperts
+from swarm.coordinator.experts.remote.calls import Part, split_parts
+from swarm.coordinator.experts.remote.discovery import connect
+from swarm.coordinator.experts.remote.placement import Placement
 from swarm.node.auth import KEY_ENV, SwarmKey, generate_key_text
 from swarm.sharding.errors import UserError
 from swarm.sharding.shard import shard_model
@@ -380,7 +380,7 @@ def test_answer_survives_a_node_leaving_mid_generation(tmp_path, how):
     import signal
     import time
 
-    from swarm.coordinator.generate import SamplingParams, generate
+    from swarm.coordinator.decode.one import SamplingParams, generate
 
     name = "qwen3moe-tiny"
     shard_dir = tmp_path / "m.swarm"

@@ -286,7 +286,7 @@ def test_forward_pass_is_finite_and_not_degenerate(tmp_path, name):
     import torch
 
     from swarm.compute.store import ExpertStore
-    from swarm.coordinator.experts import LocalExperts
+    from swarm.coordinator.experts.backend import LocalExperts
     from swarm.coordinator.loader import load_model
     from swarm.sharding.slabs import slabs_from_gguf
 

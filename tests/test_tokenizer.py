@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 from conftest import FIXTURES
 
-from swarm.coordinator.chat import CHATML_TEMPLATE, ChatTemplate, TemplateRaised
-from swarm.coordinator.tokenizer import PRE_TOKENIZER_PATTERNS, GGUFTokenizer
+from swarm.coordinator.text.chat import CHATML_TEMPLATE, ChatTemplate, TemplateRaised
+from swarm.coordinator.text.tokenizer import PRE_TOKENIZER_PATTERNS, GGUFTokenizer
 from swarm.sharding.errors import UserError
 from swarm.sharding.gguf_io import open_gguf, read_metadata
 
@@ -277,7 +277,7 @@ def test_template_runs_sandboxed() -> None:
 
 
 def test_chatml_fallback(caplog: pytest.LogCaptureFixture, tiny: GGUFTokenizer) -> None:
-    with caplog.at_level(logging.WARNING, logger="swarm.coordinator.chat"):
+    with caplog.at_level(logging.WARNING, logger="swarm.coordinator.text.chat"):
         template = ChatTemplate.from_metadata({})
     assert template.is_fallback and template.source == CHATML_TEMPLATE
     assert "no tokenizer.chat_template" in caplog.text

@@ -17,7 +17,7 @@ import torch
 
 from swarm.compute.slabs import load_slabs
 from swarm.compute.store import ExpertStore
-from swarm.coordinator.spawn import SWARM_CLI, start_nodes, stop_nodes
+from swarm.coordinator.cli.spawn import SWARM_CLI, start_nodes, stop_nodes
 from swarm.node.client import NodeClient
 from swarm.proto.numerics import Numerics
 from swarm.sharding.shard import shard_model

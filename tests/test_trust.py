@@ -16,9 +16,9 @@ import pytest
 import torch
 from conftest import FIXTURES, flip_bytes
 
+from swarm.coordinator.cli.spawn import start_nodes, stop_nodes
+from swarm.coordinator.decode.one import SamplingParams, checked_logits, forward_one, generate
 from swarm.coordinator.engine import open_engine
-from swarm.coordinator.generate import SamplingParams, checked_logits, forward_one, generate
-from swarm.coordinator.spawn import start_nodes, stop_nodes
 from swarm.node.auth import KEY_ENV, SwarmKey, generate_key_text
 from swarm.sharding.gguf_io import open_gguf
 from swarm.sharding.shard import shard_model

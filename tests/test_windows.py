@@ -11,11 +11,11 @@ from collections.abc import Sequence
 import pytest
 from conftest import FIXTURES
 
-from swarm.coordinator.drafts import PromptLookup, Scripted
+from swarm.coordinator.cli.spawn import start_nodes, stop_nodes
+from swarm.coordinator.decode.one import GenerationStats, SamplingParams, generate
+from swarm.coordinator.drafts.lookup import PromptLookup, Scripted
 from swarm.coordinator.engine import open_engine
-from swarm.coordinator.generate import GenerationStats, SamplingParams, generate
-from swarm.coordinator.remote.discovery import connect
-from swarm.coordinator.spawn import start_nodes, stop_nodes
+from swarm.coordinator.experts.remote.discovery import connect
 from swarm.proto.numerics import Numerics
 from swarm.sharding.shard import shard_model
 from swarm.sharding.slabs import read_manifest, slabs_from_shard

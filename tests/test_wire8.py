@@ -22,12 +22,12 @@ from conftest import FIXTURES
 from swarm.compute.rowquant import quantize_rows, row_type, wire_rows
 from swarm.compute.slabs import load_slabs
 from swarm.compute.store import ExpertStore
+from swarm.coordinator.cli.spawn import start_nodes
+from swarm.coordinator.decode.one import forward_one
 from swarm.coordinator.engine import open_engine
-from swarm.coordinator.generate import forward_one
-from swarm.coordinator.remote.calls import Part, WireRows
-from swarm.coordinator.remote.discovery import connect
-from swarm.coordinator.remote.wire import expert_row_types
-from swarm.coordinator.spawn import start_nodes
+from swarm.coordinator.experts.remote.calls import Part, WireRows
+from swarm.coordinator.experts.remote.discovery import connect
+from swarm.coordinator.experts.remote.wire import expert_row_types
 from swarm.node.auth import KEY_ENV, SwarmKey, generate_key_text
 from swarm.node.client import NodeCallError, NodeClient
 from swarm.node.discovery import browse

@@ -1,5 +1,5 @@
 """Coordinator subcommands: `swarm run`, `swarm logits`, `swarm perplexity`, `swarm demo` (what they share with
-`swarm serve` and `swarm status` is in session.py)."""
+`swarm serve` and `swarm status` is in flags.py and terminal.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import argparse
 import sys
 
 from swarm.compute.openmp import set_wait_policy
-from swarm.coordinator.session import (
+from swarm.coordinator.cli.flags import (
     add_numerics_args,
     add_picture_args,
     add_sampling_args,
@@ -15,11 +15,10 @@ from swarm.coordinator.session import (
     apply_threads,
     drafter_from_args,
     open_from_args,
-    prompt_ids,
-    report,
     sampling_from_args,
-    stream_answer,
 )
+from swarm.coordinator.cli.terminal import report, stream_answer
+from swarm.coordinator.text.chat import prompt_ids
 from swarm.proto.numerics import Numerics
 from swarm.sharding.errors import UserError
 
@@ -100,7 +99,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         stats_of = None
         if args.stats:
-            from swarm.coordinator.experts import RoutingStats
+            from swarm.coordinator.experts.backend import RoutingStats
 
             stats_of = RoutingStats(engine.experts)
             engine.model.set_experts(stats_of)
@@ -109,12 +108,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         params = sampling_from_args(args, engine.tokenizer.eos_ids)
         rows = None
         if args.image:
-            from swarm.coordinator.pictures import read_image_files, run_prompt
+            from swarm.coordinator.text.pictures import read_image_files, run_prompt
 
             prompt = run_prompt(engine, args.prompt, args.chat, args.system, read_image_files(args.image))
             ids, rows = prompt.tokens, prompt.rows
         else:
-            ids = prompt_ids(engine, args.prompt, args.chat, args.system)
+            ids = prompt_ids(engine.tokenizer, args.prompt, args.chat, args.system)
         if not ids:
             raise UserError("the prompt is empty after tokenization; give some text")
         drafter, mtp = drafter_from_args(args, engine)
@@ -143,7 +142,7 @@ def cmd_logits(args: argparse.Namespace) -> int:
     set_wait_policy(experts_remote=not args.local)
     import numpy as np
 
-    from swarm.coordinator.generate import checked_logits
+    from swarm.coordinator.decode.one import checked_logits
 
     engine = open_from_args(args)
     try:
@@ -173,7 +172,7 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
 
     import torch
 
-    from swarm.coordinator.generate import checked_logits
+    from swarm.coordinator.decode.one import checked_logits
 
     try:
         with open(args.text, encoding="utf-8") as f:

@@ -42,7 +42,7 @@ def greedy_trace(
     model: Any, prompt: list[int], steps: int, device: torch.device
 ) -> tuple[list[int], torch.Tensor]:
     """Greedy tokens and the logits that chose them: prefill's last row, then one row per decode step."""
-    from swarm.coordinator.generate import forward_one
+    from swarm.coordinator.decode.one import forward_one
 
     state = model.new_state()
     rows = [forward_one(model, prompt, state, device)[-1]]
@@ -158,10 +158,11 @@ def _run_swarm(
 ) -> bool:
     """Steps 3 to 6: nodes started (into `nodes`), the swarm opened (into `engines`), the answer, its
     agreement with the in-process one before and after a node walks away; whether they all agreed."""
+    from swarm.coordinator.cli.spawn import start_nodes
+    from swarm.coordinator.cli.terminal import report, stream_answer
+    from swarm.coordinator.decode.one import SamplingParams
     from swarm.coordinator.engine import open_engine
-    from swarm.coordinator.generate import SamplingParams
-    from swarm.coordinator.session import prompt_ids, report, stream_answer
-    from swarm.coordinator.spawn import start_nodes
+    from swarm.coordinator.text.chat import prompt_ids
     from swarm.node.auth import KEY_ENV, SwarmKey, generate_key_text
 
     ranges = split_experts(manifest.n_expert, min(n_nodes, manifest.n_expert))
@@ -188,7 +189,7 @@ def _run_swarm(
     _say(f"[4/6] found {len(swarm.experts.clients)} nodes by mDNS on {LOOPBACK} "
          f"in {time.perf_counter() - t0:.1f} s; every expert has a holder")  # fmt: skip
 
-    ids = prompt_ids(swarm, prompt, chat=True)
+    ids = prompt_ids(swarm.tokenizer, prompt, chat=True)
     _say(f"[5/6] answering through the swarm ({len(ids)} prompt tokens, chat template from the GGUF):\n")
     params = SamplingParams(max_tokens=max_tokens, stop_ids=frozenset())
     sys.stdout.write("      ")

@@ -20,8 +20,8 @@ from collections import Counter
 from typing import Any
 
 from swarm.compute.numclass import numerics_class, same_class
+from swarm.coordinator.cli.flags import add_discovery_args
 from swarm.coordinator.serve import swarm_view
-from swarm.coordinator.session import add_discovery_args
 from swarm.node.auth import swarm_key
 from swarm.proto.numerics import Numerics
 from swarm.sharding.errors import UserError
@@ -49,7 +49,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from swarm.coordinator.remote.placement import describe_missing
+    from swarm.coordinator.experts.remote.placement import describe_missing
     from swarm.node.client import NodeCallError, NodeClient
     from swarm.node.discovery import browse
 

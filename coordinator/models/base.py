@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from swarm.coordinator.experts import ExpertBackend
+from swarm.coordinator.experts.backend import ExpertBackend
 from swarm.coordinator.models.linear import Linear, RMSNorm, project
 from swarm.coordinator.models.moe import MoE
 

@@ -26,7 +26,7 @@ from gguf import Keys
 from torch import nn
 
 from swarm.compute import dense
-from swarm.coordinator.experts import ExpertBackend
+from swarm.coordinator.experts.backend import ExpertBackend
 from swarm.coordinator.models.attention import (
     KVCache,
     attend,

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from swarm.compute import ffn, ggml
-from swarm.coordinator.experts import ExpertBackend
+from swarm.coordinator.experts.backend import ExpertBackend
 from swarm.coordinator.models.linear import GGMLMatrix, Linear, RMSNorm, project
 
 # llama.cpp clamps the sum of the selected routing weights before renormalising (build_moe_ffn).

@@ -22,7 +22,7 @@ from typing import ClassVar, NamedTuple
 import torch
 from torch import nn
 
-from swarm.coordinator.experts import ExpertBackend
+from swarm.coordinator.experts.backend import ExpertBackend
 from swarm.coordinator.models.attention import KVCache
 from swarm.coordinator.models.base import Batch, PackedEmbedding
 from swarm.coordinator.models.hybrid import Block, HybridConfig

@@ -17,7 +17,7 @@ import torch
 from gguf import Keys
 from torch import nn
 
-from swarm.coordinator.experts import ExpertBackend
+from swarm.coordinator.experts.backend import ExpertBackend
 from swarm.coordinator.models.attention import KVCache, attend, heads_on_ggml, rope
 from swarm.coordinator.models.base import Batch, DecoderModel
 from swarm.coordinator.models.gguf_meta import meta_float, meta_int, n_main_layers, n_vocab_of

@@ -23,11 +23,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from swarm.coordinator.chat import ChatTemplate
 from swarm.coordinator.serve import scheduler as sched
 from swarm.coordinator.serve.metrics import ServeMetrics
 from swarm.coordinator.serve.openai_answer import Answer, StopMatcher, error_event, timings
 from swarm.coordinator.serve.openai_request import ApiError, Job, JobReader
+from swarm.coordinator.text.chat import ChatTemplate
 from swarm.sharding.errors import UserError
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from swarm.coordinator.session import add_draft_args, add_picture_args, add_swarm_args, drafter_from_args
+from swarm.coordinator.cli.flags import add_draft_args, add_picture_args, add_swarm_args, drafter_from_args
 from swarm.node.auth import is_loopback_host
 from swarm.sharding.errors import UserError
 
@@ -159,10 +159,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     set_wait_policy(experts_remote=not args.local)  # before torch loads: it is read once, then
     import uvicorn
 
+    from swarm.coordinator.cli.flags import open_from_args
     from swarm.coordinator.serve.api import ServeConfig, build_app
     from swarm.coordinator.serve.metrics import ServeMetrics
     from swarm.coordinator.serve.scheduler import Scheduler
-    from swarm.coordinator.session import open_from_args
 
     _check_args(args)
     api_key = args.api_key or os.environ.get("SWARM_API_KEY") or None
@@ -182,7 +182,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )  # fmt: skip
         scheduler.start(_warm_up(engine, args.parallel))
         if args.stats:  # after the warm-up, which would count as routing
-            from swarm.coordinator.experts import RoutingStats
+            from swarm.coordinator.experts.backend import RoutingStats
 
             stats_of = RoutingStats(engine.experts)
             engine.model.set_experts(stats_of)
@@ -236,7 +236,7 @@ def _check_args(args: argparse.Namespace) -> None:
 
 def _fixed_groups(text: str) -> int:
     """--groups as a number of groups, 0 for auto."""
-    from swarm.coordinator.steps import MAX_GROUPS
+    from swarm.coordinator.decode.passes import MAX_GROUPS
 
     if text == "auto":
         return 0
@@ -273,8 +273,8 @@ def _slot_memory(engine: Any, parallel: int, ctx_size: int) -> int:
 
 def _warm_up(engine: Any, parallel: int) -> Callable[[], None]:
     """What the engine thread runs before serving (see Scheduler.start)."""
+    from swarm.coordinator.cli.terminal import status_line
     from swarm.coordinator.serve.startup import warm_batches, warm_prompts
-    from swarm.coordinator.session import status_line
 
     def warm() -> None:  # on the engine thread
         status_line("swarm serve: warming up (every expert once, as llama.cpp does) ...")
@@ -291,8 +291,8 @@ def _warm_up(engine: Any, parallel: int) -> Callable[[], None]:
 def _coverage_check(engine: Any, model: str) -> Callable[[], str | None] | None:
     """Over a swarm: why no request can run now (experts without a holder), or None; looked up at most
     every COVERAGE_CACHE_SECONDS. None in process, where every expert is always there."""
-    from swarm.coordinator.remote.dispatch import SwarmExperts
-    from swarm.coordinator.remote.placement import describe_missing
+    from swarm.coordinator.experts.remote.dispatch import SwarmExperts
+    from swarm.coordinator.experts.remote.placement import describe_missing
 
     if not isinstance(engine.experts, SwarmExperts):
         return None
@@ -334,7 +334,7 @@ def _announce(
 
 def _grouping(engine: Any, text: str) -> Any:
     """--groups: a serve/groups.py WaitShare over the swarm backend, or None (one group: experts in process)."""
-    from swarm.coordinator.remote.dispatch import SwarmExperts
+    from swarm.coordinator.experts.remote.dispatch import SwarmExperts
     from swarm.coordinator.serve.groups import WaitShare
 
     if not isinstance(engine.experts, SwarmExperts):

@@ -10,7 +10,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from swarm.coordinator.steps import MAX_GROUPS
+from swarm.coordinator.decode.passes import MAX_GROUPS
 
 # A pass goes in groups when more than this share of a one-group pass is spent waiting for answers.
 SPLIT_ABOVE = 0.5

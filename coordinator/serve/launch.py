@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from swarm.coordinator.spawn import LocalNode, spawn_swarm
+from swarm.coordinator.cli.spawn import LocalNode, spawn_swarm
 
 
 def spawn_server(

@@ -8,10 +8,10 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
-from swarm.coordinator.chat import ChatTemplate
-from swarm.coordinator.generate import SamplingParams
+from swarm.coordinator.decode.one import SamplingParams
 from swarm.coordinator.serve.picture_source import picture_bytes
-from swarm.coordinator.tokenizer import GGUFTokenizer
+from swarm.coordinator.text.chat import ChatTemplate
+from swarm.coordinator.text.tokenizer import GGUFTokenizer
 from swarm.sharding.errors import UserError
 
 MAX_STOPS = 4  # stop strings per request, as OpenAI allows
@@ -132,7 +132,7 @@ class JobReader:
 
     def _with_pictures(self, text: str, images: list[Any]) -> tuple[list[int], Any, list[int]]:
         """(prompt tokens, rows, keys) of a chat's text whose pictures stand at pictures.MARKER."""
-        from swarm.coordinator.pictures import picture_prompt
+        from swarm.coordinator.text.pictures import picture_prompt
 
         if self.pictures is None:
             raise ApiError(
@@ -182,7 +182,7 @@ class JobReader:
 def _plain_messages(messages: Any) -> tuple[list[dict[str, Any]], list[tuple[int, Any]]]:
     """The chat's messages with every content a plain string (text content parts joined, each picture part
     as pictures.MARKER), and the pictures' sources in order, with the index of their message."""
-    from swarm.coordinator.pictures import MARKER
+    from swarm.coordinator.text.pictures import MARKER
 
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "missing 'messages': a list of {role, content} objects", param="messages")

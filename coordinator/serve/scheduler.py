@@ -25,10 +25,10 @@ from typing import Any
 
 import torch
 
+from swarm.coordinator.decode.passes import Checker, Entry, Grouping, Seq, Steps
+from swarm.coordinator.decode.sampling import Sampler
 from swarm.coordinator.models.attention import KVCache
-from swarm.coordinator.sampling import Sampler
 from swarm.coordinator.serve.slots import Done, QueueFull, Request, Slot
-from swarm.coordinator.steps import Checker, Entry, Grouping, Seq, Steps
 from swarm.sharding.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ class Scheduler:
         self.model, self.device, self.checker = model, device, checker
         self.ctx_size, self.max_queue = ctx_size, max_queue
         self.admit_check = admit_check  # says why no request can run now (experts without a holder), or None
-        self.drafter = drafter  # a decode step's drafts (coordinator/drafts.py), or None: one token a pass
+        self.drafter = drafter  # a decode step's drafts (coordinator/drafts/lookup.py), or None: one token a pass
         # over every finished request: drafts checked, drafts kept, decode passes, tokens those passes made
         self.draft_totals = {"drafted": 0, "accepted": 0, "steps": 0, "tokens": 0}
         self.slots = [Slot(i) for i in range(parallel)]

@@ -7,8 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from swarm.coordinator.sampling import SamplingParams
-from swarm.coordinator.steps import Seq
+from swarm.coordinator.decode.passes import Seq
+from swarm.coordinator.decode.sampling import SamplingParams
 
 # A checkpoint this many tokens before a prompt's end, where its request names no better place (Request.mark):
 # a conversation sent again usually differs from what a slot holds only from the last turn's generation

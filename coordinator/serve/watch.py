@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from swarm.coordinator.experts import RoutingStats
+from swarm.coordinator.experts.backend import RoutingStats
 from swarm.coordinator.serve import swarm_view
 from swarm.coordinator.serve.metrics import RATE_WINDOW, ServeMetrics
 from swarm.coordinator.serve.scheduler import Scheduler

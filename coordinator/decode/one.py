@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from swarm.coordinator.sampling import Sampler, SamplingParams
-from swarm.coordinator.steps import CausalLM, Checker, Entry, Seq, Steps
+from swarm.coordinator.decode.passes import CausalLM, Checker, Entry, Seq, Steps
+from swarm.coordinator.decode.sampling import Sampler, SamplingParams
 
 
 @dataclass
@@ -84,7 +84,7 @@ def generate(
 ) -> Iterator[int]:
     """Yield generated token ids one by one; `stats` (if given) is filled in as it goes. With a `checker`,
     tokens come once the nodes' answers behind them are checked (see Steps): a few at a time. With a
-    `drafter` (coordinator/drafts.py: the tokens so far -> guesses at the next ones), or `mtp` (an
+    `drafter` (coordinator/drafts/lookup.py: the tokens so far -> guesses at the next ones), or `mtp` (an
     MTPDrafter: the model's own MTP head), each decode step checks its drafts in one pass (see Steps); the
     tokens are the same as without. `rows`: the prompt's pictures (models.base.Rows, coordinator.pictures)."""
     if not prompt:

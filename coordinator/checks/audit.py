@@ -1,6 +1,6 @@
 """Checking the nodes' answers: probes on admission, sampled audits while they serve, bans, and what is settled.
 
-A check compares a node's answer with the coordinator's own on its own slabs (swarm.coordinator.recompute:
+A check compares a node's answer with the coordinator's own on its own slabs (swarm.coordinator.checks.recompute:
 the same bits, or within the kernels' error bound from a node of another numerics class).
 
 - Probe: before a node gets its first pair, rows of known values go through a few of the slabs it claims.
@@ -46,7 +46,7 @@ import torch
 from swarm.compute.ggml import one_thread
 from swarm.compute.priority import idle_priority
 from swarm.compute.store import ExpertStore
-from swarm.coordinator.recompute import Recomputer
+from swarm.coordinator.checks.recompute import Recomputer
 from swarm.proto.numerics import Numerics
 from swarm.sharding.slabs import SlabKey
 

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from swarm.coordinator.models.base import Rows
-from swarm.coordinator.tokenizer import GGUFTokenizer
+from swarm.coordinator.text.tokenizer import GGUFTokenizer
 from swarm.proto.numerics import Numerics
 from swarm.sharding.errors import UserError
 
@@ -190,7 +190,7 @@ def run_prompt(
 ) -> PicturePrompt:
     """`swarm run`'s prompt with its --image pictures: where the text has no MARKER, the pictures come before
     it (in the user's message with --chat)."""
-    from swarm.coordinator.chat import ChatTemplate
+    from swarm.coordinator.text.chat import ChatTemplate
 
     if images and MARKER not in prompt:
         prompt = MARKER * len(images) + prompt

@@ -14,8 +14,8 @@ from typing import Any, Protocol
 
 import torch
 
-from swarm.coordinator.sampling import Sampler
-from swarm.coordinator.turns import Turns
+from swarm.coordinator.decode.sampling import Sampler
+from swarm.coordinator.decode.turns import Turns
 
 
 class CausalLM(Protocol):
@@ -35,7 +35,7 @@ class CausalLM(Protocol):
 
 
 class Checker(Protocol):
-    """What checks the nodes' answers (swarm.coordinator.audit.Auditor): after each forward pass, whether
+    """What checks the nodes' answers (swarm.coordinator.checks.audit.Auditor): after each forward pass, whether
     everything since the last settled point is checked, still open, or was shaped by a node now banned."""
 
     def settle(self, force: bool = False) -> Any: ...
@@ -64,7 +64,7 @@ class Seq:
     anchor: Any = (
         None  # (state checkpoint, last, mtp checkpoint, proposed) at the settled point: a redo starts there
     )
-    mtp: Any = None  # its MTP head's state (coordinator/mtp_drafts.py) when drafts come from the head
+    mtp: Any = None  # its MTP head's state (coordinator/drafts/mtp.py) when drafts come from the head
     proposed: tuple[int, ...] = ()  # the head's drafts for its next decode step
     drafted: int = 0  # drafts its checking windows carried
     accepted: int = 0  # ... of which the model's own tokens agreed with
@@ -133,7 +133,7 @@ class Steps:
         # once (while one waits for its layer's answers another's dense work runs); None: one
         self.groups = groups
         self._pool: ThreadPoolExecutor | None = None
-        # the MTP drafter (coordinator/mtp_drafts.py): after each pass, the sequences that have a head state
+        # the MTP drafter (coordinator/drafts/mtp.py): after each pass, the sequences that have a head state
         # catch it up with the rows they kept and get their next drafts in seq.proposed
         self.mtp = mtp
         self._count = threading.Lock()  # the counters below, from every group's thread

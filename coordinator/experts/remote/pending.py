@@ -11,14 +11,14 @@ import grpc
 import torch
 
 from swarm.compute.numclass import same_class
-from swarm.coordinator.experts import ExpertMajor
-from swarm.coordinator.recompute import same_bits
-from swarm.coordinator.remote.calls import Part, SentCall, WireRows, span
-from swarm.coordinator.turns import away
+from swarm.coordinator.checks.recompute import same_bits
+from swarm.coordinator.decode.turns import away
+from swarm.coordinator.experts.backend import ExpertMajor
+from swarm.coordinator.experts.remote.calls import Part, SentCall, WireRows, span
 from swarm.node.client import NodeCallError, wait_calls
 
 if TYPE_CHECKING:
-    from swarm.coordinator.remote.dispatch import SwarmExperts
+    from swarm.coordinator.experts.remote.dispatch import SwarmExperts
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, NoReturn
 import torch
 
 from swarm.compute.numclass import numerics_class, same_class
-from swarm.coordinator.remote.dispatch import SwarmExperts
-from swarm.coordinator.remote.placement import Placement, describe_missing
+from swarm.coordinator.experts.remote.dispatch import SwarmExperts
+from swarm.coordinator.experts.remote.placement import Placement, describe_missing
 from swarm.node.auth import SwarmKey
 from swarm.node.client import NodeCallError, NodeClient, ask_peer
 from swarm.proto.channel import PROTOCOL_VERSION

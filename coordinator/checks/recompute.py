@@ -2,7 +2,7 @@
 
 An honest node's answer equals, bit for bit, what the coordinator computes itself on the same slab bytes
 (the two numerics guarantee it), so a check is an equality, not a tolerance; a node of another numerics
-class gets the kernels' error bound instead (swarm.coordinator.tolerance). The coordinator's own slabs
+class gets the kernels' error bound instead (swarm.coordinator.checks.tolerance). The coordinator's own slabs
 come from the model it was started on: a GGUF it trusts, or a shard directory. From a shard directory, an
 answer that differs is a ban only once the coordinator's own slab files are checked against the manifest's
 SHA-256 (one that is not is never used to check again): an answer that agrees needs no hashing, since it
@@ -19,7 +19,7 @@ import torch
 
 from swarm.compute.numclass import numerics_class, same_class
 from swarm.compute.store import ExpertStore
-from swarm.coordinator.tolerance import within_bound
+from swarm.coordinator.checks.tolerance import within_bound
 from swarm.proto.numerics import Numerics
 from swarm.sharding.slabs import SlabKey
 
@@ -91,7 +91,7 @@ class Recomputer:
         theirs: torch.Tensor,
     ) -> bool:  # fmt: skip
         """Whether a node's answer is an honest one: the same bits from a node of this coordinator's numerics
-        class, within the kernels' error bound (swarm.coordinator.tolerance) from one of another class."""
+        class, within the kernels' error bound (swarm.coordinator.checks.tolerance) from one of another class."""
         if same_bits(ours, theirs):
             return True
         if same_class(self.classes.get(address, self.own_class), self.own_class):

@@ -19,7 +19,7 @@ import jinja2.ext
 from gguf import Keys
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from swarm.coordinator.tokenizer import GGUFTokenizer
+from swarm.coordinator.text.tokenizer import GGUFTokenizer
 from swarm.sharding.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -157,3 +157,15 @@ def render_chat(
     return ChatTemplate(template).render(
         messages, add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking, **extra
     )
+
+
+def prompt_ids(tokenizer: GGUFTokenizer, prompt: str, chat: bool, system: str | None = None) -> list[int]:
+    """A prompt's token ids: as text, or (`chat`) as one user turn, after an optional system turn, rendered by
+    the model's chat template."""
+    if not chat:
+        return tokenizer.encode(prompt, parse_special=False)
+    messages = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": prompt}
+    ]
+    text = ChatTemplate.from_tokenizer(tokenizer).render(messages, add_generation_prompt=True)
+    return tokenizer.encode(text, parse_special=True)

@@ -1,6 +1,5 @@
-"""What every coordinator command shares (`swarm run`, `logits`, `perplexity`, `demo`, `serve`, `status`):
-the flags for finding nodes, computing and sampling, opening the engine from them, a prompt's token ids, an
-answer streamed to the terminal, and the run's report."""
+"""The flags every coordinator command shares (`swarm run`, `logits`, `perplexity`, `demo`, `serve`,
+`status`): finding nodes, computing, sampling, drafts and pictures, and the engine opened from them."""
 
 from __future__ import annotations
 
@@ -8,6 +7,7 @@ import argparse
 import sys
 from typing import Any
 
+from swarm.coordinator.cli.terminal import status_line
 from swarm.node.auth import add_key_argument, swarm_key
 from swarm.proto.numerics import Numerics
 from swarm.sharding.errors import UserError
@@ -110,7 +110,7 @@ def mmproj_of(args: argparse.Namespace) -> str | None:
     """The mmproj the flags ask for (--mmproj, or the one beside the model where pictures may come), or None."""
     from pathlib import Path
 
-    from swarm.coordinator.pictures import find_mmproj
+    from swarm.coordinator.text.pictures import find_mmproj
 
     given = getattr(args, "mmproj", None)
     if given is not None:
@@ -190,12 +190,12 @@ def add_draft_args(p: argparse.ArgumentParser) -> None:
 def drafter_from_args(args: argparse.Namespace, engine: Any = None) -> tuple[Any, Any]:
     """(the prompt-lookup drafter `--draft` / `--draft-max` ask for, the MTPDrafter `--mtp` asks for), each
     or None; MTP, where the engine has a head, in place of the lookup."""
-    from swarm.coordinator.drafts import PromptLookup
+    from swarm.coordinator.drafts.lookup import PromptLookup
 
     if args.draft_max < 0 or args.mtp < 0:
         raise UserError("--draft-max and --mtp must be 0 or more")
     if args.mtp and engine is not None and engine.mtp is not None:
-        from swarm.coordinator.mtp_drafts import MTPDrafter
+        from swarm.coordinator.drafts.mtp import MTPDrafter
 
         return None, MTPDrafter(engine.mtp, args.mtp)
     if args.draft == "none" or args.draft_max == 0:
@@ -220,12 +220,6 @@ def mtp_missing(path: str) -> str | None:
     return None
 
 
-def status_line(text: str) -> None:
-    """A line about what is happening, for a person watching the terminal (not for pipes and logs)."""
-    if sys.stderr.isatty():
-        print(text, file=sys.stderr, flush=True)
-
-
 def audit_rate(rate: float) -> float:
     if not 0.0 <= rate <= 1.0:
         raise UserError(
@@ -236,9 +230,9 @@ def audit_rate(rate: float) -> float:
 
 def open_from_args(args: argparse.Namespace) -> Any:
     from swarm.compute.malloc import keep_freed_memory
-    from swarm.coordinator.audit import DEFAULT_RATE
+    from swarm.coordinator.checks.audit import DEFAULT_RATE
     from swarm.coordinator.engine import open_engine
-    from swarm.coordinator.remote.dispatch import SwarmExperts
+    from swarm.coordinator.experts.remote.dispatch import SwarmExperts
 
     keep_freed_memory()  # a pass finds the memory the pass before it freed (before the model allocates)
     where = "experts in this process" if args.local else "looking for nodes"
@@ -287,7 +281,7 @@ def open_from_args(args: argparse.Namespace) -> Any:
 
 
 def sampling_from_args(args: argparse.Namespace, stop_ids: frozenset[int]) -> Any:
-    from swarm.coordinator.generate import SamplingParams
+    from swarm.coordinator.decode.one import SamplingParams
 
     if args.max_tokens < 1:
         raise UserError("--max-tokens must be at least 1")
@@ -302,102 +296,3 @@ def sampling_from_args(args: argparse.Namespace, stop_ids: frozenset[int]) -> An
         stop_ids=stop_ids,
     )
 
-
-def prompt_ids(engine: Any, prompt: str, chat: bool, system: str | None = None) -> list[int]:
-    from swarm.coordinator.chat import ChatTemplate
-
-    if not chat:
-        return engine.tokenizer.encode(prompt, parse_special=False)
-    messages = ([{"role": "system", "content": system}] if system else []) + [
-        {"role": "user", "content": prompt}
-    ]
-    text = ChatTemplate.from_tokenizer(engine.tokenizer).render(messages, add_generation_prompt=True)
-    return engine.tokenizer.encode(text, parse_special=True)
-
-
-def stream_answer(
-    engine: Any,
-    ids: list[int],
-    params: Any,
-    out: Any = None,
-    drafter: Any = None,
-    mtp: Any = None,
-    rows: Any = None,
-) -> tuple[list[int], Any]:
-    """Generate, printing text as it comes (to stdout by default); (generated ids, GenerationStats). `rows`:
-    the prompt's pictures (coordinator.pictures)."""
-    from swarm.coordinator.generate import GenerationStats, generate
-
-    out = out or sys.stdout
-    stats = GenerationStats()
-    detok = engine.tokenizer.stream(skip_control=True)
-    generated = []
-    for token in generate(
-        engine.model,
-        ids,
-        params,
-        engine.device,
-        stats,
-        checker=engine.checker,
-        drafter=drafter,
-        mtp=mtp,
-        rows=rows,
-    ):
-        generated.append(token)
-        if token not in params.stop_ids:
-            out.write(detok.push(token))
-            out.flush()
-    out.write(detok.flush() + "\n")
-    out.flush()
-    return generated, stats
-
-
-def report(engine: Any, stats: Any, err: Any = None) -> None:
-    """Speed and where the experts went, to stderr by default."""
-    from swarm.coordinator.remote.dispatch import SwarmExperts
-
-    err = err or sys.stderr
-    print(
-        f"prefill: {stats.prompt_tokens} tokens, {stats.prefill_tps:.1f} tok/s | "
-        f"decode: {stats.generated_tokens} tokens, {stats.decode_tps:.1f} tok/s | finish: {stats.finish_reason}",
-        file=err,
-    )
-    if stats.extra.get("drafted"):
-        x = stats.extra
-        print(
-            f"  drafts: {x['accepted']} of {x['drafted']} kept ({x['accepted'] / x['drafted']:.0%}), "
-            f"{x['tokens_per_pass']:.2f} tokens per decode pass",
-            file=err,
-        )
-    if isinstance(engine.experts, SwarmExperts):
-        for address in sorted(engine.experts.calls_per_node):
-            print(
-                f"  node {address}: {engine.experts.calls_per_node[address]} calls, "
-                f"{engine.experts.rows_per_node[address]} rows",
-                file=err,
-            )
-        if engine.experts.failovers:
-            print(f"  failovers: {engine.experts.failovers}", file=err)
-        if engine.experts.dropped_pairs:
-            print(
-                f"  DEGRADED: {engine.experts.dropped_pairs} (token, expert) pairs had no live holder and were "
-                "left out; this answer is not the model's exact one",
-                file=err,
-            )
-        auditor = engine.experts.auditor
-        if auditor is not None:
-            r = auditor.report
-            print(f"  audits: {r.audits} answers and {r.probes} probe calls checked", file=err)
-            for address, why in sorted(r.banned.items()):
-                print(f"  BANNED {address}: {why}", file=err)
-            if stats.extra.get("redone_passes"):
-                print(
-                    f"  passes done again without the banned nodes: {stats.extra['redone_passes']}", file=err
-                )
-        if engine.experts.hedges:
-            print(
-                f"  hedged calls: {engine.experts.hedges} (a replica answered first {engine.experts.hedge_wins} times)",
-                file=err,
-            )
-    else:
-        print("  experts computed in process (--local)", file=err)

@@ -15,12 +15,12 @@ import grpc
 import torch
 
 from swarm.compute.numclass import numerics_class, same_class
-from swarm.coordinator.audit import Auditor
-from swarm.coordinator.experts import ExpertMajor, PendingExperts, group_expert_major
-from swarm.coordinator.remote.calls import CALL_BYTES, Part, SentCall, WireRows, split_parts
-from swarm.coordinator.remote.pending import SwarmPending, TimedPending
-from swarm.coordinator.remote.placement import Placement, describe_missing
-from swarm.coordinator.remote.wire import Q8Wire
+from swarm.coordinator.checks.audit import Auditor
+from swarm.coordinator.experts.backend import ExpertMajor, PendingExperts, group_expert_major
+from swarm.coordinator.experts.remote.calls import CALL_BYTES, Part, SentCall, WireRows, split_parts
+from swarm.coordinator.experts.remote.pending import SwarmPending, TimedPending
+from swarm.coordinator.experts.remote.placement import Placement, describe_missing
+from swarm.coordinator.experts.remote.wire import Q8Wire
 from swarm.node.auth import SwarmKey
 from swarm.node.client import NodeCallError, NodeClient
 from swarm.proto.channel import PROTOCOL_VERSION
