@@ -5,7 +5,7 @@ for the same slab and rows are equal bit for bit; builds of different classes su
 dot-product and int8-matmul kernels, x86's AVX2 and AVX-512 paths) and differ by a few units in the last
 place. The class is: the CPU architecture, the CPU features ggml reports that select other kernels, and the
 ggml version. A node reports it (Info, mDNS), `swarm status` shows it, and the coordinator's audits compare a
-node of its own class bit for bit and one of another class within the bound of swarm.coordinator.tolerance.
+node of its own class bit for bit and one of another class within the bound of swarm.coordinator.checks.tolerance.
 
 ggml's x86 feature flags say what the build was compiled for (this project builds the AVX2 baseline, see the
 README); its ARM flags say what the build uses on this CPU (compiled for and present at run time).
