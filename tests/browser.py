@@ -1,5 +1,5 @@
 """A real headless Chromium for the page tests, driven by selenium through Debian's `chromium` and
-`chromium-driver` packages (`.ci/run` installs them): no browser is downloaded, no network is used."""
+`chromium-driver` packages (`./setup` installs them): no browser is downloaded, no network is used."""
 
 from __future__ import annotations
 
@@ -15,7 +15,14 @@ from selenium.webdriver.chrome.service import Service
 
 T = TypeVar("T")
 
-BROWSERS = ("chromium", "chromium-browser", "google-chrome")
+# on PATH, or where macOS's casks put them (./setup looks in the same places)
+BROWSERS = (
+    "chromium",
+    "chromium-browser",
+    "google-chrome",
+    "/Applications/Chromium.app/Contents/MacOS/Chromium",
+    "/Applications/Google Chrome.app/Contents/MacOS/Google Chrome",
+)
 
 
 def chromium(profile: Path, width: int = 1280, height: int = 900) -> webdriver.Chrome:
@@ -24,7 +31,8 @@ def chromium(profile: Path, width: int = 1280, height: int = 900) -> webdriver.C
     browser = next((p for p in map(shutil.which, BROWSERS) if p), None)
     if driver is None or browser is None:
         raise RuntimeError(
-            "the page tests need Chromium and its driver: apt-get install chromium chromium-driver"
+            "the page tests need Chromium and its driver: ./setup installs them (Debian, Ubuntu) "
+            "or says what to run"
         )
     options = Options()
     options.binary_location = browser
