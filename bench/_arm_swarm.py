@@ -31,6 +31,7 @@ from _loopback import free_port  # noqa: E402
 from test_trust import MODEL, other_weights  # noqa: E402
 
 from swarm.coordinator.cli.spawn import LocalNode, start_nodes, stop_nodes  # noqa: E402
+from swarm.coordinator.config import EngineConfig  # noqa: E402
 from swarm.coordinator.decode.one import SamplingParams, checked_logits, forward_one, generate  # noqa: E402
 from swarm.coordinator.engine import open_engine  # noqa: E402
 from swarm.node.auth import KEY_ENV, SwarmKey, generate_key_text  # noqa: E402
@@ -80,8 +81,7 @@ def _kl(p_logits: np.ndarray, q_logits: np.ndarray) -> float:
 
 
 def _run(shard_dir: Path, nodes: dict[str, LocalNode], expect: np.ndarray, text: list[int]) -> dict:
-    swarm = open_engine(shard_dir, peers=tuple(n.address for n in nodes.values()), mdns=False, device="cpu",
-                        key=KEY)  # fmt: skip
+    swarm = open_engine(shard_dir, EngineConfig(peers=tuple(n.address for n in nodes.values()), mdns=False, device="cpu", key=KEY))  # fmt: skip
     try:
         logits = checked_logits(swarm.model, PROMPT, swarm.model.new_state(), "cpu", swarm.checker).numpy()
         got = list(
@@ -109,7 +109,7 @@ def run_swarm(root: Path, work: str, builds: list[str]) -> list[tuple[str, dict]
     liar = host_work / "liar.gguf"
     if not liar.exists():
         other_weights(MODEL, liar, 0)
-    local = open_engine(shard_dir, local=True, device="cpu")
+    local = open_engine(shard_dir, EngineConfig(local=True, device="cpu"))
     try:
         expect = forward_one(local.model, PROMPT, local.model.new_state(), "cpu").numpy()
         text = list(generate(local.model, PROMPT, SamplingParams(max_tokens=DECODE), "cpu"))

@@ -16,6 +16,7 @@ from _timing import Run, run_engine
 from swarm.compute.ggml import set_threads
 from swarm.compute.openmp import wait_policy_env
 from swarm.coordinator.cli.spawn import SWARM_CLI, LocalNode, start_nodes, stop_nodes
+from swarm.coordinator.config import EngineConfig
 from swarm.coordinator.engine import open_engine
 from swarm.coordinator.experts.remote.dispatch import SwarmExperts
 from swarm.node.client import NodeClient
@@ -32,7 +33,7 @@ def run_inprocess(gguf: Path, n_prompt: int, n_decode: int, threads: int, numeri
     # exact: no cap on the float32 copies (all of them, 13 GB, fit this machine; the default half-RAM budget
     # would thrash by a few experts and time the LRU, not the numerics)
     budget = 0 if numerics == "exact" else None
-    engine = open_engine(gguf, local=True, device="cpu", numerics=numerics, memory_budget=budget)
+    engine = open_engine(gguf, EngineConfig(local=True, device="cpu", numerics=numerics, memory_budget=budget))
     try:
         return run_engine(engine, n_prompt, n_decode)
     finally:
@@ -88,13 +89,9 @@ def run_swarm(
     try:
         engine = open_engine(
             shard_dir,
-            local=False,
-            mdns_interfaces=[LOOPBACK],
-            wait=20.0,
-            device="cpu",
-            numerics=numerics,
-            **({} if audit is None else {"audit": audit}),
-        )
+            EngineConfig(mdns_interfaces=[LOOPBACK], wait=20.0, device="cpu", numerics=numerics,
+                         **{} if audit is None else {"audit_rate": audit}),
+        )  # fmt: skip
         assert isinstance(engine.experts, SwarmExperts)
         if len(engine.experts.clients) != n_nodes:
             raise RuntimeError(f"found {len(engine.experts.clients)} nodes by mDNS, started {n_nodes}")

@@ -14,6 +14,7 @@ from pathlib import Path
 from _relay import relay
 
 from swarm.coordinator.cli.spawn import LocalNode, start_nodes, stop_nodes
+from swarm.coordinator.config import EngineConfig
 from swarm.coordinator.decode.one import GenerationStats, SamplingParams, generate
 from swarm.coordinator.engine import Engine, open_engine
 from swarm.coordinator.experts.remote.dispatch import SwarmExperts
@@ -113,7 +114,7 @@ def linked(
         peers, pairs, streams = nodes.relayed()
         stack = relay(pairs, rtt_ms)
     with stack as said:
-        engine = open_engine(nodes.shard_dir, peers=peers, mdns=False, device="cpu", audit=audit)
+        engine = open_engine(nodes.shard_dir, EngineConfig(peers=peers, mdns=False, device="cpu", audit_rate=audit))
         try:
             yield engine
         finally:

@@ -46,7 +46,7 @@ from _llama import AVX2_BUILD, DEFAULT_BUILD, llama_bench, llama_version, run_ll
 from _models import MODELS, prepare
 from _timing import Run
 
-from swarm.coordinator.checks.audit import DEFAULT_RATE
+from swarm.coordinator.config import DEFAULT_AUDIT_RATE
 
 log = logging.getLogger("bench.decode")
 
@@ -108,7 +108,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--audit",
         type=float,
         default=None,
-        help=f"share of node answers the audited swarm row checks (default: swarm's own, {DEFAULT_RATE})",
+        help=f"share of node answers the audited swarm row checks (default: swarm's own, {DEFAULT_AUDIT_RATE})",
     )
     p.add_argument("--workdir", type=Path, default=None, help="keep/reuse the synthesized model here")
     p.add_argument(

@@ -40,6 +40,7 @@ from _models import MODELS, prepare, prompt_tokens  # noqa: E402
 from swarm.compute.ggml import set_threads  # noqa: E402
 from swarm.compute.openmp import set_wait_policy  # noqa: E402
 from swarm.coordinator.cli.spawn import LocalNode, spawn_node, start_nodes, stop_nodes  # noqa: E402
+from swarm.coordinator.config import EngineConfig
 from swarm.coordinator.decode.one import GenerationStats, SamplingParams, forward_one, generate  # noqa: E402
 from swarm.coordinator.engine import Engine, open_engine  # noqa: E402
 from swarm.coordinator.experts.backend import WithoutExperts  # noqa: E402
@@ -158,13 +159,7 @@ def degraded_quality(
     this closes): half of them through the swarm (both holders of the second half stopped: mDNS goodbyes,
     the rest answers), smaller shares in process."""
     degraded = open_engine(
-        shard_dir,
-        mdns_interfaces=[LOOPBACK],
-        wait=20.0,
-        device="cpu",
-        key=key,
-        degraded=True,
-    )
+        shard_dir, EngineConfig(mdns_interfaces=[LOOPBACK], wait=20.0, device="cpu", key=key, degraded=True))
     for i in (1, 3):
         nodes[i].stop()
     time.sleep(1.0)
@@ -255,15 +250,14 @@ def main(argv: list[str] | None = None) -> int:
     nodes = start_nodes([(shard_dir, s) for s in specs], work, timeout=180, env=env)
     try:
         engine = open_engine(
-            shard_dir, mdns_interfaces=[LOOPBACK], wait=20.0, device="cpu", key=SwarmKey.from_text(key_text)
-        )
+            shard_dir, EngineConfig(mdns_interfaces=[LOOPBACK], wait=20.0, device="cpu", key=SwarmKey.from_text(key_text)))
         ids = prompt_tokens(engine, 64)
         expect, _ = timed_generation(engine, ids, args.tokens)  # also admits (probes) every node once
         churn = partial(Churn, nodes, specs, shard_dir, work, env)
         runs, kills, restarts = churn_runs(args, engine, ids, expect, churn)
         failovers = engine.experts.failovers
 
-        full_local = open_engine(gguf, local=True, device="cpu")
+        full_local = open_engine(gguf, EngineConfig(local=True, device="cpu"))
         full = forward_one(full_local.model, ids, full_local.model.new_state(), "cpu")
         engine.close()
         key = SwarmKey.from_text(key_text)

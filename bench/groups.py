@@ -33,6 +33,7 @@ from _models import prepare
 from _relay import relay
 
 from swarm.coordinator.cli.spawn import LocalNode, start_nodes, stop_nodes
+from swarm.coordinator.config import EngineConfig
 from swarm.coordinator.decode.one import SamplingParams
 from swarm.coordinator.engine import open_engine
 from swarm.coordinator.serve import scheduler as sched
@@ -110,7 +111,7 @@ def bench(args: argparse.Namespace) -> str:
 def measure(
     shard_dir: Path, peers: list[str], args: argparse.Namespace
 ) -> tuple[dict[str, float], dict[str, str]]:
-    engine = open_engine(shard_dir, peers=tuple(peers), mdns=False, device="cpu", wait=30.0)
+    engine = open_engine(shard_dir, EngineConfig(peers=tuple(peers), mdns=False, device="cpu", wait=30.0))
     try:
         vocab = engine.model.token_embd.num_embeddings
         prompts = [[(7 + 31 * i + 5 * j) % vocab for j in range(16)] for i in range(args.conversations)]
@@ -154,7 +155,7 @@ def emulated(args: argparse.Namespace) -> str:
     """--emulated: the same passes with the nodes' work and links emulated (Emulated), 1-4 groups, and what a
     one-group pass's dense work costs by the number of conversations."""
     gguf, _ = prepare("qwen35moe", 4, Path(args.workdir))
-    engine = open_engine(gguf, local=True, device="cpu")
+    engine = open_engine(gguf, EngineConfig(local=True, device="cpu"))
     vocab = engine.model.token_embd.num_embeddings
     prompts = [[(7 + 31 * i + 5 * j) % vocab for j in range(16)] for i in range(args.conversations)]
     groups = [1, 2, 3, 4]

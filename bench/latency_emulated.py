@@ -22,6 +22,7 @@ from _doc import bench_args, bench_parser, command, machine, publish
 from _emulated import emulate
 from _models import prepare, prompt_tokens
 
+from swarm.coordinator.config import EngineConfig
 from swarm.coordinator.decode.one import GenerationStats, SamplingParams, generate
 from swarm.coordinator.drafts.lookup import Scripted
 from swarm.coordinator.engine import open_engine
@@ -40,7 +41,7 @@ def decode(engine: object, prompt: list[int], n: int, k: int, reference: list[in
 
 def bench(args: argparse.Namespace) -> str:
     gguf, _ = prepare("qwen35moe", 4, Path(args.workdir))
-    engine = open_engine(gguf, local=True, device="cpu")
+    engine = open_engine(gguf, EngineConfig(local=True, device="cpu"))
     rows = []
     try:
         prompt = prompt_tokens(engine, 64)

@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _doc import command, machine, publish  # noqa: E402
 
 from swarm.coordinator.cli.spawn import start_nodes, stop_nodes  # noqa: E402
+from swarm.coordinator.config import EngineConfig
 from swarm.coordinator.decode.one import forward_one  # noqa: E402
 from swarm.coordinator.engine import open_engine  # noqa: E402
 from swarm.sharding.shard import shard_model  # noqa: E402
@@ -63,7 +64,7 @@ def node_peak(shard: Path, numerics: str, workdir: Path) -> tuple[int, int]:
         [(shard, ["--host", "127.0.0.1", "--no-mdns", "--threads", "2"])], workdir / "nodes"
     )
     try:
-        engine = open_engine(shard, peers=(node.address,), mdns=False, device="cpu", numerics=numerics)
+        engine = open_engine(shard, EngineConfig(peers=(node.address,), mdns=False, device="cpu", numerics=numerics))
         try:
             ids = (engine.tokenizer.encode(PROMPT) * 8)[:64]
             state = engine.model.new_state()

@@ -53,6 +53,7 @@ from _models import prepare  # noqa: E402
 from _servers import N_NODES, LlamaServer, SwarmServe, Target  # noqa: E402
 from gguf import Keys  # noqa: E402
 
+from swarm.coordinator.config import EngineConfig
 from swarm.sharding.gguf_io import open_gguf  # noqa: E402
 from swarm.sharding.ranges import format_ranges  # noqa: E402
 from swarm.sharding.slabs import read_manifest  # noqa: E402
@@ -119,7 +120,7 @@ def model_level(gguf: Path, threads: int, prompts: list[list[int]]) -> dict[str,
     from swarm.coordinator.serve.startup import warm_prompts
 
     set_threads(threads)
-    engine = open_engine(gguf, local=True, device="cpu")
+    engine = open_engine(gguf, EngineConfig(local=True, device="cpu"))
     m = engine.model
     m.warm_up()
     warm_prompts(m, 8, torch.device("cpu"))

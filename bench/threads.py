@@ -99,9 +99,10 @@ def steps_child(shard_dir: Path, peers: list[str]) -> None:
     import torch
 
     from swarm.compute.ggml import set_threads
+    from swarm.coordinator.config import EngineConfig
     from swarm.coordinator.engine import open_engine
 
-    engine = open_engine(shard_dir, peers=tuple(peers), mdns=False, device="cpu", audit=0.0)
+    engine = open_engine(shard_dir, EngineConfig(peers=tuple(peers), mdns=False, device="cpu", audit_rate=0.0))
     m = engine.model
     rng = random.Random(0)
     vocab = 1000  # token ids every vocabulary has

@@ -47,8 +47,9 @@ from _timing import run_engine  # noqa: E402
 from test_trust import MODEL, ROT_LAYER, other_weights, rot  # noqa: E402
 
 from swarm.compute.ggml import set_threads  # noqa: E402
-from swarm.coordinator.checks.audit import DEFAULT_RATE, PROBE_SLABS  # noqa: E402
+from swarm.coordinator.checks.audit import PROBE_SLABS  # noqa: E402
 from swarm.coordinator.cli.spawn import LocalNode, start_nodes, stop_nodes  # noqa: E402
+from swarm.coordinator.config import DEFAULT_AUDIT_RATE, EngineConfig, Verify  # noqa: E402
 from swarm.coordinator.decode.one import (  # noqa: E402
     SamplingParams,
     checked_logits,
@@ -86,7 +87,7 @@ class Busy:
 
 def _engine(shard_dir: Path, nodes: list[LocalNode], seed: int | None, **kw: Any) -> Any:
     peers = tuple(n.address for n in nodes)
-    return open_engine(shard_dir, peers=peers, mdns=False, device="cpu", key=KEY, audit_seed=seed, **kw)
+    return open_engine(shard_dir, EngineConfig(peers=peers, mdns=False, device="cpu", key=KEY, audit_seed=seed, **kw))
 
 
 # --- rely --------------------------------------------------------------------------------------------------
@@ -95,7 +96,7 @@ def _engine(shard_dir: Path, nodes: list[LocalNode], seed: int | None, **kw: Any
 def rely(work: Path, runs: int) -> str:
     honest_dir = work / "honest.swarm"
     shard_model(MODEL, honest_dir)
-    local = open_engine(honest_dir, local=True, device="cpu")
+    local = open_engine(honest_dir, EngineConfig(local=True, device="cpu"))
     tokens = list(range(3, 15))
     expect = forward_one(local.model, tokens, local.model.new_state(), "cpu")
     text = list(generate(local.model, tokens, SamplingParams(max_tokens=64), "cpu"))
@@ -166,9 +167,8 @@ def _pair_runs(
     for run in range(runs):
         liar_src, args = _liar(work, honest_dir, "bit-rot", "pair")
         nodes = start_nodes([(honest_dir, []), (liar_src, args)], work / "nodes", env={KEY_ENV: KEY_TEXT})
-        swarm = _engine(honest_dir, nodes, seed=run, verify="pair")
+        swarm = _engine(honest_dir, nodes, seed=run, verify=Verify.TWINS, audit_rate=0.0)
         try:
-            swarm.checker.rate = 0.0
             it = generate(swarm.model, tokens, SamplingParams(max_tokens=64), "cpu", checker=swarm.checker)
             got = [next(it)]
             rot(liar_src, ROT_LAYER)
@@ -187,7 +187,7 @@ def detect(work: Path, runs: int, shares: list[float]) -> str:
     honest_dir = work / "honest.swarm"
     if not (honest_dir / "manifest.json").exists():
         shard_model(MODEL, honest_dir)
-    local = open_engine(honest_dir, local=True, device="cpu")
+    local = open_engine(honest_dir, EngineConfig(local=True, device="cpu"))
     tokens = list(range(3, 15))
     text = list(generate(local.model, tokens, SamplingParams(max_tokens=64), "cpu"))
     local.close()
@@ -236,7 +236,7 @@ def detect(work: Path, runs: int, shares: list[float]) -> str:
                 settles = 63 // SETTLE_EVERY + 1
                 predicted.append(
                     (1 - q) ** (PROBE_SLABS + p_calls)
-                    * (1 - DEFAULT_RATE * q) ** d_calls
+                    * (1 - DEFAULT_AUDIT_RATE * q) ** d_calls
                     * (1 - q) ** settles
                 )
         finally:
@@ -253,10 +253,10 @@ def detect(work: Path, runs: int, shares: list[float]) -> str:
 # --- cost --------------------------------------------------------------------------------------------------
 
 SETTINGS: dict[str, dict[str, Any]] = {
-    "trust (--audit 0)": {"audit": 0.0},
+    "trust (--audit 0)": {"audit_rate": 0.0},
     "default (sampled decode, checked prompt)": {},
-    "--verify pair": {"verify": "pair"},
-    "--verify all": {"verify": "all"},
+    "--verify pair": {"verify": Verify.TWINS},
+    "--verify all": {"verify": Verify.ALL},
 }
 
 

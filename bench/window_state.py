@@ -25,6 +25,7 @@ import torch
 from _doc import bench_args, bench_parser, command, machine, publish
 from _models import prepare, prompt_tokens
 
+from swarm.coordinator.config import EngineConfig
 from swarm.coordinator.engine import open_engine
 
 
@@ -40,7 +41,7 @@ def timed(fn: object, reps: int) -> float:
 
 def bench(args: argparse.Namespace) -> str:
     gguf, _ = prepare("qwen35moe", 4, Path(args.workdir))
-    engine = open_engine(gguf, local=True, device="cpu")
+    engine = open_engine(gguf, EngineConfig(local=True, device="cpu"))
     model = engine.model
     prompt = prompt_tokens(engine, 64)
     base = model.new_state()

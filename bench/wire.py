@@ -33,6 +33,7 @@ from _models import prepare, prompt_tokens  # noqa: E402
 from netns_swarm import Net, build_network, sh, tear_down  # noqa: E402
 
 from swarm.coordinator.cli.spawn import SWARM_CLI, LocalNode  # noqa: E402
+from swarm.coordinator.config import EngineConfig, Wire  # noqa: E402
 from swarm.coordinator.decode.one import forward_one  # noqa: E402
 from swarm.coordinator.engine import open_engine  # noqa: E402
 from swarm.node.auth import KEY_ENV, SwarmKey, generate_key_text  # noqa: E402
@@ -134,8 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             nodes = start_nodes(net, shard_dir, Path(tmp), key_text)
             peers = tuple(n.address for n in nodes)
             for wire in WIRES:
-                engines[wire] = open_engine(shard_dir, peers=peers, mdns=False, wire=wire, device="cpu",
-                                            key=SwarmKey.from_text(key_text), audit=0.0, timeout=600.0)  # fmt: skip
+                engines[wire] = open_engine(shard_dir, EngineConfig(peers=peers, mdns=False, wire=Wire(wire), device="cpu", key=SwarmKey.from_text(key_text), audit_rate=0.0, timeout=600.0))  # fmt: skip
             tokens = prompt_tokens(engines["f32"], args.prompt_tokens)
             for wire in WIRES:  # first use of every expert, on the nodes and here, before any figure
                 read_prompt(engines[wire], tokens)

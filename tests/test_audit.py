@@ -15,9 +15,10 @@ import torch
 from conftest import FIXTURES, flip_bytes
 
 from swarm.compute import weights
-from swarm.coordinator.checks.audit import DEFAULT_RATE, Auditor, Verdict
+from swarm.coordinator.checks.audit import Auditor, Verdict
 from swarm.coordinator.cli import main
 from swarm.coordinator.cli.spawn import start_nodes, stop_nodes
+from swarm.coordinator.config import DEFAULT_AUDIT_RATE, EngineConfig
 from swarm.coordinator.decode.one import (
     GenerationStats,
     SamplingParams,
@@ -87,7 +88,7 @@ def read_in_place(layer: int) -> bool:
 def _swarm(shard_dir, rate: float, seed: int = 7, peers: tuple[str, ...] = ()):
     """A coordinator finding the nodes by mDNS on loopback, or only at `peers` (no mDNS)."""
     where = {"peers": peers, "mdns": False} if peers else {"mdns_interfaces": LOOPBACK}
-    return open_engine(shard_dir, wait=10.0, device="cpu", key=KEY, audit=rate, audit_seed=seed, **where)
+    return open_engine(shard_dir, EngineConfig(wait=10.0, device="cpu", key=KEY, audit_rate=rate, audit_seed=seed, **where))
 
 
 @pytest.mark.slow
@@ -95,7 +96,7 @@ def test_a_damaged_node_is_banned_and_the_logits_are_still_exact(tmp_path):
     n = _tensor("blk.1.ffn_down_exps.weight").shape[-1]
     honest_dir, liar_dir, nodes = make_rig(tmp_path, {1: list(range(int(n) // 2))})
     honest, liar = nodes
-    local = open_engine(honest_dir, local=True, device="cpu")
+    local = open_engine(honest_dir, EngineConfig(local=True, device="cpu"))
     # both given as peers: found by mDNS, the liar could be missed (the honest node holds every slab, and the
     # search ends once every slab has a holder, which it may do before the liar's record is registered)
     swarm = _swarm(honest_dir, rate=1.0, peers=(honest.address, liar.address))
@@ -206,7 +207,7 @@ def test_sampled_audits_catch_a_node_that_turns_and_redo_what_it_touched(rig, ca
     in-process one, token for token."""
     honest_dir, liar_dir, (honest, liar) = rig
     n = read_manifest(honest_dir).n_expert
-    local = open_engine(honest_dir, local=True, device="cpu")
+    local = open_engine(honest_dir, EngineConfig(local=True, device="cpu"))
     swarm = _swarm(honest_dir, rate=0.25, seed=3)
     try:
         prompt = list(range(5, 25))
@@ -281,9 +282,8 @@ def test_audits_run_beside_the_model_and_settle_waits_for_their_verdict():
     from swarm.compute.store import ExpertStore
 
     loaded = load_slabs(MODEL)
-    auditor = Auditor(ExpertStore(loaded.slabs), "native", torch.float32, rate=1.0, seed=1)
     banned: list[str] = []
-    auditor.on_ban = banned.append
+    auditor = Auditor(ExpertStore(loaded.slabs), "native", torch.float32, rate=1.0, seed=1, on_ban=banned.append)
     try:
         x = torch.randn(2, 256)
         right = auditor.expected(0, [0, 1], [1, 1], x)
@@ -499,7 +499,10 @@ def test_a_call_checked_twice_is_caught_by_either_check():
     from swarm.compute.slabs import load_slabs
     from swarm.compute.store import ExpertStore
 
-    auditor = Auditor(ExpertStore(load_slabs(MODEL).slabs), "native", torch.float32, rate=1.0, seed=4)
+    banned: list[str] = []
+    auditor = Auditor(
+        ExpertStore(load_slabs(MODEL).slabs), "native", torch.float32, rate=1.0, seed=4, on_ban=banned.append
+    )
     running, release = threading.Event(), threading.Event()
     expected = auditor.expected
 
@@ -517,8 +520,6 @@ def test_a_call_checked_twice_is_caught_by_either_check():
     wrong[1, 5] += 1e-3  # expert 1's row only
     auditor._rows_to_check = draw
     auditor.expected = stuck_aside
-    banned: list[str] = []
-    auditor.on_ban = banned.append
     try:
         auditor.answered("a", 0, [0, 1], [1, 1], x, wrong)
         assert running.wait(30)
@@ -568,13 +569,13 @@ def test_an_honest_node_is_not_banned_for_rows_a_liar_made_nan_on_a_busy_machine
         [(honest_dir, []), (liar_dir, ["--no-verify"])], tmp_path / "nodes", env={KEY_ENV: KEY_TEXT}
     )
     honest, liar = nodes
-    local = open_engine(honest_dir, local=True, device="cpu")
+    local = open_engine(honest_dir, EngineConfig(local=True, device="cpu"))
     tokens = list(range(1, 13))
     expect = forward_one(local.model, tokens, local.model.new_state(), "cpu")
     half = range(30)
     try:
         for rep in range(2):
-            swarm = _swarm(honest_dir, rate=DEFAULT_RATE, seed=rep, peers=(honest.address, liar.address))
+            swarm = _swarm(honest_dir, rate=DEFAULT_AUDIT_RATE, seed=rep, peers=(honest.address, liar.address))
             try:
                 damage(liar_dir, 0, list(half))  # after its admission probes: it turns liar now
                 assert _nonfinite_weights(liar_dir, 0, half) > 0  # what makes the rows after it NaN

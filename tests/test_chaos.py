@@ -11,6 +11,7 @@ import pytest
 from conftest import FIXTURES
 
 from swarm.coordinator.cli.spawn import spawn_node, start_nodes, stop_nodes
+from swarm.coordinator.config import EngineConfig
 from swarm.coordinator.decode.one import GenerationStats, SamplingParams, generate
 from swarm.coordinator.engine import open_engine
 from swarm.node.auth import KEY_ENV, SwarmKey, generate_key_text
@@ -30,15 +31,14 @@ def test_nodes_killed_every_two_seconds_cost_time_not_tokens(tmp_path):
     env = {KEY_ENV: KEY_TEXT}
     nodes = start_nodes([(shard_dir, ["--experts", h]) for h in halves], tmp_path / "nodes", env=env)
     ports = [n.port for n in nodes]
-    local = open_engine(shard_dir, local=True, device="cpu")
+    local = open_engine(shard_dir, EngineConfig(local=True, device="cpu"))
     prompts = [[(7 * g + 3 * i) % 700 + 20 for i in range(6 + g)] for g in range(GENERATIONS)]
     params = SamplingParams(max_tokens=TOKENS)
     expect = [list(generate(local.model, p, params, "cpu")) for p in prompts]
     local.close()
 
     swarm = open_engine(
-        shard_dir, mdns_interfaces=["127.0.0.1"], wait=10.0, device="cpu", key=SwarmKey.from_text(KEY_TEXT)
-    )
+        shard_dir, EngineConfig(mdns_interfaces=["127.0.0.1"], wait=10.0, device="cpu", key=SwarmKey.from_text(KEY_TEXT)))
     stop = threading.Event()
     kills: list[tuple[int, float]] = []
     errors: list[str] = []

@@ -13,6 +13,7 @@ from conftest import FIXTURES
 from test_scheduler import _Known
 
 from swarm.coordinator.cli.spawn import start_nodes, stop_nodes
+from swarm.coordinator.config import EngineConfig
 from swarm.coordinator.decode.one import SamplingParams, generate
 from swarm.coordinator.decode.passes import Entry, Seq
 from swarm.coordinator.engine import open_engine
@@ -34,9 +35,8 @@ def test_groups_through_nodes_give_each_conversation_its_text_alone(tmp_path) ->
         [(shard_dir, ["--no-mdns", "--experts", f"{cuts[i]}-{cuts[i + 1] - 1}"]) for i in range(3)],
         tmp_path / "nodes",
     )
-    local = open_engine(shard_dir, local=True, device="cpu")
-    backend = connect(sorted(slabs_from_shard(shard_dir, verify=False)[0]), manifest.fingerprint, str(shard_dir),
-                      peers=[x.address for x in nodes], mdns=False, timeout=30.0)  # fmt: skip
+    local = open_engine(shard_dir, EngineConfig(local=True, device="cpu"))
+    backend = connect(sorted(slabs_from_shard(shard_dir, verify=False)[0]), manifest.fingerprint, str(shard_dir), EngineConfig(peers=[x.address for x in nodes], mdns=False, timeout=30.0))  # fmt: skip
     prompts = [[5 + i, 9, 40 + 3 * i, *range(60, 60 + 4 * i)] for i in range(4)]
     params = [SamplingParams(max_tokens=8, temperature=0.8 * (i % 2), seed=3 + i) for i in range(4)]
     try:

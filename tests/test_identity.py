@@ -21,6 +21,7 @@ from conftest import FIXTURES
 from reference import assert_logits_close
 
 from swarm.coordinator.cli.spawn import start_nodes, stop_nodes
+from swarm.coordinator.config import EngineConfig
 from swarm.coordinator.decode.one import forward_one
 from swarm.coordinator.engine import open_engine
 from swarm.coordinator.experts.remote.discovery import connect
@@ -166,8 +167,8 @@ def test_the_source_hash_travels_in_the_mdns_record_and_the_browser_matches_on_i
 def test_coordinator_on_the_shard_dir_finds_gguf_nodes_by_mdns(nodes, shard_dir, caplog):
     caplog.set_level(logging.INFO, logger=SWARM_LOG)
     g0, g1 = nodes["g0"], nodes["g1"]
-    swarm = open_engine(shard_dir, mdns_interfaces=LOOPBACK, wait=10.0, device="cpu")
-    local = open_engine(shard_dir, local=True, device="cpu")
+    swarm = open_engine(shard_dir, EngineConfig(mdns_interfaces=LOOPBACK, wait=10.0, device="cpu"))
+    local = open_engine(shard_dir, EngineConfig(local=True, device="cpu"))
     try:
         clients = swarm.experts.clients
         assert {g0.address, g1.address} <= set(clients), "both GGUF nodes found by mDNS"
@@ -187,8 +188,8 @@ def test_coordinator_on_the_shard_dir_finds_gguf_nodes_by_mdns(nodes, shard_dir,
 def test_coordinator_on_the_gguf_takes_shard_dir_peers(nodes, caplog):
     caplog.set_level(logging.INFO, logger=SWARM_LOG)
     s0, s1 = nodes["s0"], nodes["s1"]
-    swarm = open_engine(GGUF, peers=(s0.address, s1.address), mdns=False, device="cpu")
-    local = open_engine(GGUF, local=True, device="cpu")
+    swarm = open_engine(GGUF, EngineConfig(peers=(s0.address, s1.address), mdns=False, device="cpu"))
+    local = open_engine(GGUF, EngineConfig(local=True, device="cpu"))
     try:
         assert set(swarm.experts.clients) == {s0.address, s1.address}
         assert s0.fingerprint != swarm.fingerprint and s0.ready["source_sha256"] == swarm.fingerprint
@@ -207,11 +208,11 @@ def test_a_mixed_swarm_serves_one_run(nodes, shard_dir, coordinator_on, caplog):
     s0, s1, g0, g1 = nodes["s0"], nodes["s1"], nodes["g0"], nodes["g1"]
     if coordinator_on == "shard":
         path, serving, by_header = shard_dir, [s0, g1], [g1]  # s0 matches on the full fingerprint
-        swarm = open_engine(path, peers=(s0.address,), mdns_interfaces=LOOPBACK, wait=10.0, device="cpu")
+        swarm = open_engine(path, EngineConfig(peers=(s0.address,), mdns_interfaces=LOOPBACK, wait=10.0, device="cpu"))
     else:
         path, serving, by_header = GGUF, [g0, s1], [g0, s1]
-        swarm = open_engine(path, peers=(g0.address, s1.address), mdns=False, device="cpu")
-    local = open_engine(path, local=True, device="cpu")
+        swarm = open_engine(path, EngineConfig(peers=(g0.address, s1.address), mdns=False, device="cpu"))
+    local = open_engine(path, EngineConfig(local=True, device="cpu"))
     try:
         _assert_run(swarm, local, serving, by_header, caplog)
     finally:
@@ -226,11 +227,11 @@ def test_a_node_of_another_model_is_passed_over(nodes, shard_dir, caplog):
     for path in (shard_dir, GGUF):
         identity, needed = model_identity(path)
         with pytest.raises(UserError, match=rf"no swarm nodes found .*passed over {other.address}: another"):
-            connect(needed, identity, str(path), peers=[other.address], mdns=False)
+            connect(needed, identity, str(path), EngineConfig(peers=[other.address], mdns=False))
         assert re.search(rf"passing over peer {other.address}: it serves another model", caplog.text)
     # beside an honest holder: the stranger is passed over and never receives a pair
     identity, needed = model_identity(GGUF)
-    swarm = connect(needed, identity, str(GGUF), peers=[other.address, g0.address, g1.address], mdns=False)
+    swarm = connect(needed, identity, str(GGUF), EngineConfig(peers=[other.address, g0.address, g1.address], mdns=False))
     try:
         assert set(swarm.clients) == {g0.address, g1.address}
         rows = torch.randn(3, 64)

@@ -37,12 +37,13 @@ import resource, sys
 from swarm.compute.malloc import keep_freed_memory
 assert keep_freed_memory()
 import torch
+from swarm.coordinator.config import EngineConfig
 from swarm.coordinator.engine import open_engine
 from swarm.coordinator.serve.startup import warm_prompts
 from swarm.compute.ggml import set_threads
 
 set_threads(2)
-engine = open_engine(sys.argv[1], local=True, device="cpu")
+engine = open_engine(sys.argv[1], EngineConfig(local=True, device="cpu"))
 m = engine.model
 with torch.inference_mode():
     if sys.argv[2] == "warm":

@@ -426,7 +426,7 @@ def test_a_coordinators_audit_copies_fit_under_its_cap(groups):
     """The coordinator's answer audits keep copies of experts under AUDIT_MEMORY, or under a cap that
     leaves less, a share of its room (a coordinator under a 600 MiB cap with 512 MiB of audit copies beside
     its model is killed by the cap)."""
-    from swarm.coordinator.engine import AUDIT_MEMORY
+    from swarm.coordinator.checks.recompute import AUDIT_MEMORY
 
     code = (
         "import os, sys; open(sys.argv[1], 'w').write(str(os.getpid()))\n"

@@ -16,6 +16,7 @@ from gguf import GGMLQuantizationType
 
 from swarm.coordinator.cli import main
 from swarm.coordinator.cli.spawn import start_nodes, stop_nodes
+from swarm.coordinator.config import EngineConfig
 from swarm.coordinator.decode.one import forward_one
 from swarm.coordinator.drafts.mtp import MTPDrafter
 from swarm.coordinator.engine import Engine, open_engine
@@ -45,7 +46,7 @@ NEAR_TIE = 1e-2
 
 @pytest.fixture(scope="module")
 def engines() -> Iterator[dict[str, Engine]]:
-    opened = {v: open_engine(MODEL / f"model-{v}.gguf", local=True, device="cpu", mtp=True) for v in VARIANTS}
+    opened = {v: open_engine(MODEL / f"model-{v}.gguf", EngineConfig(local=True, device="cpu", mtp=True)) for v in VARIANTS}
     yield opened
     for e in opened.values():
         e.close()
@@ -258,9 +259,9 @@ def test_p_min_ends_a_chain(engines: dict[str, Engine]) -> None:
 
 def test_a_file_without_an_mtp_block_says_so() -> None:
     with pytest.raises(GGUFError, match="has no MTP block"):
-        open_engine(FIXTURES / "qwen35moe-quant" / "model-q4_k_m.gguf", local=True, device="cpu", mtp=True)
+        open_engine(FIXTURES / "qwen35moe-quant" / "model-q4_k_m.gguf", EngineConfig(local=True, device="cpu", mtp=True))
     with pytest.raises(GGUFError, match="no MTP head"):
-        open_engine(FIXTURES / "qwen3moe-tiny" / "model-f32.gguf", local=True, device="cpu", mtp=True)
+        open_engine(FIXTURES / "qwen3moe-tiny" / "model-f32.gguf", EngineConfig(local=True, device="cpu", mtp=True))
 
 
 def test_a_quantized_mtp_block_is_multiplied_in_its_file_types(tmp_path) -> None:
@@ -271,7 +272,7 @@ def test_a_quantized_mtp_block_is_multiplied_in_its_file_types(tmp_path) -> None
     tokens = torch.arange(30) * 7 + 3
     out = {}
     for numerics in (Numerics.NATIVE, Numerics.EXACT):
-        engine = open_engine(path, local=True, device="cpu", numerics=numerics, mtp=True)
+        engine = open_engine(path, EngineConfig(local=True, device="cpu", numerics=numerics, mtp=True))
         try:
             head = engine.mtp
             assert head is not None
@@ -308,12 +309,11 @@ def test_drafts_through_three_nodes_are_the_in_process_ones(tmp_path, engines: d
     cuts = [0, n // 3, 2 * n // 3, n]
     nodes = start_nodes([(shard_dir, ["--no-mdns", "--experts", f"{cuts[i]}-{cuts[i + 1] - 1}"]) for i in range(3)],
                         tmp_path / "nodes")  # fmt: skip
-    local = open_engine(shard_dir, local=True, device="cpu", mtp=True)
+    local = open_engine(shard_dir, EngineConfig(local=True, device="cpu", mtp=True))
     swarm = None
     try:
         swarm = open_engine(
-            shard_dir, peers=tuple(x.address for x in nodes), mdns=False, device="cpu", mtp=True
-        )
+            shard_dir, EngineConfig(peers=tuple(x.address for x in nodes), mdns=False, device="cpu", mtp=True))
         refs = _refs("f32")
         seqs = [(refs[f"tokens_{i}"], _trunk_h(local, refs[f"tokens_{i}"])) for i in range(4)]
         windows = [_cut(len(t), 0, [1, 3, 2]) for t, _ in seqs]
@@ -350,10 +350,10 @@ def test_nodes_without_the_mtp_layer_serve_a_run_without_drafts(tmp_path, capsys
     shard_dir = tmp_path / "m.swarm"
     shard_model(MODEL / "model-f32.gguf", shard_dir)
     (node,) = start_nodes([(shard_dir, ["--no-mdns", "--layers", "0-3"])], tmp_path / "nodes")
-    local = open_engine(shard_dir, local=True, device="cpu")
+    local = open_engine(shard_dir, EngineConfig(local=True, device="cpu"))
     assert {layer for layer, _ in local.experts.store.held()} == {0, 1, 2, 3}  # (in process too)
     try:
-        swarm = open_engine(shard_dir, peers=(node.address,), mdns=False, device="cpu", wait=0.5)
+        swarm = open_engine(shard_dir, EngineConfig(peers=(node.address,), mdns=False, device="cpu", wait=0.5))
         try:
             tokens = _refs("f32")["tokens_0"].tolist()
             got, expect = (forward_one(e.model, tokens, e.model.new_state(), "cpu") for e in (swarm, local))
@@ -361,7 +361,7 @@ def test_nodes_without_the_mtp_layer_serve_a_run_without_drafts(tmp_path, capsys
         finally:
             swarm.close()
         with pytest.raises(UserError, match="layer 4"):
-            open_engine(shard_dir, peers=(node.address,), mdns=False, device="cpu", mtp=True, wait=0.5)
+            open_engine(shard_dir, EngineConfig(peers=(node.address,), mdns=False, device="cpu", mtp=True, wait=0.5))
         capsys.readouterr()
         assert main(["status", str(shard_dir), "--no-mdns", "--peer", node.address]) == 0  # it can run
         out = capsys.readouterr().out

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from conftest import FIXTURES
 
+from swarm.coordinator.config import EngineConfig
 from swarm.coordinator.decode.one import GenerationStats, SamplingParams, generate
 from swarm.coordinator.drafts.mtp import MTPDrafter
 from swarm.coordinator.engine import open_engine
@@ -37,8 +38,7 @@ def test_the_loops_drafts_are_llama_cpps(variant: str) -> None:
     ref = np.load(MTP / f"qwen35moe-tiny-{variant}.npz")
     meta = json.loads(str(ref["meta"]))
     engine = open_engine(
-        FIXTURES / "qwen35moe-tiny" / f"model-{variant}.gguf", local=True, device="cpu", mtp=True
-    )
+        FIXTURES / "qwen35moe-tiny" / f"model-{variant}.gguf", EngineConfig(local=True, device="cpu", mtp=True))
     try:
         for i in range(4):
             tokens = ref[f"tokens_{i}"].tolist()
@@ -61,7 +61,7 @@ def test_the_loops_drafts_are_llama_cpps(variant: str) -> None:
 
 
 def test_mtp_drafts_give_the_text_without_drafts_sampled() -> None:
-    engine = open_engine(FIXTURES / "qwen35moe-tiny" / "model-f32.gguf", local=True, device="cpu", mtp=True)
+    engine = open_engine(FIXTURES / "qwen35moe-tiny" / "model-f32.gguf", EngineConfig(local=True, device="cpu", mtp=True))
     try:
         prompt = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20] * 2
         for params in (SamplingParams(max_tokens=10, temperature=0.9, seed=4), SamplingParams(max_tokens=6)):
@@ -106,7 +106,7 @@ def test_four_conversations_with_mtp_drafts_in_serve_passes() -> None:
 
     from swarm.coordinator.serve import scheduler as sched
 
-    engine = open_engine(FIXTURES / "qwen35moe-tiny" / "model-f32.gguf", local=True, device="cpu", mtp=True)
+    engine = open_engine(FIXTURES / "qwen35moe-tiny" / "model-f32.gguf", EngineConfig(local=True, device="cpu", mtp=True))
     prompts = [[5 + i, 9, 40 + 3 * i, *range(60, 60 + 4 * i)] for i in range(4)]
     params = [SamplingParams(max_tokens=10, temperature=0.7 * (i % 2), seed=1 + i) for i in range(4)]
     try:

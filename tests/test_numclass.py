@@ -21,6 +21,7 @@ from swarm.compute.numclass import class_of, numerics_class, same_class
 from swarm.coordinator.checks.audit import Auditor
 from swarm.coordinator.cli import main
 from swarm.coordinator.cli.spawn import start_nodes, stop_nodes
+from swarm.coordinator.config import EngineConfig, Verify
 from swarm.coordinator.decode.one import checked_logits, forward_one
 from swarm.coordinator.engine import open_engine
 from swarm.node.auth import KEY_ENV, SwarmKey, generate_key_text
@@ -109,20 +110,19 @@ def test_a_node_reports_its_class_in_info_mdns_and_status(rig, capsys, monkeypat
 
 def _swarm(work, nodes, **kw):
     return open_engine(
-        work / "a.swarm", peers=tuple(n.address for n in nodes), mdns=False, device="cpu", key=KEY, **kw
-    )
+        work / "a.swarm", EngineConfig(peers=tuple(n.address for n in nodes), mdns=False, device="cpu", key=KEY, **kw))
 
 
 def test_numerics_class_same_passes_over_a_node_of_another_class(rig, caplog):
     work, (x86, arm) = rig
-    swarm = _swarm(work, [x86, arm], numerics_class="same")
+    swarm = _swarm(work, [x86, arm], same_class_only=True)
     try:
         assert set(swarm.experts.clients) == {x86.address}
         assert "its numerics class is aarch64" in caplog.text
     finally:
         swarm.close()
     with pytest.raises(Exception, match="no swarm nodes found"):
-        _swarm(work, [arm], numerics_class="same", wait=0.5)
+        _swarm(work, [arm], same_class_only=True, wait=0.5)
 
 
 @pytest.mark.slow
@@ -130,12 +130,12 @@ def test_another_class_is_checked_within_the_bound_and_caught_when_damaged(rig, 
     """The ARM-class node's honest answers pass the bound (every answer of the prompt is checked); once
     its files are damaged it is banned, and the logits equal in-process bit for bit."""
     work, (x86, arm) = rig
-    local = open_engine(work / "a.swarm", local=True, device="cpu")
+    local = open_engine(work / "a.swarm", EngineConfig(local=True, device="cpu"))
     tokens = list(range(3, 15))
     expect = forward_one(local.model, tokens, local.model.new_state(), "cpu")
     local.close()
     for nodes in ([arm], [x86, arm]):
-        swarm = _swarm(work, nodes, verify="all" if len(nodes) == 1 else "sample")
+        swarm = _swarm(work, nodes, verify=Verify.ALL if len(nodes) == 1 else Verify.SAMPLE)
         try:
             got = checked_logits(swarm.model, tokens, swarm.model.new_state(), "cpu", swarm.checker)
             assert not swarm.checker.report.banned

@@ -19,6 +19,7 @@ import torch
 from conftest import FIXTURES
 from PIL import Image
 
+from swarm.coordinator.config import EngineConfig
 from swarm.coordinator.decode.one import forward_one, generate
 from swarm.coordinator.decode.sampling import SamplingParams
 from swarm.coordinator.engine import Engine, open_engine
@@ -45,7 +46,7 @@ def ref() -> Any:
 
 @pytest.fixture(scope="module")
 def engines() -> Any:
-    made = {n: open_engine(MODEL, local=True, device="cpu", numerics=n, mmproj=MMPROJ) for n in Numerics}
+    made = {n: open_engine(MODEL, EngineConfig(local=True, device="cpu", numerics=n, mmproj=MMPROJ)) for n in Numerics}
     yield made
     for e in made.values():
         e.close()
@@ -252,8 +253,8 @@ def test_three_nodes_equal_in_process_bit_for_bit(tmp_path: Path, ref: Any) -> N
     nodes = start_nodes([(shard, ["--experts", r]) for r in ("0-4", "5-10", "11-15")], tmp_path / "nodes")
     try:
         peers = tuple(n.address for n in nodes)
-        swarm = open_engine(shard, peers=peers, mdns=False, device="cpu", mmproj=MMPROJ)
-        local = open_engine(shard, local=True, device="cpu", mmproj=MMPROJ)
+        swarm = open_engine(shard, EngineConfig(peers=peers, mdns=False, device="cpu", mmproj=MMPROJ))
+        local = open_engine(shard, EngineConfig(local=True, device="cpu", mmproj=MMPROJ))
         try:
             assert set(peers) <= set(swarm.experts.clients)
             params = SamplingParams(max_tokens=8, temperature=0.0)

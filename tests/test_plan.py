@@ -10,6 +10,7 @@ import pytest
 from conftest import FIXTURES
 
 from swarm.coordinator.cli import main
+from swarm.coordinator.config import EngineConfig
 from swarm.sharding.plan import Device, plan, uniform_loads
 from swarm.sharding.shard import shard_model
 from swarm.sharding.slabs import read_manifest
@@ -136,7 +137,7 @@ def test_a_running_coordinator_takes_in_slabs_a_node_announces_later() -> None:
     node = announced("127.0.0.1:1", [(0, 0)])
     older = announced("127.0.0.1:2", [(0, 1)], PROTOCOL_VERSION - 1)  # refuses this coordinator's calls
     browser = SimpleNamespace(version=1, nodes=lambda: [node, older], close=lambda: None)
-    experts = SwarmExperts({}, Placement(), "m.swarm", browser=browser)  # type: ignore[arg-type]
+    experts = SwarmExperts({}, Placement(), "m.swarm", EngineConfig(), browser=browser)  # type: ignore[arg-type]
     experts.follow_mdns()
     assert experts.placement.pick(0, 0) == node.address and experts.placement.pick(0, 1) is None
     assert older.address not in experts.clients

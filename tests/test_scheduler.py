@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import FIXTURES
 
+from swarm.coordinator.config import EngineConfig
 from swarm.coordinator.decode.one import SamplingParams, generate
 from swarm.coordinator.decode.passes import Entry
 from swarm.coordinator.engine import open_engine
@@ -37,7 +38,7 @@ def test_requests_that_come_together_to_an_idle_engine_are_read_in_one_pass(
     # A wide gap here so that a loaded machine cannot split the group; with no gap each is read as it comes.
     monkeypatch.setattr(sched, "ADMIT_GAP", gap)
     monkeypatch.setattr(sched, "ADMIT_WINDOW", 3 * gap)
-    engine = open_engine(Path(MODEL), local=True, device="cpu")
+    engine = open_engine(Path(MODEL), EngineConfig(local=True, device="cpu"))
     s = sched.Scheduler(engine.model, torch.device("cpu"), None, parallel=4, ctx_size=256, max_queue=4)
     passes: list[int] = []  # prompts read in each pass
     step = s._steps.step
@@ -79,7 +80,7 @@ def test_every_batch_size_is_built_at_start_and_a_real_step_builds_nothing() -> 
     size up to n; one size beyond n does build its own."""
     from swarm.compute import graph
 
-    engine = open_engine(Path(MODEL), local=True, device="cpu")
+    engine = open_engine(Path(MODEL), EngineConfig(local=True, device="cpu"))
     try:
         m = engine.model
         warm_batches(m, 3, torch.device("cpu"))
@@ -99,7 +100,7 @@ def test_every_batch_size_is_built_at_start_and_a_real_step_builds_nothing() -> 
 def test_the_warm_up_runs_on_the_engine_thread_and_its_error_reaches_start() -> None:
     """`swarm serve` warms the model up on the thread that then runs every pass (ggml's per-thread buffers and
     OpenMP's team are the passes' own); start() returns once it is done, and raises what it raised."""
-    engine = open_engine(Path(MODEL), local=True, device="cpu")
+    engine = open_engine(Path(MODEL), EngineConfig(local=True, device="cpu"))
     try:
         ran: list[str] = []
         s = sched.Scheduler(engine.model, torch.device("cpu"), None, parallel=2, ctx_size=256, max_queue=4)
@@ -145,7 +146,7 @@ def test_four_conversations_with_drafts_each_get_their_text_alone(temperature: f
     of different lengths in one pass): each gets the text it gets alone without drafts, token for token.
     Then each conversation is sent again with a new turn: it continues from the state its windows left (the
     slot's held state, taken back to the last kept row) and gets the text it gets alone."""
-    engine = open_engine(Path(MODEL), local=True, device="cpu")
+    engine = open_engine(Path(MODEL), EngineConfig(local=True, device="cpu"))
     prompts = [[5 + i, 9, 40 + 3 * i, *range(60, 60 + 4 * i)] for i in range(4)]
     params = [SamplingParams(max_tokens=14, temperature=temperature, seed=11 + i) for i in range(4)]
     try:

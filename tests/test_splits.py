@@ -14,6 +14,7 @@ import torch
 
 from swarm.compute.slabs import load_slabs
 from swarm.compute.store import ExpertStore
+from swarm.coordinator.config import Wire
 from swarm.coordinator.experts.backend import LocalExperts
 from swarm.coordinator.loader import load_model
 
@@ -29,7 +30,7 @@ MODELS = [
 
 def open_model(path: Path, numerics: str):  # noqa: ANN201
     loaded = load_slabs(path)
-    experts = LocalExperts(ExpertStore(loaded.slabs, torch.device("cpu"), 1 << 30), torch.float32, numerics)
+    experts = LocalExperts(ExpertStore(loaded.slabs, torch.device("cpu"), 1 << 30), Wire.F32, numerics)
     model, _ = load_model(path, experts, torch.device("cpu"), numerics=numerics)
     return model
 

@@ -15,6 +15,7 @@ from reference import assert_logits_close
 
 from swarm.compute.store import ROWS_PER_MATMUL, ExpertStore
 from swarm.coordinator.cli.spawn import start_nodes
+from swarm.coordinator.config import EngineConfig, Wire
 from swarm.coordinator.decode.one import forward_one
 from swarm.coordinator.engine import open_engine
 from swarm.coordinator.experts.backend import LocalExperts, WithoutExperts
@@ -77,8 +78,8 @@ def test_swarm_is_bit_identical_to_in_process(swarms, name):
     shard_dir, nodes = swarms[name]
     mine = {n.address for n in nodes}  # other runs' nodes of the same model may be on loopback too
     ref, prompts = _prompts(name)
-    swarm = open_engine(shard_dir, mdns_interfaces=LOOPBACK, wait=10.0, device="cpu", key=KEY)
-    local = open_engine(shard_dir, local=True, device="cpu")
+    swarm = open_engine(shard_dir, EngineConfig(mdns_interfaces=LOOPBACK, wait=10.0, device="cpu", key=KEY))
+    local = open_engine(shard_dir, EngineConfig(local=True, device="cpu"))
     try:
         assert mine <= set(swarm.experts.clients), "all three nodes found by mDNS"
         for i, tokens in enumerate(prompts):
@@ -102,9 +103,9 @@ def test_swarm_is_bit_identical_to_in_process(swarms, name):
 def test_f16_wire_matches_in_process_at_the_same_precision(swarms):
     shard_dir, _ = swarms["qwen3moe-tiny"]
     _, prompts = _prompts("qwen3moe-tiny")
-    swarm = open_engine(shard_dir, mdns_interfaces=LOOPBACK, wait=10.0, wire="f16", device="cpu", key=KEY)
-    local = open_engine(shard_dir, local=True, wire="f16", device="cpu")
-    f32 = open_engine(shard_dir, local=True, device="cpu")
+    swarm = open_engine(shard_dir, EngineConfig(mdns_interfaces=LOOPBACK, wait=10.0, wire=Wire.F16, device="cpu", key=KEY))
+    local = open_engine(shard_dir, EngineConfig(local=True, wire=Wire.F16, device="cpu"))
+    f32 = open_engine(shard_dir, EngineConfig(local=True, device="cpu"))
     try:
         a = forward_one(swarm.model, prompts[1], swarm.model.new_state(), "cpu")
         b = forward_one(local.model, prompts[1], local.model.new_state(), "cpu")
@@ -125,8 +126,7 @@ def test_two_sequences_share_one_fan_out_per_layer(swarms, name, numerics):
     shard_dir, _ = swarms[name]
     _, prompts = _prompts(name)
     swarm = open_engine(
-        shard_dir, mdns_interfaces=LOOPBACK, wait=10.0, device="cpu", key=KEY, numerics=numerics
-    )
+        shard_dir, EngineConfig(mdns_interfaces=LOOPBACK, wait=10.0, device="cpu", key=KEY, numerics=numerics))
     try:
         model = swarm.model
         alone = [forward_one(model, p, model.new_state(), "cpu") for p in prompts[:2]]
@@ -160,8 +160,8 @@ def test_quantized_swarm_is_bit_identical_to_in_process_in_both_numerics(swarms,
     shard_dir, nodes = swarms[QUANT]
     ref, prompts = _prompts(QUANT)
     kw = {"device": "cpu", "numerics": numerics}
-    swarm = open_engine(shard_dir, mdns_interfaces=LOOPBACK, wait=10.0, key=KEY, **kw)
-    local = open_engine(shard_dir, local=True, **kw)
+    swarm = open_engine(shard_dir, EngineConfig(mdns_interfaces=LOOPBACK, wait=10.0, key=KEY, **kw))
+    local = open_engine(shard_dir, EngineConfig(local=True, **kw))
     try:
         assert {n.address for n in nodes} <= set(swarm.experts.clients)
         for i, tokens in enumerate(prompts):
@@ -192,11 +192,10 @@ def test_a_dead_node_fails_over_to_a_replica(swarms, tmp_path):
     # a fourth node replicating everything, plus the three disjoint ones; then one of those dies
     (replica,) = start_nodes([(shard_dir, ["--no-mdns"])], tmp_path, env=KEYED)
     needed = sorted(slabs)
-    backend = connect(needed, manifest.fingerprint, str(shard_dir), peers=[n.address for n in nodes] + [replica.address],
-                      mdns=False, timeout=10.0, key=KEY)  # fmt: skip
-    backend.call_bytes = 3 * manifest.n_embd * 4  # 3 rows a call: the dead node's parts go as several calls
+    backend = connect(needed, manifest.fingerprint, str(shard_dir), EngineConfig(peers=[n.address for n in nodes] + [replica.address], mdns=False, timeout=10.0, key=KEY,
+                                   call_bytes=3 * manifest.n_embd * 4))  # 3 rows a call: the dead node's parts go as several calls  # fmt: skip
     try:
-        engine = open_engine(shard_dir, local=True, device="cpu")
+        engine = open_engine(shard_dir, EngineConfig(local=True, device="cpu"))
         model = engine.model
         expect = forward_one(model, prompts[0], model.new_state(), "cpu")
         model.set_experts(backend)
@@ -217,11 +216,13 @@ def test_a_dead_node_fails_over_to_a_replica(swarms, tmp_path):
 def test_a_long_prompt_goes_to_a_node_as_several_calls(swarms):
     shard_dir, _ = swarms["qwen3moe-tiny"]
     _, prompts = _prompts("qwen3moe-tiny")
-    swarm = open_engine(shard_dir, mdns_interfaces=LOOPBACK, wait=10.0, device="cpu", key=KEY)
-    local = open_engine(shard_dir, local=True, device="cpu")
+    d = read_manifest(shard_dir).n_embd
+    five_rows = 5 * d * 4  # 5 f32 rows a call
+    swarm = open_engine(
+        shard_dir, EngineConfig(mdns_interfaces=LOOPBACK, wait=10.0, device="cpu", key=KEY, call_bytes=five_rows)
+    )
+    local = open_engine(shard_dir, EngineConfig(local=True, device="cpu"))
     try:
-        d = swarm.model.cfg.n_embd
-        swarm.experts.call_bytes = 5 * d * 4  # 5 f32 rows a call
         tokens = prompts[1]  # 40 tokens x K 4 = 160 pairs a layer
         a = forward_one(swarm.model, tokens, swarm.model.new_state(), "cpu")
         b = forward_one(local.model, tokens, local.model.new_state(), "cpu")
@@ -266,9 +267,9 @@ def test_missing_experts_are_named(tmp_path):
     try:
         needed = [(layer, e) for layer in manifest.moe_layers for e in range(manifest.n_expert)]
         with pytest.raises(UserError, match=r"layer 0: experts 16-31"):
-            connect(needed, manifest.fingerprint, str(shard_dir), peers=[node.address], mdns=False)
+            connect(needed, manifest.fingerprint, str(shard_dir), EngineConfig(peers=[node.address], mdns=False))
         with pytest.raises(UserError, match="another model"):
-            connect(needed, "0" * 64, str(shard_dir), peers=[node.address], mdns=False)
+            connect(needed, "0" * 64, str(shard_dir), EngineConfig(peers=[node.address], mdns=False))
     finally:
         node.stop()
 
@@ -277,7 +278,7 @@ def test_no_nodes_says_how_to_start_one(tmp_path):
     shard_dir = tmp_path / "m.swarm"
     shard_model(FIXTURES / "qwen3moe-tiny" / "model-f32.gguf", shard_dir)
     with pytest.raises(UserError, match="swarm node"):
-        open_engine(shard_dir, mdns=False, device="cpu")
+        open_engine(shard_dir, EngineConfig(mdns=False, device="cpu"))
 
 
 def test_placement_passes_over_a_failed_node_for_a_while():
@@ -347,10 +348,10 @@ def test_qwen36_35b_layer_shape_runs_through_four_nodes(tmp_path):
     )
     swarm = local = None
     try:
-        swarm = open_engine(shard_dir, mdns_interfaces=LOOPBACK, wait=10.0, device="cpu", key=KEY)
+        swarm = open_engine(shard_dir, EngineConfig(mdns_interfaces=LOOPBACK, wait=10.0, device="cpu", key=KEY))
         # Small expert budgets (here and on the nodes): a 12.6 MB float32 working copy per expert of this
         # shape would otherwise add up to gigabytes per process; evicted experts decode to the same bits.
-        local = open_engine(shard_dir, local=True, device="cpu", memory_budget=256 << 20)
+        local = open_engine(shard_dir, EngineConfig(local=True, device="cpu", memory_budget=256 << 20))
         cfg = swarm.model.cfg
         assert (cfg.n_head, cfg.n_head_kv, cfg.head_dim) == (16, 2, 256)
         assert (cfg.n_k_heads, cfg.n_v_heads, cfg.d_state, cfg.moe.n_ff_shared) == (16, 32, 128, 512)
@@ -388,9 +389,8 @@ def test_answer_survives_a_node_leaving_mid_generation(tmp_path, how):
     manifest = read_manifest(shard_dir)
     _, prompts = _prompts(name)
     nodes = start_nodes([(shard_dir, ["--no-mdns"]), (shard_dir, ["--no-mdns"])], tmp_path / "nodes")
-    local = open_engine(shard_dir, local=True, device="cpu")
-    backend = connect(sorted(slabs_from_shard(shard_dir, verify=False)[0]), manifest.fingerprint, str(shard_dir),
-                      peers=[n.address for n in nodes], mdns=False, timeout=30.0)  # fmt: skip
+    local = open_engine(shard_dir, EngineConfig(local=True, device="cpu"))
+    backend = connect(sorted(slabs_from_shard(shard_dir, verify=False)[0]), manifest.fingerprint, str(shard_dir), EngineConfig(peers=[n.address for n in nodes], mdns=False, timeout=30.0))  # fmt: skip
     victim = nodes[1]
     try:
         params = SamplingParams(max_tokens=12)
@@ -436,8 +436,8 @@ def test_nodes_joining_and_leaving_are_followed_by_mdns(tmp_path):
     first = start_nodes(
         [(shard_dir, ["--experts", "0-15"]), (shard_dir, ["--experts", "16-31"])], tmp_path / "a", env=KEYED
     )
-    swarm = open_engine(shard_dir, mdns_interfaces=LOOPBACK, wait=10.0, device="cpu", key=KEY)
-    local = open_engine(shard_dir, local=True, device="cpu")
+    swarm = open_engine(shard_dir, EngineConfig(mdns_interfaces=LOOPBACK, wait=10.0, device="cpu", key=KEY))
+    local = open_engine(shard_dir, EngineConfig(local=True, device="cpu"))
     late: list = []
     try:
         expect = forward_one(local.model, prompts[0], local.model.new_state(), "cpu")
@@ -486,7 +486,7 @@ def test_two_swarms_of_one_model_on_one_network_keep_to_their_keys(tmp_path):
     engines = []
     try:
         for k, mine, other in ((key, keyed, open_), (None, open_, keyed)):
-            engine = open_engine(shard_dir, mdns_interfaces=LOOPBACK, wait=10.0, device="cpu", key=k)
+            engine = open_engine(shard_dir, EngineConfig(mdns_interfaces=LOOPBACK, wait=10.0, device="cpu", key=k))
             engines.append(engine)
             forward_one(engine.model, prompts[3], engine.model.new_state(), "cpu")  # no call refused
             if k is not None:  # a fresh key: that node is the only one of its swarm
@@ -517,10 +517,9 @@ def test_a_node_answering_the_wrong_shape_is_failed_over(tmp_path):
     _, prompts = _prompts(name)
     bad = NodeServer(ShortStore(slabs), manifest.fingerprint).start()
     good = NodeServer(ExpertStore(slabs), manifest.fingerprint).start()
-    backend = connect(sorted(slabs), manifest.fingerprint, str(shard_dir), peers=[bad.address, good.address],
-                      mdns=False)  # fmt: skip
+    backend = connect(sorted(slabs), manifest.fingerprint, str(shard_dir), EngineConfig(peers=[bad.address, good.address], mdns=False))  # fmt: skip
     try:
-        engine = open_engine(shard_dir, local=True, device="cpu")
+        engine = open_engine(shard_dir, EngineConfig(local=True, device="cpu"))
         expect = forward_one(engine.model, prompts[0], engine.model.new_state(), "cpu")
         engine.model.set_experts(backend)
         got = forward_one(engine.model, prompts[0], engine.model.new_state(), "cpu")
@@ -545,9 +544,9 @@ def test_degraded_mode_renormalizes_over_the_experts_that_answered(tmp_path):
     open_ = dict(
         mdns_interfaces=LOOPBACK, wait=10.0, device="cpu", key=SwarmKey.from_text(text), timeout=10.0
     )
-    strict = open_engine(shard_dir, **open_)
-    degraded = open_engine(shard_dir, degraded=True, **open_)
-    local = open_engine(shard_dir, local=True, device="cpu")
+    strict = open_engine(shard_dir, EngineConfig(**open_))
+    degraded = open_engine(shard_dir, EngineConfig(degraded=True, **open_))
+    local = open_engine(shard_dir, EngineConfig(local=True, device="cpu"))
     try:
         full = forward_one(local.model, prompts[0], local.model.new_state(), "cpu")
         assert torch.equal(forward_one(degraded.model, prompts[0], degraded.model.new_state(), "cpu"), full)

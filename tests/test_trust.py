@@ -17,6 +17,7 @@ import torch
 from conftest import FIXTURES, flip_bytes
 
 from swarm.coordinator.cli.spawn import start_nodes, stop_nodes
+from swarm.coordinator.config import DEFAULT_AUDIT_RATE, EngineConfig, Verify
 from swarm.coordinator.decode.one import SamplingParams, checked_logits, forward_one, generate
 from swarm.coordinator.engine import open_engine
 from swarm.node.auth import KEY_ENV, SwarmKey, generate_key_text
@@ -56,7 +57,7 @@ def busy_cores():
 def shard(tmp_path_factory):
     work = tmp_path_factory.mktemp("trust")
     shard_model(MODEL, work / "honest.swarm")
-    local = open_engine(work / "honest.swarm", local=True, device="cpu")
+    local = open_engine(work / "honest.swarm", EngineConfig(local=True, device="cpu"))
     tokens = list(range(3, 15))
     expect = forward_one(local.model, tokens, local.model.new_state(), "cpu")
     text = list(generate(local.model, tokens, SamplingParams(max_tokens=64), "cpu"))
@@ -89,11 +90,11 @@ def _rig(work, tmp_path, kind: str, rot_now: bool = True):
     return honest_dir, nodes, liar_src
 
 
-def _engine(honest_dir, nodes, seed: int, verify: str = "sample"):
+def _engine(honest_dir, nodes, seed: int, verify: str = "sample", rate: float = DEFAULT_AUDIT_RATE):
     peers = tuple(n.address for n in nodes)
-    return open_engine(
-        honest_dir, peers=peers, mdns=False, device="cpu", key=KEY, audit_seed=seed, verify=verify
-    )
+    config = EngineConfig(peers=peers, mdns=False, device="cpu", key=KEY, audit_rate=rate, audit_seed=seed,
+                          verify=Verify(verify))  # fmt: skip
+    return open_engine(honest_dir, config)
 
 
 def _logits_runs(shard, tmp_path, kind: str) -> None:
@@ -134,9 +135,8 @@ def test_verify_pair_decodes_the_in_process_text_beside_a_liar(shard, tmp_path):
     work, tokens, _, text = shard
     honest_dir, nodes, liar_dir = _rig(work, tmp_path, "bit-rot", rot_now=False)
     honest, liar = nodes
-    swarm = _engine(honest_dir, nodes, seed=0, verify="pair")
+    swarm = _engine(honest_dir, nodes, seed=0, verify="pair", rate=0.0)  # only the pairs catch it in decode
     try:
-        swarm.checker.rate = 0.0  # only the pairs can catch it in decode
         run = generate(swarm.model, tokens, SamplingParams(max_tokens=64), "cpu", checker=swarm.checker)
         got = [next(run)]
         assert not swarm.checker.report.banned
@@ -144,7 +144,7 @@ def test_verify_pair_decodes_the_in_process_text_beside_a_liar(shard, tmp_path):
         got += list(run)
         assert got == text
         assert set(swarm.checker.report.banned) == {liar.address}
-        assert swarm.experts.paired_calls > 0
+        assert swarm.experts.twin_calls > 0
     finally:
         swarm.close()
         stop_nodes(nodes)

@@ -12,6 +12,7 @@ import pytest
 from conftest import FIXTURES
 
 from swarm.coordinator.cli.spawn import start_nodes, stop_nodes
+from swarm.coordinator.config import EngineConfig
 from swarm.coordinator.decode.one import GenerationStats, SamplingParams, generate
 from swarm.coordinator.drafts.lookup import PromptLookup, Scripted
 from swarm.coordinator.engine import open_engine
@@ -54,7 +55,7 @@ def _run(model, params: SamplingParams, drafter=None, checker=None) -> tuple[lis
 def test_windows_give_the_text_of_one_token_a_pass(
     name: str, file: str, numerics: Numerics, ks: tuple[int, ...]
 ) -> None:
-    engine = open_engine(FIXTURES / name / file, local=True, device="cpu", numerics=numerics)
+    engine = open_engine(FIXTURES / name / file, EngineConfig(local=True, device="cpu", numerics=numerics))
     try:
         for params in (GREEDY, SAMPLED):
             plain, _ = _run(engine.model, params)
@@ -87,9 +88,8 @@ def test_windows_through_three_nodes_and_a_node_killed_in_a_window(tmp_path, num
     n = manifest.n_expert
     ranges = [f"0-{2 * n // 3 - 1}", f"{n // 3}-{n - 1}", f"{2 * n // 3}-{n - 1},0-{n // 3 - 1}"]
     nodes = start_nodes([(shard_dir, ["--no-mdns", "--experts", r]) for r in ranges], tmp_path / "nodes")
-    local = open_engine(shard_dir, local=True, device="cpu", numerics=numerics)
-    backend = connect(sorted(slabs_from_shard(shard_dir, verify=False)[0]), manifest.fingerprint, str(shard_dir),
-                      peers=[x.address for x in nodes], mdns=False, timeout=30.0, numerics=numerics)  # fmt: skip
+    local = open_engine(shard_dir, EngineConfig(local=True, device="cpu", numerics=numerics))
+    backend = connect(sorted(slabs_from_shard(shard_dir, verify=False)[0]), manifest.fingerprint, str(shard_dir), EngineConfig(peers=[x.address for x in nodes], mdns=False, timeout=30.0, numerics=numerics))  # fmt: skip
     try:
         for params in (GREEDY, SAMPLED) if numerics is Numerics.NATIVE else (SAMPLED,):
             plain, _ = _run(local.model, params)
@@ -127,7 +127,7 @@ def test_a_liar_caught_in_the_middle_of_windows_is_redone_to_the_same_text(tmp_p
 
     honest_dir, liar_dir, nodes = make_rig(tmp_path)
     n = read_manifest(honest_dir).n_expert
-    local = open_engine(honest_dir, local=True, device="cpu")
+    local = open_engine(honest_dir, EngineConfig(local=True, device="cpu"))
     swarm = _swarm(honest_dir, rate=0.25, seed=3)
     try:
         plain, _ = _run(local.model, SAMPLED)

@@ -23,6 +23,7 @@ from swarm.compute.rowquant import quantize_rows, row_type, wire_rows
 from swarm.compute.slabs import load_slabs
 from swarm.compute.store import ExpertStore
 from swarm.coordinator.cli.spawn import start_nodes
+from swarm.coordinator.config import EngineConfig, Wire
 from swarm.coordinator.decode.one import forward_one
 from swarm.coordinator.engine import open_engine
 from swarm.coordinator.experts.remote.calls import Part, WireRows
@@ -208,9 +209,9 @@ def test_q8_wire_gives_the_f32_wires_logits_bit_for_bit(swarms):
     shard_dir, nodes = swarms["quant"]
     prompts = _prompts("qwen35moe-quant")
     kw = {"mdns_interfaces": LOOPBACK, "wait": 10.0, "device": "cpu", "key": KEY}
-    q8 = open_engine(shard_dir, wire="q8", **kw)
-    f32 = open_engine(shard_dir, wire="f32", **kw)
-    local = open_engine(shard_dir, local=True, wire="q8", device="cpu")
+    q8 = open_engine(shard_dir, EngineConfig(wire=Wire.Q8, **kw))
+    f32 = open_engine(shard_dir, EngineConfig(wire=Wire.F32, **kw))
+    local = open_engine(shard_dir, EngineConfig(local=True, wire=Wire.Q8, device="cpu"))
     try:
         assert {n.address for n in nodes} <= set(q8.experts.clients)
         a, b, c = _logits(q8, prompts), _logits(f32, prompts), _logits(local, prompts)
@@ -241,8 +242,8 @@ def test_float_weights_and_exact_numerics_fall_back_to_f32_rows(swarms):
     ]
     for name, numerics, prompts in cases:
         shard_dir, _ = swarms[name]
-        q8 = open_engine(shard_dir, wire="q8", numerics=numerics, **kw)
-        f32 = open_engine(shard_dir, wire="f32", numerics=numerics, **kw)
+        q8 = open_engine(shard_dir, EngineConfig(wire=Wire.Q8, numerics=numerics, **kw))
+        f32 = open_engine(shard_dir, EngineConfig(wire=Wire.F32, numerics=numerics, **kw))
         try:
             for x, y in zip(_logits(q8, prompts), _logits(f32, prompts), strict=True):
                 assert torch.equal(x, y)
@@ -302,13 +303,11 @@ def test_q8_rows_fail_over_to_a_replica_as_they_are(swarms, tmp_path):
     prompt = _prompts("qwen35moe-quant")[1]
     manifest = read_manifest(shard_dir)
     (replica,) = start_nodes([(shard_dir, ["--no-mdns"])], tmp_path, env={KEY_ENV: KEY_TEXT})
-    backend = connect(sorted(slabs_from_shard(shard_dir)[0]), manifest.fingerprint, str(shard_dir),
-                      peers=[n.address for n in nodes] + [replica.address], mdns=False, timeout=10.0, key=KEY)  # fmt: skip
-    backend.q8_rows = True
-    backend.call_bytes = 3 * manifest.n_embd  # 3 rows of 8-bit blocks a call
+    backend = connect(sorted(slabs_from_shard(shard_dir)[0]), manifest.fingerprint, str(shard_dir), EngineConfig(peers=[n.address for n in nodes] + [replica.address], mdns=False, timeout=10.0, key=KEY,
+                                   wire=Wire.Q8, call_bytes=3 * manifest.n_embd))  # 3 rows of 8-bit blocks a call  # fmt: skip
     victim = nodes[2]
     try:
-        engine = open_engine(shard_dir, local=True, device="cpu")
+        engine = open_engine(shard_dir, EngineConfig(local=True, device="cpu"))
         model = engine.model
         expect = forward_one(model, prompt, model.new_state(), "cpu")
         model.set_experts(backend)
@@ -337,18 +336,18 @@ def test_a_node_of_another_swarm_version_is_passed_over(swarms, tmp_path, caplog
         client = NodeClient(old.address, key=KEY)
         assert client.info().protocol_version == 3
         client.close()
-        peers = open_engine(shard_dir, peers=tuple(n.address for n in nodes), mdns=False, device="cpu", key=KEY)
+        peers = open_engine(shard_dir, EngineConfig(peers=tuple(n.address for n in nodes), mdns=False, device="cpu", key=KEY))
         peers.close()
         assert set(peers.experts.clients) == {nodes[0].address}
         assert f"passing over node {old.address}: it speaks swarm protocol 3" in caplog.text
         with browse(interfaces=LOOPBACK, key=KEY) as browser:  # its record says so
             seen = browser.wait_for(lambda ns: any(n.address == old.address for n in ns), 10.0)
             assert seen and {n.address: n.protocol_version for n in seen}[old.address] == 3
-        found = open_engine(shard_dir, mdns_interfaces=LOOPBACK, wait=10.0, device="cpu", key=KEY)
+        found = open_engine(shard_dir, EngineConfig(mdns_interfaces=LOOPBACK, wait=10.0, device="cpu", key=KEY))
         found.close()
         assert old.address not in found.experts.clients and nodes[0].address in found.experts.clients
         with pytest.raises(UserError, match=rf"passed over {old.address}: another swarm version"):
-            open_engine(shard_dir, peers=(old.address,), mdns=False, device="cpu", key=KEY)
+            open_engine(shard_dir, EngineConfig(peers=(old.address,), mdns=False, device="cpu", key=KEY))
     finally:
         for node in nodes:
             node.stop()

@@ -46,13 +46,13 @@ import torch
 from swarm.compute.ggml import one_thread
 from swarm.compute.priority import idle_priority
 from swarm.compute.store import ExpertStore
-from swarm.coordinator.checks.recompute import Recomputer
+from swarm.coordinator.checks.recompute import Recomputer, own_store
+from swarm.coordinator.config import DEFAULT_AUDIT_RATE, EngineConfig, Verify
 from swarm.proto.numerics import Numerics
 from swarm.sharding.slabs import SlabKey
 
 log = logging.getLogger(__name__)
 
-DEFAULT_RATE = 0.05
 PROBE_SLABS = 4  # slabs of a new node sent known rows before it is used
 PROBE_ROWS = 2
 # Experts of one call an audit checks (one row each), drawn at random: a prompt's call holds a node's share of
@@ -119,23 +119,28 @@ class Auditor(Recomputer):
         self,
         store: ExpertStore,
         numerics: Numerics,
-        wire_dtype: torch.dtype,
-        rate: float = DEFAULT_RATE,
+        row_dtype: torch.dtype,
+        rate: float = DEFAULT_AUDIT_RATE,
         shard_dir: Path | None = None,
         seed: int | None = None,
         background: bool = True,
         every_row: bool = False,
+        classes: dict[str, str] | None = None,
+        on_ban: Callable[[str], None] | None = None,
     ) -> None:
+        """`row_dtype`: the float type of the rows nodes are sent (probe rows are made in it); `every_row`:
+        every answer recomputed here, whole (--verify all); `classes`: address -> a node's numerics class;
+        `on_ban`: told the address of every node banned (the placement, which then never picks it)."""
         if not 0.0 <= rate <= 1.0:
             raise ValueError(f"audit rate {rate} is not between 0 and 1")
-        super().__init__(store, numerics, shard_dir)
-        self.wire_dtype, self.rate = wire_dtype, rate
+        super().__init__(store, numerics, shard_dir, classes)
+        self.row_dtype, self.rate, self.every_row = row_dtype, rate, every_row
+        self._on_ban = on_ban
         self._rng = random.Random(seed) if seed is not None else random.SystemRandom()
         self._books: dict[str, _NodeBook] = {}
         self._caught = False
         self._lock = threading.Lock()
         self.report = AuditReport()
-        self.on_ban: Callable[[str], None] | None = None  # told the address of every node banned
         self._worker = (
             ThreadPoolExecutor(1, thread_name_prefix="swarm-audit", initializer=idle_priority)
             if background
@@ -143,7 +148,6 @@ class Auditor(Recomputer):
         )
         self._pending: list[_Job] = []  # audits handed to the audit thread, not yet taken in
         self._cover = False  # the pass under way reads a prompt: each of its calls is checked (cover())
-        self.every_row = every_row  # --verify all: every answer is recomputed here, whole
 
     # --- probes and audits ------------------------------------------------------------------------------
 
@@ -157,7 +161,7 @@ class Auditor(Recomputer):
             if not self.holds(layer, [expert]):
                 continue
             g = torch.Generator().manual_seed(self._rng.randrange(2**31))
-            rows = torch.randn(PROBE_ROWS, width, generator=g).to(self.wire_dtype)
+            rows = torch.randn(PROBE_ROWS, width, generator=g).to(self.row_dtype)
             answer = compute(layer, [expert], [PROBE_ROWS], rows)
             self.report.probes += 1
             own = self.expected(layer, [expert], [PROBE_ROWS], rows)
@@ -365,8 +369,8 @@ class Auditor(Recomputer):
             self.report.banned[address] = why
             self._caught = True
         log.error("banned node %s: %s", address, why)
-        if self.on_ban is not None:
-            self.on_ban(address)
+        if self._on_ban is not None:
+            self._on_ban(address)
 
     def is_banned(self, address: str) -> bool:
         return address in self.report.banned
@@ -391,3 +395,21 @@ class Auditor(Recomputer):
                 return Verdict.CAUGHT
             open_ = any(b.open_calls for a, b in self._books.items() if a not in self.report.banned)
             return Verdict.OPEN if open_ or not all_in else Verdict.SETTLED
+
+
+def make_auditor(
+    path: str | Path,
+    config: EngineConfig,
+    classes: dict[str, str] | None = None,
+    on_ban: Callable[[str], None] | None = None,
+) -> Auditor | None:
+    """What checks the nodes' answers as `config` asks, on the coordinator's own slabs of the model at
+    `path`; None (and a warning) when it has none here."""
+    store = own_store(path)
+    if store is None:
+        log.warning("%s holds no expert slabs here: node answers cannot be audited", path)
+        return None
+    shard_dir = Path(path) if Path(path).is_dir() else None
+    every_row = config.verify is Verify.ALL
+    return Auditor(store, config.numerics, config.wire.dtype, config.audit_rate, shard_dir, config.audit_seed,
+                   every_row=every_row, classes=classes, on_ban=on_ban)  # fmt: skip

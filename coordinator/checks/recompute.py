@@ -12,20 +12,46 @@ agrees with bytes that only a damaged file of ours and an identically wrong node
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from swarm.compute.expert_copies import within_cap
+from swarm.compute.expert_weights import slab_dims
 from swarm.compute.numclass import numerics_class, same_class
+from swarm.compute.slabs import allow_open_files, load_slabs
 from swarm.compute.store import ExpertStore
 from swarm.coordinator.checks.tolerance import within_bound
 from swarm.proto.numerics import Numerics
-from swarm.sharding.slabs import SlabKey
+from swarm.sharding.manifest import EXPERTS_DIR
+from swarm.sharding.slabs import ExpertSlab, LazySlabs, SlabKey
 
 log = logging.getLogger(__name__)
 
 _INT_OF = {4: torch.int32, 2: torch.int16, 1: torch.int8}
+# The copies of experts audits keep, least recently used first out: repacked ones (native numerics, Q4_0 /
+# Q4_K / IQ4_NL on x86: 1.8 MB an expert at the 35B shape) or float32 ones (exact). Without a bound they would
+# grow towards the size of every expert the coordinator has ever checked.
+AUDIT_MEMORY = 512 << 20
+
+
+def own_store(path: str | Path) -> ExpertStore | None:
+    """The coordinator's own slabs of the model at `path`, memory-mapped, or None where it has none: a shard
+    directory's slab files each read on the first audit that draws it (LazySlabs: none at start), a GGUF's
+    experts as views of its map. Neither is hashed here: a slab whose bytes an audit finds different is
+    checked against the manifest before it counts."""
+    slabs: Mapping[SlabKey, ExpertSlab]
+    if Path(path).is_dir():
+        if next((Path(path) / EXPERTS_DIR).rglob("*.gguf"), None) is None:
+            return None
+        slabs = LazySlabs(path, dims=slab_dims)
+        allow_open_files(len(slabs))  # a file read is a descriptor kept: a long run's audits draw them all
+    else:
+        slabs = load_slabs(path, verify=False).slabs
+    store = ExpertStore(slabs, torch.device("cpu"), within_cap(AUDIT_MEMORY), stacked=False)
+    return store if store.slabs else None
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -41,14 +67,21 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 class Recomputer:
     """The coordinator's own slabs, what they answer, and whether a node's answer is an honest one."""
 
-    def __init__(self, store: ExpertStore, numerics: Numerics, shard_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        store: ExpertStore,
+        numerics: Numerics,
+        shard_dir: Path | None = None,
+        classes: dict[str, str] | None = None,
+    ) -> None:
         self.store = store  # the coordinator's own slabs (a shard directory's read as audits draw them)
         self.numerics = numerics
         self.shard_dir = shard_dir
         self._verified: dict[SlabKey, bool] = {}
         self._entries: dict[SlabKey, Any] | None = None  # the shard manifest's slab entries, read once
         self.own_class = numerics_class()  # this coordinator's ggml build (swarm.compute.numclass)
-        self.classes: dict[str, str] = {}  # address -> the numerics class a node reported
+        # address -> the numerics class a node reported (the backend's own map: nodes that join later too)
+        self.classes: dict[str, str] = {} if classes is None else classes
 
     def holds(self, layer: int, expert_ids: list[int]) -> bool:
         """Whether every slab is here (and none failed its check against the manifest)."""

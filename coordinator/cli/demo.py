@@ -160,6 +160,7 @@ def _run_swarm(
     agreement with the in-process one before and after a node walks away; whether they all agreed."""
     from swarm.coordinator.cli.spawn import start_nodes
     from swarm.coordinator.cli.terminal import report, stream_answer
+    from swarm.coordinator.config import EngineConfig
     from swarm.coordinator.decode.one import SamplingParams
     from swarm.coordinator.engine import open_engine
     from swarm.coordinator.text.chat import prompt_ids
@@ -182,7 +183,7 @@ def _run_swarm(
 
     t0 = time.perf_counter()
     swarm = open_engine(
-        shard_dir, local=False, mdns_interfaces=[LOOPBACK], wait=10.0, key=key, numerics=numerics
+        shard_dir, EngineConfig(mdns_interfaces=[LOOPBACK], wait=10.0, key=key, numerics=Numerics(numerics))
     )
     engines.append(swarm)
     _find_all(swarm, nodes)
@@ -198,7 +199,7 @@ def _run_swarm(
 
     _say(f"\nchecking against the in-process path (the node's compute code on slabs loaded here, {numerics} "
          "numerics) ...")  # fmt: skip
-    local = open_engine(shard_dir, local=True, numerics=numerics)
+    local = open_engine(shard_dir, EngineConfig(local=True, numerics=Numerics(numerics)))
     engines.append(local)
     steps = len(generated) - 1
     same, local_tokens, local_logits = _agrees_in_process(swarm, local, ids, steps, generated)

@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from swarm.coordinator.cli.terminal import status_line
+from swarm.coordinator.config import DEFAULT_AUDIT_RATE, EngineConfig, Verify, Wire
 from swarm.node.auth import add_key_argument, swarm_key
 from swarm.proto.numerics import Numerics
 from swarm.sharding.errors import UserError
@@ -37,7 +38,7 @@ def add_swarm_args(p: argparse.ArgumentParser) -> None:
     add_discovery_args(g, 3.0, "seconds to wait for nodes to cover every expert")
     g.add_argument(
         "--wire",
-        choices=["f32", "f16", "bf16", "q8"],
+        choices=[w.value for w in Wire],
         default="f32",
         help="precision of rows on the wire; q8: the 8-bit blocks the experts' kernels quantize them to (Q8_K, "
         "Q8_0), about 3.9x smaller than f32 with the same answers in native numerics (float32 rows where a "
@@ -57,7 +58,7 @@ def add_swarm_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--verify",
-        choices=["sample", "pair", "all"],
+        choices=[v.value for v in Verify],
         default="sample",
         help="how answers are checked: sample (the default: --audit's share of decode answers, every prompt "
         "answer on one row per expert), pair (every call also sent to a second holder, of the same numerics "
@@ -228,9 +229,36 @@ def audit_rate(rate: float) -> float:
     return rate
 
 
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The engine configuration the flags ask for (`swarm run`, `logits`, `perplexity`, `serve`, ...)."""
+    mtp = getattr(args, "mtp", 0) > 0
+    if mtp and (why := mtp_missing(args.model)) is not None:
+        print(f"swarm {args.command}: --mtp: {why}; decoding without MTP drafts", file=sys.stderr)
+        mtp = False
+    return EngineConfig(
+        local=args.local,
+        device=args.device,
+        numerics=Numerics.of(args.exact),
+        wire=Wire(args.wire),
+        progress=True,
+        mtp=mtp,
+        mmproj=mmproj_of(args),
+        image_tokens=(getattr(args, "image_min_tokens", None), getattr(args, "image_max_tokens", None)),
+        peers=tuple(args.peer),
+        mdns=not args.no_mdns,
+        mdns_interfaces=args.mdns_interface,
+        wait=args.wait,
+        key=swarm_key(args, args.command),
+        same_class_only=args.numerics_class == "same",
+        timeout=args.timeout,
+        degraded=args.degraded,
+        audit_rate=DEFAULT_AUDIT_RATE if args.audit is None else audit_rate(args.audit),
+        verify=Verify(args.verify),
+    )
+
+
 def open_from_args(args: argparse.Namespace) -> Any:
     from swarm.compute.malloc import keep_freed_memory
-    from swarm.coordinator.checks.audit import DEFAULT_RATE
     from swarm.coordinator.engine import open_engine
     from swarm.coordinator.experts.remote.dispatch import SwarmExperts
 
@@ -238,37 +266,13 @@ def open_from_args(args: argparse.Namespace) -> Any:
     where = "experts in this process" if args.local else "looking for nodes"
     status_line(f"swarm {args.command}: opening {args.model} ({where}) ...")
     apply_threads(args.threads)
-    key = swarm_key(args, args.command)
-    mtp = getattr(args, "mtp", 0) > 0
-    if mtp and (why := mtp_missing(args.model)) is not None:
-        print(f"swarm {args.command}: --mtp: {why}; decoding without MTP drafts", file=sys.stderr)
-        mtp = False
-    engine = open_engine(
-        args.model,
-        local=args.local,
-        peers=tuple(args.peer),
-        mdns=not args.no_mdns,
-        mdns_interfaces=args.mdns_interface,
-        wait=args.wait,
-        wire=args.wire,
-        device=args.device,
-        key=key,
-        timeout=args.timeout,
-        audit=DEFAULT_RATE if args.audit is None else audit_rate(args.audit),
-        degraded=args.degraded,
-        verify=args.verify,
-        numerics_class=args.numerics_class,
-        progress=True,
-        numerics=Numerics.of(args.exact),
-        mtp=mtp,
-        mmproj=mmproj_of(args),
-        image_tokens=(getattr(args, "image_min_tokens", None), getattr(args, "image_max_tokens", None)),
-    )
+    config = config_from_args(args)
+    engine = open_engine(args.model, config)
     if isinstance(engine.experts, SwarmExperts):
         n = len(engine.experts.clients)
         nodes = "1 node holds" if n == 1 else f"{n} nodes hold"
         status_line(f"swarm {args.command}: {nodes} every expert; model on {engine.device}")
-        if key is None:
+        if config.key is None:
             print(
                 f"swarm {args.command}: warning: no swarm key: these are OPEN nodes (started without a key), "
                 "which anyone who reaches them can use; see `swarm keygen`",

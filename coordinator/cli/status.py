@@ -23,7 +23,6 @@ from swarm.compute.numclass import numerics_class, same_class
 from swarm.coordinator.cli.flags import add_discovery_args
 from swarm.coordinator.serve import swarm_view
 from swarm.node.auth import swarm_key
-from swarm.proto.numerics import Numerics
 from swarm.sharding.errors import UserError
 from swarm.sharding.identity import first_mtp_layer, model_identity
 from swarm.sharding.ranges import format_ranges
@@ -176,7 +175,7 @@ def _print_nodes(nodes: list[dict[str, Any]]) -> None:
 def _auditor(model: str) -> Any:
     """The model's own slabs to probe the nodes with; None where this install has no coordinator (torch)."""
     try:
-        import torch
+        import torch  # noqa: F401 - whether this install has the coordinator's packages
     except ImportError:
         print(
             "swarm status: the nodes' answers are not probed: that needs the coordinator's packages "
@@ -184,9 +183,10 @@ def _auditor(model: str) -> Any:
             file=sys.stderr,
         )
         return None
-    from swarm.coordinator.engine import make_auditor
+    from swarm.coordinator.checks.audit import make_auditor
+    from swarm.coordinator.config import EngineConfig
 
-    return make_auditor(model, Numerics.NATIVE, torch.float32, 1.0, None)
+    return make_auditor(model, EngineConfig(audit_rate=1.0))
 
 
 STATUS_PROBE_SLABS = 32  # a status check has time to look further than a coordinator's admission probe

@@ -20,6 +20,7 @@ import torch
 
 from swarm.compute.ffn import ExpertStack
 from swarm.compute.store import ExpertStore
+from swarm.coordinator.config import Wire
 from swarm.proto.numerics import Numerics
 from swarm.sharding.errors import UserError
 
@@ -103,36 +104,36 @@ class _Done:
 class LocalExperts:
     """In-process backend: the node's own compute on slabs loaded here. The embedded default and the oracle.
 
-    `wire_dtype` rounds rows and outputs as the swarm's wire would, so that local and swarm results
-    can be compared bit for bit at the same wire precision; `numerics` is what a Compute call carries.
+    `wire` rounds rows and outputs as the swarm's wire would, so that local and swarm results can be
+    compared bit for bit at the same wire precision (q8 rows reach a node's kernel as the blocks it would
+    make of float32 ones, so they round as f32); `numerics` is what a Compute call carries.
     """
 
-    def __init__(
-        self, store: ExpertStore, wire_dtype: torch.dtype = torch.float32, numerics: Numerics = Numerics.NATIVE
-    ) -> None:
+    def __init__(self, store: ExpertStore, wire: Wire = Wire.F32, numerics: Numerics = Numerics.NATIVE) -> None:
         self.store = store
-        self.wire_dtype = wire_dtype
+        self.wire = wire
         self.numerics = numerics
+        self._rounds = wire.dtype != torch.float32  # rows and answers rounded to the wire's float type
 
     def stack(self, layer: int, ids: torch.Tensor) -> ExpertStack | None:
         """The layer's experts as one stack a graph multiplies where they lie (ids checked held), when this
         backend computes them so (native numerics, float32 wire, stacked in the file); else None."""
-        if self.numerics != Numerics.NATIVE or self.wire_dtype != torch.float32:
+        if self.numerics != Numerics.NATIVE or self._rounds:
             return None
         return self.store.held_stack(layer, ids)
 
     def start(self, layer: int, x: torch.Tensor, ids: torch.Tensor) -> PendingExperts:
-        if self.numerics == Numerics.NATIVE and self.wire_dtype == torch.float32:
+        if self.numerics == Numerics.NATIVE and not self._rounds:
             # the tokens as they are, no packing (the same bits as a node's packed call of the same pairs)
             out = self.store.compute_slots(layer, x, ids)
             if out is not None:
                 return _Done(out.to(x.device))
         t, k = ids.shape
-        groups = group_expert_major(ids)
-        rows = groups.pack(x, k).to(self.wire_dtype)
-        out = self.store.compute(layer, groups.expert_ids, groups.counts, rows, self.numerics)
-        out = out.to(self.wire_dtype)
-        return _Done(groups.unpack(out.to(device=x.device, dtype=torch.float32), t, k))
+        major = group_expert_major(ids)
+        rows = major.pack(x, k).to(self.wire.dtype)
+        out = self.store.compute(layer, major.expert_ids, major.counts, rows, self.numerics)
+        out = out.to(self.wire.dtype)
+        return _Done(major.unpack(out.to(device=x.device, dtype=torch.float32), t, k))
 
 
 class _Dropped:

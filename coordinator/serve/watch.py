@@ -172,7 +172,7 @@ class SwarmWatch:
             out["checks"] = {
                 "audits": report.audits if report else 0, "probes": report.probes if report else 0,
                 "banned": len(report.banned) if report else 0, "failovers": e.failovers, "hedges": e.hedges,
-                "paired_calls": e.paired_calls, "answers_checked": report is not None,
+                "paired_calls": e.twin_calls, "answers_checked": report is not None,
             }  # fmt: skip
         return out
 

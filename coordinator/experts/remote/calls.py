@@ -12,11 +12,6 @@ from swarm.compute.store import ROWS_PER_MATMUL
 from swarm.node.client import ComputeCall
 from swarm.proto.q8 import Q8Rows
 
-# The most row bytes one Compute call carries: a long prefill goes to a node as several calls. Well under the
-# wire's MAX_MESSAGE_BYTES (whatever D and the wire precision), and the node starts computing the first
-# call while the next ones are still on their way.
-CALL_BYTES = 16 * 1024 * 1024
-
 
 @dataclass(frozen=True)
 class Part:

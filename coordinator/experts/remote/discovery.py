@@ -5,19 +5,18 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NoReturn
 
-import torch
-
 from swarm.compute.numclass import numerics_class, same_class
+from swarm.coordinator.checks.audit import Auditor
+from swarm.coordinator.config import EngineConfig
 from swarm.coordinator.experts.remote.dispatch import SwarmExperts
 from swarm.coordinator.experts.remote.placement import Placement, describe_missing
 from swarm.node.auth import SwarmKey
 from swarm.node.client import NodeCallError, NodeClient, ask_peer
 from swarm.proto.channel import PROTOCOL_VERSION
-from swarm.proto.numerics import Numerics
 from swarm.sharding.errors import UserError
 from swarm.sharding.identity import Match, ModelIdentity
 from swarm.sharding.slabs import SlabKey
@@ -161,39 +160,38 @@ def _give_up(
     raise UserError(describe_missing(missing, source))
 
 
+# Builds the auditor once the nodes are found: from their numerics classes (the map the backend keeps
+# current) and the ban to apply (the placement's); None where answers are not checked.
+MakeChecker = Callable[[dict[str, str], Callable[[str], None]], Auditor | None]
+
+
 def connect(
     needed: Sequence[SlabKey],
     identity: ModelIdentity | str,
     source: str,
-    peers: Sequence[str] = (),
-    mdns: bool = True,
-    interfaces: Sequence[str] | None = None,
-    wait: float = 3.0,
-    key: SwarmKey | None = None,
-    wire_dtype: torch.dtype = torch.float32,
-    timeout: float = 30.0,
-    numerics: Numerics = Numerics.NATIVE,
-    same_class_only: bool = False,
+    config: EngineConfig,
+    make_checker: MakeChecker | None = None,
 ) -> SwarmExperts:
-    """Find nodes (static peers, then mDNS until every needed slab has a holder or `wait` s pass).
+    """The swarm backend, complete: nodes found (`config.peers` asked one by one, then mDNS until every
+    needed slab has a holder or `config.wait` s pass) and their answers checked by what `make_checker` builds.
 
     A node is taken when `identity` matches its own (the same model, started on the GGUF or on its shard
     directory: see swarm.sharding.identity; a bare fingerprint string matches exactly that fingerprint). Each
     node's calls then carry the fingerprint that node itself reports, which it checks on every call.
-    `same_class_only` (--numerics-class same): nodes of another numerics class than this process's ggml
-    build (swarm.compute.numclass) are passed over, so that every answer is checked bit for bit.
+    `config.same_class_only` (--numerics-class same): nodes of another numerics class than this process's
+    ggml build (swarm.compute.numclass) are passed over, so that every answer is checked bit for bit.
     """
     if isinstance(identity, str):
         identity = ModelIdentity(identity)
-    found = _Found(identity, key, same_class_only)
-    for peer in peers:
-        found.ask(peer, wait)
+    found = _Found(identity, config.key, config.same_class_only)
+    for peer in config.peers:
+        found.ask(peer, config.wait)
     browser = None
-    if mdns and found.placement.missing(needed):
-        browser = _browse(found, needed, interfaces, wait)
+    if config.mdns and found.placement.missing(needed):
+        browser = _browse(found, needed, config.mdns_interfaces, config.wait)
     missing = found.placement.missing(needed)
     if missing:
-        _give_up(found, missing, browser, mdns, source)
+        _give_up(found, missing, browser, config.mdns, source)
     if found.by_header:
         log.info(
             "swarm: %d of %d nodes recognised by the source GGUF's header hash only, not the fingerprint over "
@@ -203,19 +201,7 @@ def connect(
             ", ".join(sorted(found.by_header)),
         )
     log.info("swarm: %d nodes cover %d slabs", len(found.clients), len(needed))
-    experts = SwarmExperts(
-        found.clients,
-        found.placement,
-        source,
-        wire_dtype,
-        timeout,
-        browser=browser,
-        key=key,
-        numerics=numerics,
-        needed=needed,
+    auditor = make_checker(found.classes, found.placement.ban) if make_checker is not None else None
+    return SwarmExperts(
+        found.clients, found.placement, source, config, needed, browser, found.classes, auditor
     )
-    experts.classes.update(found.classes)
-    experts.same_class_only = same_class_only
-    if browser is not None:
-        experts.follow_mdns()  # what connect saw is the starting point for joins and leaves
-    return experts

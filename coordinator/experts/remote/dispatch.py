@@ -1,6 +1,6 @@
 """The swarm expert backend: each layer's calls sent to the holders of its experts, the nodes admitted
-(probed) before their first pair, a failed node's experts sent to another holder, a stalled one hedged, and
-the nodes mDNS finds or loses followed between layers."""
+(probed) before their first call, a failed node's experts sent to another holder, a stalled one hedged, and
+the nodes mDNS finds or loses followed between layers. Built complete by `discovery.connect`."""
 
 from __future__ import annotations
 
@@ -16,12 +16,13 @@ import torch
 
 from swarm.compute.numclass import numerics_class, same_class
 from swarm.coordinator.checks.audit import Auditor
+from swarm.coordinator.checks.twins import TwinAnswer, compare_twins
+from swarm.coordinator.config import EngineConfig, Verify, Wire
 from swarm.coordinator.experts.backend import ExpertMajor, PendingExperts, group_expert_major
-from swarm.coordinator.experts.remote.calls import CALL_BYTES, Part, SentCall, WireRows, split_parts
+from swarm.coordinator.experts.remote.calls import Part, SentCall, WireRows, split_parts
 from swarm.coordinator.experts.remote.pending import SwarmPending, TimedPending
 from swarm.coordinator.experts.remote.placement import Placement, describe_missing
 from swarm.coordinator.experts.remote.wire import Q8Wire
-from swarm.node.auth import SwarmKey
 from swarm.node.client import NodeCallError, NodeClient
 from swarm.proto.channel import PROTOCOL_VERSION
 from swarm.proto.numerics import Numerics
@@ -46,34 +47,32 @@ HEDGE_AFTER_MIN = 0.5
 
 
 class SwarmExperts:
-    """Expert backend over remote nodes. `clients` maps address -> NodeClient; `placement` who holds what."""
+    """Expert backend over remote nodes. `clients` maps address -> NodeClient; `placement` who holds what;
+    `classes` address -> a node's numerics class (the auditor's own map: nodes that join later too);
+    `auditor` checks the answers (probes, sampled audits; None: trusts them), and bans through the
+    placement; `browser` the mDNS browser kept running: nodes that join are used from the next layer on,
+    nodes that say goodbye are dropped before a call to them can fail."""
 
     def __init__(
         self,
         clients: dict[str, NodeClient],
         placement: Placement,
         source: str,
-        wire_dtype: torch.dtype = torch.float32,
-        timeout: float = 30.0,
-        call_bytes: int = CALL_BYTES,
-        browser: NodeBrowser | None = None,
-        key: SwarmKey | None = None,
-        numerics: Numerics = Numerics.NATIVE,
+        config: EngineConfig,
         needed: Sequence[SlabKey] = (),
+        browser: NodeBrowser | None = None,
+        classes: dict[str, str] | None = None,
+        auditor: Auditor | None = None,
     ) -> None:
-        self.clients = clients
+        self.clients, self.placement, self.source, self.config = clients, placement, source, config
         self.needed = list(needed)  # every (layer, expert) slab the model uses: what coverage is judged on
-        self.placement = placement
-        self.source = source
-        self.wire_dtype = wire_dtype
-        self.numerics = numerics  # sent with every call: nodes compute as the in-process backend would
-        # --wire q8: rows go as the 8-bit blocks their kernels quantize them to, where the layer's experts
-        # have such a type and the numerics is native (float32 rows otherwise), and the float32 answers come
-        # back packed in byte planes (swarm.proto.planes); the answers keep their bits
-        self.q8_rows = False
-        self._q8: Q8Wire | None = None
-        self.timeout = timeout
-        self.call_bytes = call_bytes
+        self.classes: dict[str, str] = {} if classes is None else classes
+        self.auditor = auditor
+        self.key = config.key
+        # --wire q8 in native numerics: rows go as the 8-bit blocks their kernels quantize them to, where the
+        # layer's experts have such a type, and the answers come back packed in byte planes (proto.planes)
+        q8 = config.wire is Wire.Q8 and config.numerics == Numerics.NATIVE
+        self._q8: Q8Wire | None = Q8Wire(source) if q8 else None
         self.calls_per_node: Counter[str] = Counter()
         self.rows_per_node: Counter[str] = Counter()
         self.row_bytes_per_node: Counter[str] = Counter()  # the rows' bytes in the calls (less framing)
@@ -84,25 +83,25 @@ class SwarmExperts:
         self.hedges = 0  # calls sent again to another holder because the first was slow
         self.hedge_wins = 0  # ... and the other holder answered first
         self.wait_seconds = 0.0
-        self.auditor: Auditor | None = None  # checks answers (probes, sampled audits); None: trusts them
-        self.classes: dict[str, str] = {}  # address -> the node's numerics class (what its audits compare)
-        self.same_class_only = False  # --numerics-class same: nodes of another class are passed over
-        # Opt-in degraded mode (hivemind's k_min): an expert with no live holder is left out of the sum and
-        # the weights of the experts that answered are renormalized, instead of waiting for a holder.
-        self.degraded = False
-        # --verify pair: every call also goes to a second holder (of the same numerics class where one
-        # exists) and the two answers are compared; the auditor decides a disagreement
-        self.pair = False
-        self.paired_calls = 0  # calls whose answer a second holder's answer confirmed
-        self.dropped_pairs = 0  # (token, slot) pairs left out that way
-        self._admitted: set[str] = set()  # nodes probed (or not needing it) before their first pair
+        self.twin_calls = 0  # calls whose answer a second holder's answer confirmed (--verify pair)
+        self.dropped_pairs = 0  # (token, slot) pairs left out in degraded mode
+        self._admitted: set[str] = set()  # nodes probed (or not needing it) before their first call
         self._pace: dict[str, float] = {}  # address -> seconds per row, a moving average of answered calls
-        # mDNS keeps running after connect: nodes that join are used from the next layer on, nodes that
-        # say goodbye are dropped before a call to them can fail.
-        self.browser, self.key = browser, key
+        self.browser = browser
         self._browser_version = -1
         self._advertised: dict[str, set[SlabKey]] = {}  # address -> slabs its mDNS record announced
         self._admission: threading.Thread | None = None  # probing the nodes found at start (admit_known)
+        if browser is not None:
+            self.follow_mdns()  # what discovery saw is the starting point for joins and leaves
+
+    @property
+    def timeout(self) -> float:
+        return self.config.timeout
+
+    @property
+    def degraded(self) -> bool:
+        """An expert with no live holder is left out of the sum, the weights of the rest renormalized."""
+        return self.config.degraded
 
     def admit_known(self) -> None:
         """Probe the nodes found so far on a thread of their own, while the model loads (a probe checks a few
@@ -140,33 +139,29 @@ class SwarmExperts:
         self.follow_mdns()
         self.placement.next_turn(layer)
         t, k = ids.shape
-        groups = group_expert_major(ids)
-        rows = self._wire_rows(layer, groups, x, k)  # [N, D], what the wire carries
-        parts = [Part(i, 0, n) for i, n in enumerate(groups.counts)]
+        major = group_expert_major(ids)
+        rows = self._wire_rows(layer, major, x, k)  # [N, D], what the wire carries
+        parts = [Part(i, 0, n) for i, n in enumerate(major.counts)]
         dropped: list[Part] = []
-        calls = self.send(layer, groups, rows, parts, {}, dropped=dropped)
-        pending = SwarmPending(self, layer, groups, rows, calls, t, k, x.device)
-        pending.drop(dropped)
-        if self.pair and self.auditor is not None:
-            pending.twins = [tw for c in calls for tw in self._twins(layer, groups, rows, c)]
+        calls = self.send(layer, major, rows, parts, {}, dropped=dropped)
+        twins = []
+        if self.config.verify is Verify.TWINS and self.auditor is not None:
+            twins = [tw for c in calls for tw in self._twins(layer, major, rows, c)]
+        pending = SwarmPending(self, layer, major, rows, calls, t, k, x.device, dropped, twins)
         return TimedPending(self, pending)
 
-    def _wire_rows(self, layer: int, groups: ExpertMajor, x: torch.Tensor, k: int) -> WireRows:
-        values = groups.pack(x, k).to(device="cpu", dtype=self.wire_dtype)
-        if not self.q8_rows or self.numerics != Numerics.NATIVE or self.wire_dtype != torch.float32:
-            return WireRows(values)
-        if self._q8 is None:
-            self._q8 = Q8Wire(self.source)
-        made = self._q8.blocks(layer, x)  # each token's row once, then packed as the values are
+    def _wire_rows(self, layer: int, major: ExpertMajor, x: torch.Tensor, k: int) -> WireRows:
+        values = major.pack(x, k).to(device="cpu", dtype=self.config.wire.dtype)
+        made = self._q8.blocks(layer, x) if self._q8 is not None else None  # each token's row once, then packed
         if made is None:
             return WireRows(values)
         qtype, blocks = made
-        return WireRows(values, groups.pack(blocks, k), qtype)
+        return WireRows(values, major.pack(blocks, k), qtype)
 
     def send(
         self,
         layer: int,
-        groups: ExpertMajor,
+        major: ExpertMajor,
         rows: WireRows,
         parts: Iterable[Part],
         failed: dict[int, list[str]],
@@ -174,29 +169,29 @@ class SwarmExperts:
         dropped: list[Part] | None = None,
     ) -> list[SentCall]:
         """Compute calls for `parts` of the packed rows: one per chosen holder, or several when its rows
-        exceed call_bytes. In degraded mode, parts no live node holds are added to `dropped` instead."""
+        exceed the config's call_bytes. In degraded mode, parts no live node holds are added to `dropped` instead."""
         dropped = dropped if dropped is not None else []
         by_node: dict[str, list[Part]] = {}
         if deadline is None:
-            deadline = time.monotonic() + self.timeout
+            deadline = time.monotonic() + self.config.timeout
         for p in parts:
             try:
                 address = self._holder_for(
-                    layer, groups.expert_ids[p.index], failed.get(p.index, []), deadline
+                    layer, major.expert_ids[p.index], failed.get(p.index, []), deadline
                 )
             except _NoHolder:
                 dropped.append(p)
                 continue
             by_node.setdefault(address, []).append(p)
-        return self._calls(layer, groups, rows, by_node)
+        return self._calls(layer, major, rows, by_node)
 
     def _calls(
-        self, layer: int, groups: ExpertMajor, rows: WireRows, by_node: dict[str, list[Part]]
+        self, layer: int, major: ExpertMajor, rows: WireRows, by_node: dict[str, list[Part]]
     ) -> list[SentCall]:
         """One compute call (or several, when its rows exceed call_bytes) for each node's parts."""
-        offsets = groups.offsets()
-        max_rows = max(1, self.call_bytes // max(1, rows.row_bytes))
-        packed = self.q8_rows and self.wire_dtype == torch.float32
+        offsets = major.offsets()
+        max_rows = max(1, self.config.call_bytes // max(1, rows.row_bytes))
+        packed = self.config.wire is Wire.Q8  # the answers in byte planes (also where the rows are float32)
         calls = []
         for address, node_parts in by_node.items():
             for chunk in split_parts(node_parts, max_rows):
@@ -204,12 +199,12 @@ class SwarmExperts:
                 part, carried = rows.take(begins, chunk)
                 call = self.clients[address].compute_async(
                     layer,
-                    [groups.expert_ids[p.index] for p in chunk],
+                    [major.expert_ids[p.index] for p in chunk],
                     [p.rows for p in chunk],
                     carried,
-                    self.timeout,
+                    self.config.timeout,
                     PLANES if packed else None,
-                    numerics=self.numerics,
+                    numerics=self.config.numerics,
                 )
                 self.calls_per_node[address] += 1
                 self.rows_per_node[address] += int(part.shape[0])
@@ -217,21 +212,21 @@ class SwarmExperts:
                 calls.append(SentCall(address, chunk, call, int(part.shape[1]), part))
         return calls
 
-    def _twins(self, layer: int, groups: ExpertMajor, rows: WireRows, c: SentCall) -> list[SentCall]:
+    def _twins(self, layer: int, major: ExpertMajor, rows: WireRows, c: SentCall) -> list[SentCall]:
         """Call c's parts sent to a second holder each (--verify pair): one of c's node's numerics class where
         there is one (the answers are then compared bit for bit), else any other live holder; parts with no
         other holder go unpaired (the sampled audits still cover them)."""
         mine = self.classes.get(c.address, "")
         by_node: dict[str, list[Part]] = {}
         for p in c.parts:
-            expert = groups.expert_ids[p.index]
+            expert = major.expert_ids[p.index]
             others = [a for a in self.placement.live(layer, expert, [c.address]) if a in self._admitted]
             if not others:
                 continue
             alike = [a for a in others if same_class(self.classes.get(a, ""), mine)]
             choice = (alike or others)[(layer * 31 + expert) % len(alike or others)]
             by_node.setdefault(choice, []).append(p)
-        return self._calls(layer, groups, rows, by_node)
+        return self._calls(layer, major, rows, by_node)
 
     def follow_mdns(self) -> None:
         """Take in the nodes mDNS has found or lost since the last look (cheap when nothing changed)."""
@@ -242,7 +237,7 @@ class SwarmExperts:
         now = {
             n.address: n
             for n in b.nodes()
-            if (not self.same_class_only or same_class(n.numerics_class, numerics_class()))
+            if (not self.config.same_class_only or same_class(n.numerics_class, numerics_class()))
             and n.protocol_version == PROTOCOL_VERSION  # (a node refuses every call of another version)
         }
         for address, n in now.items():
@@ -280,14 +275,37 @@ class SwarmExperts:
             return None
         return max(HEDGE_AFTER_MIN, HEDGE_FACTOR * pace * sum(p.rows for p in c.parts))
 
-    def hedge(self, layer: int, groups: ExpertMajor, rows: WireRows, c: SentCall) -> list[SentCall]:
+    def hedge(self, layer: int, major: ExpertMajor, rows: WireRows, c: SentCall) -> list[SentCall]:
         """Call c's parts sent to other live holders; none when some expert of c has no other holder."""
-        experts = {groups.expert_ids[p.index] for p in c.parts}
+        experts = {major.expert_ids[p.index] for p in c.parts}
         if any(self.placement.pick(layer, e, avoid=[c.address]) is None for e in experts):
             return []
-        calls = self.send(layer, groups, rows, c.parts, {p.index: [c.address] for p in c.parts})
+        calls = self.send(layer, major, rows, c.parts, {p.index: [c.address] for p in c.parts})
         self.hedges += len(calls)
         return calls
+
+    def hedge_won(self, address: str) -> None:
+        self.hedge_wins += 1
+        self.placement.mark_down(address)
+
+    def checked(self, c: SentCall, layer: int, major: ExpertMajor, answer: torch.Tensor) -> torch.Tensor:
+        """c's answer booked with the auditor (which may audit it now or aside, and bans a node it catches
+        through the placement); the coordinator's own rows where an inline audit caught the node."""
+        if self.auditor is None:
+            return answer
+        ids = [major.expert_ids[p.index] for p in c.parts]
+        return self.auditor.answered(c.address, layer, ids, [p.rows for p in c.parts], c.sent, answer)
+
+    def compare_twins(self, layer: int, answers: list[TwinAnswer]) -> None:
+        assert self.auditor is not None  # (twins are sent only with one)
+        compare_twins(self.auditor, layer, answers)
+        self.twin_calls += 1
+
+    def left_out(self, pairs: int) -> None:
+        self.dropped_pairs += pairs
+
+    def waited(self, seconds: float) -> None:
+        self.wait_seconds += seconds
 
     def observed(self, c: SentCall) -> tuple[SentCall, torch.Tensor]:
         """(c, its rows), waiting for them, and the node's pace updated with how long they took.
@@ -330,14 +348,15 @@ class SwarmExperts:
                 return address
 
     def _admit(self, address: str) -> bool:
-        """Probe a node before its first pair (the auditor's known rows through some of its slabs)."""
+        """Probe a node before its first call (the auditor's known rows through some of its slabs); a node
+        that fails it is banned by the auditor, through the placement."""
         if address in self._admitted or self.auditor is None:
             return True
         c = self.clients[address]
         held = sorted(k for k, hs in self.placement.holders().items() if address in hs)
 
         def compute(layer: int, ids: list[int], counts: list[int], rows: torch.Tensor) -> torch.Tensor:
-            return c.compute(layer, ids, counts, rows, self.timeout, numerics=self.numerics)
+            return c.compute(layer, ids, counts, rows, self.config.timeout, numerics=self.config.numerics)
 
         try:
             width = self.auditor.store.hidden_size or 0
@@ -346,11 +365,9 @@ class SwarmExperts:
             log.warning("node %s failed its admission probe (%s); passing it over for now", address, e)
             self.placement.mark_down(address)
             return False
-        if not ok:
-            self.placement.ban(address)
-            return False
-        self._admitted.add(address)
-        return True
+        if ok:
+            self._admitted.add(address)
+        return ok
 
     def _pick(self, layer: int, expert: int, failed: list[str], deadline: float | None) -> str:
         while True:
@@ -371,7 +388,7 @@ class SwarmExperts:
                 failed = failed or [a for a in self.placement.holders().get((layer, expert), [])]
                 raise UserError(
                     f"layer {layer} expert {expert}: every holder failed ({', '.join(dict.fromkeys(failed))}) "
-                    f"for {self.timeout:g} s; check those nodes (`swarm node` logs), add replicas, or raise "
+                    f"for {self.config.timeout:g} s; check those nodes (`swarm node` logs), add replicas, or raise "
                     "--timeout"
                 )
             time.sleep(RETRY_SECONDS)
