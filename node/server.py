@@ -151,7 +151,6 @@ class ExpertServicer(pb_grpc.ExpertNodeServicer):
         stats: CallStats | None = None,
         source_sha256: str = "",
         files: ShardFiles | None = None,
-        stream_port: int | None = 0,
     ) -> None:
         self.store = store
         self.files = files

@@ -22,7 +22,7 @@ from reference import assert_logits_close
 from swarm.compute.store import ExpertStore
 from swarm.coordinator.experts.backend import LocalExperts
 from swarm.coordinator.loader import load_model
-from swarm.coordinator.models.base import DecoderModel, PackedEmbedding
+from swarm.coordinator.models.base import Checkpoint, DecoderModel, PackedEmbedding
 from swarm.coordinator.models.deltanet import (
     DeltaNetState,
     GatedDeltaNet,
@@ -336,11 +336,11 @@ def test_a_float32_token_table_stays_in_the_file_too() -> None:
     assert torch.equal(model.token_embd(ids), torch.from_numpy(np.array(table.data))[ids])
 
 
-def _same_checkpoint(a: Any, b: Any) -> bool:
+def _same_checkpoint(a: Checkpoint, b: Checkpoint) -> bool:
     """Two SequenceState checkpoints hold the same position and the same bits in every layer."""
-    if a[0] != b[0]:
+    if (a.length, a.position) != (b.length, b.position):
         return False
-    for x, y in zip(a[1], b[1], strict=True):
+    for x, y in zip(a.layers, b.layers, strict=True):
         pairs = zip(x, y, strict=True) if isinstance(x, tuple) else [(x, y)]
         if not all(torch.equal(u, v) if isinstance(u, torch.Tensor) else u == v for u, v in pairs):
             return False
@@ -386,11 +386,11 @@ def test_marks_keep_the_checkpoints_of_reading_the_tokens_in_separate_calls(
     for st, ref, mine, ms, s, rows in zip(states, apart, cps, marks, seqs, logits, strict=True):
         assert _same_checkpoint(st.checkpoint(), ref.checkpoint())
         assert len(st.marked) == len(ms)
-        for (at, cp), m, want in zip(st.marked, ms, mine, strict=True):
-            assert at == m and _same_checkpoint((at, cp), want)
-        for at, cp in st.marked:
-            st.restore((at, cp))
-            assert torch.equal(model.run(s[at:], st), rows[at:])
+        for cp, m, want in zip(st.marked, ms, mine, strict=True):
+            assert cp.length == m and _same_checkpoint(cp, want)
+        for cp in st.marked:
+            st.restore(cp)
+            assert torch.equal(model.run(s[cp.length :], st), rows[cp.length :])
 
 
 def test_tails_give_the_last_rows_of_each_sequence() -> None:

@@ -2,7 +2,8 @@
 
 This package holds the coordinator's verbs (run, logits, perplexity, demo, status); the node's, the
 shard's and the server's live with their parts (swarm.node.cli, swarm.sharding.cli, swarm.coordinator.serve.cli).
-The engine they drive is the rest of swarm.coordinator: engine, generate, experts, swarm, models.
+The engine they drive is the rest of swarm.coordinator: engine and loader, models, decode, drafts, checks,
+experts, text, vision.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -27,6 +27,15 @@ from torch import nn
 from swarm.coordinator.experts.backend import ExpertBackend
 from swarm.coordinator.models.linear import Linear, RMSNorm, project
 from swarm.coordinator.models.moe import MoE
+
+
+class Checkpoint(NamedTuple):
+    """What `SequenceState.restore` needs to bring a sequence back to one point (the work after it is done
+    again)."""
+
+    length: int  # tokens consumed up to this point
+    layers: list[Any]  # every block's own checkpoint, in block order
+    position: int  # the RoPE position of the next token (SequenceState.position)
 
 
 @dataclass
@@ -38,22 +47,19 @@ class SequenceState:
 
     layers: list[Any]
     length: int = 0  # tokens consumed so far
-    # (position, checkpoint) at each mark of the last call that had some for this sequence (DecoderModel's
-    # `marks`), in order
-    marked: list[tuple[int, list[Any]]] = dataclasses.field(default_factory=list)
+    # the checkpoint at each mark of the last call that had some for this sequence (DecoderModel's `marks`),
+    # in order
+    marked: list[Checkpoint] = dataclasses.field(default_factory=list)
     # the RoPE position of the next token: `length` until the sequence holds a picture, whose rows advance it
     # by max(rows, columns) of its grid rather than by their number (M-RoPE, see Rows)
     position: int = 0
 
-    def checkpoint(self) -> tuple[int, list[Any]]:
-        """What `restore` needs to bring this sequence back to now (the work after it is done again): the
-        length, and every layer's checkpoint followed by the next position."""
-        return self.length, [*(s.checkpoint() for s in self.layers), self.position]
+    def checkpoint(self) -> Checkpoint:
+        return Checkpoint(self.length, [s.checkpoint() for s in self.layers], self.position)
 
-    def restore(self, cp: tuple[int, list[Any]]) -> None:
-        self.length, states = cp
-        *layers, self.position = states
-        for s, c in zip(self.layers, layers, strict=True):
+    def restore(self, cp: Checkpoint) -> None:
+        self.length, self.position = cp.length, cp.position
+        for s, c in zip(self.layers, cp.layers, strict=True):
             s.restore(c)
 
 
@@ -286,7 +292,7 @@ class DecoderModel(nn.Module):
                 for m in batch.marks[i] if batch.marks else ():
                     at = s.length + m
                     p = s.position + (int(r.positions[:, :m].max()) + 1 if r is not None else m)
-                    s.marked.append((at, [*(layer.take_marked(at) for layer in s.layers), p]))
+                    s.marked.append(Checkpoint(at, [layer.take_marked(at) for layer in s.layers], p))
                 s.length += n
                 s.position += r.advance if r is not None else n
             if tails:

@@ -14,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from swarm.coordinator.experts.backend import ExpertBackend
 from swarm.coordinator.models.hybrid import HybridConfig, HybridModel
 
 ARCH = "qwen35moe"
@@ -27,6 +26,4 @@ class Config(HybridConfig):
         return cls.parse(meta, ARCH, v_heads_tiled=True, fused_ba=False)
 
 
-class Model(HybridModel):
-    def __init__(self, cfg: HybridConfig, experts: ExpertBackend) -> None:
-        super().__init__(cfg, experts)
+Model = HybridModel

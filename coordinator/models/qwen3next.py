@@ -14,7 +14,6 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
-from swarm.coordinator.experts.backend import ExpertBackend
 from swarm.coordinator.models.hybrid import HybridConfig, HybridModel
 
 ARCH = "qwen3next"
@@ -32,6 +31,4 @@ def refine_config(cfg: Config, tensor_names: Collection[str]) -> HybridConfig:
     return cfg.for_tensors(tensor_names)
 
 
-class Model(HybridModel):
-    def __init__(self, cfg: HybridConfig, experts: ExpertBackend) -> None:
-        super().__init__(cfg, experts)
+Model = HybridModel

@@ -175,10 +175,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         checker = engine.checker
         per_slot = _slot_memory(engine, args.parallel, args.ctx_size)
         admit_check = _coverage_check(engine, args.model)
-        drafter, mtp = drafter_from_args(args, engine)
+        drafter, mtp_drafter = drafter_from_args(args, engine)
         scheduler = Scheduler(
             engine.model, engine.device, checker, args.parallel, args.ctx_size, args.max_queue, admit_check,
-            drafter=drafter, mtp=mtp, groups=_grouping(engine, args.groups),
+            drafter=drafter, mtp=mtp_drafter, groups=_grouping(engine, args.groups),
         )  # fmt: skip
         scheduler.start(_warm_up(engine, args.parallel))
         if args.stats:  # after the warm-up, which would count as routing
