@@ -23,7 +23,7 @@ from swarm.coordinator.config import EngineConfig
 from swarm.coordinator.decode.one import forward_one, generate
 from swarm.coordinator.decode.sampling import SamplingParams
 from swarm.coordinator.engine import Engine, open_engine
-from swarm.coordinator.models.base import Rows
+from swarm.coordinator.models.base import PictureRows
 from swarm.coordinator.text.pictures import PicturePrompt, run_prompt
 from swarm.proto.numerics import Numerics
 
@@ -78,13 +78,13 @@ def within(got: torch.Tensor, want: np.ndarray, max_diff: float, kl: float, what
 def test_prompt_tokens_and_positions_are_mtmds(engines: Any, ref: Any, i: int) -> None:
     p = prompt_of(engines[Numerics.NATIVE], i)
     assert p.tokens == ref[f"tokens_{i}"].tolist()
-    assert p.rows is not None and p.rows.at.tolist() == np.nonzero(ref[f"is_image_{i}"])[0].tolist()
-    assert np.array_equal(p.rows.positions.numpy(), ref[f"llama_positions_{i}"][:3])
+    assert p.pictures is not None and p.pictures.at.tolist() == np.nonzero(ref[f"is_image_{i}"])[0].tolist()
+    assert np.array_equal(p.pictures.positions.numpy(), ref[f"llama_positions_{i}"][:3])
     # the slot keys: a picture's rows as numbers of its pixels, the rest the tokens
     assert [k for k in p.keys if k >= 0] == [
         t for t, m in zip(p.tokens, ref[f"is_image_{i}"], strict=True) if not m
     ]
-    assert all(p.keys[j] < 0 for j in p.rows.at.tolist())
+    assert all(p.keys[j] < 0 for j in p.pictures.at.tolist())
 
 
 @pytest.mark.parametrize(("numerics", "engine_name"), [(Numerics.EXACT, "hf"), (Numerics.NATIVE, "llama")])
@@ -95,9 +95,12 @@ def test_text_model_on_the_references_rows_within_the_floor(
     """Each engine's own picture rows in, its logits at every position out: the text model's floor."""
     model = engines[numerics].model
     tokens, mask = ref[f"tokens_{i}"], ref[f"is_image_{i}"]
-    rows = Rows(torch.from_numpy(np.nonzero(mask)[0]), torch.from_numpy(ref[f"{engine_name}_image_embd_{i}"]),
-                torch.from_numpy(ref[f"hf_positions_{i}"][:, : len(tokens)].astype(np.int64)))  # fmt: skip
-    got = forward_one(model, tokens.tolist(), model.new_state(), "cpu", rows=rows)
+    pictures = PictureRows(
+        torch.from_numpy(np.nonzero(mask)[0]),
+        torch.from_numpy(ref[f"{engine_name}_image_embd_{i}"]),
+        torch.from_numpy(ref[f"hf_positions_{i}"][:, : len(tokens)].astype(np.int64)),
+    )
+    got = forward_one(model, tokens.tolist(), model.new_state(), "cpu", rows=pictures)
     within(got, ref[f"{engine_name}_logits_{i}"], TEXT_MAX, TEXT_KL, f"prompt {i} on {engine_name}'s rows")
 
 
@@ -114,21 +117,21 @@ def test_pictures_end_to_end_within_the_floors_and_greedy_tokens_equal(
                                 (Numerics.NATIVE, f"llama_logits_{i}", (LLAMA_MAX, LLAMA_KL))):  # fmt: skip
         e = engines[numerics]
         p = prompt_of(e, i)
-        got = forward_one(e.model, p.tokens, e.model.new_state(), "cpu", rows=p.rows)
+        got = forward_one(e.model, p.tokens, e.model.new_state(), "cpu", rows=p.pictures)
         within(got, ref[want], *tol, f"prompt {i} {numerics.value} vs {want}")
         params = SamplingParams(max_tokens=8, temperature=0.0)
-        assert list(generate(e.model, p.tokens, params, "cpu", rows=p.rows)) == greedy
+        assert list(generate(e.model, p.tokens, params, "cpu", rows=p.pictures)) == greedy
 
 
 def test_a_text_prompt_is_unchanged_by_picture_positions(engines: Any) -> None:
     """Text tokens given with their (p, p, p) positions explicitly: the same bits as without."""
     for e in engines.values():
         ids = e.tokenizer.encode("def add(a, b): return a + b", parse_special=False)
-        rows = Rows(
+        pictures = PictureRows(
             torch.zeros(0, dtype=torch.long), torch.zeros(0, 128), torch.arange(len(ids)).expand(3, -1)
         )
         a = forward_one(e.model, ids, e.model.new_state(), "cpu")
-        b = forward_one(e.model, ids, e.model.new_state(), "cpu", rows=rows)
+        b = forward_one(e.model, ids, e.model.new_state(), "cpu", rows=pictures)
         assert torch.equal(a, b)
 
 
@@ -140,16 +143,16 @@ def test_a_picture_cut_into_chunks_and_checkpoints_gives_the_same_bits(
     restored inside a picture: the logits of reading it in one call, bit for bit; the next position kept."""
     model = engines[numerics].model
     p = prompt_of(engines[numerics], 2)
-    assert p.rows is not None
+    assert p.pictures is not None
     whole_state = model.new_state()
-    whole = forward_one(model, p.tokens, whole_state, "cpu", rows=p.rows)
+    whole = forward_one(model, p.tokens, whole_state, "cpu", rows=p.pictures)
     assert whole_state.position == 39 and whole_state.length == 50  # the fixture's: 15 + 24 text positions
     st, parts = model.new_state(), []
     cuts = [0, 7, 12, 20, 50]
     for a, b in zip(cuts, cuts[1:], strict=False):
         ids = torch.tensor(p.tokens[a:b])
-        rows = p.rows.slice(a, b)
-        parts.append(model(ids, [st], [b - a], marks=[3], **({"inputs": [rows]} if rows else {})))
+        pictures = p.pictures.slice(a, b)
+        parts.append(model(ids, [st], [b - a], marks=[3], **({"pictures": [pictures]} if pictures else {})))
         if a == 12:
             inside = st.marked[-1]  # after token 15: between the pictures (vision_end, vision_start read)
         elif a == 20:
@@ -157,9 +160,9 @@ def test_a_picture_cut_into_chunks_and_checkpoints_gives_the_same_bits(
     assert torch.equal(torch.cat(parts), whole)
     assert st.position == whole_state.position
     for cp in (inside, deep):
-        at = cp[0]
+        at = cp.length
         st.restore(cp)
-        again = model(torch.tensor(p.tokens[at:]), [st], [50 - at], inputs=[p.rows.slice(at, 50)])
+        again = model(torch.tensor(p.tokens[at:]), [st], [50 - at], pictures=[p.pictures.slice(at, 50)])
         assert torch.equal(again, whole[at:]) and st.position == 39
 
 
@@ -235,7 +238,7 @@ def test_image_urls_are_fetched_when_allowed(engines: Any) -> None:
             body = {"messages": [{"role": "user", "content": parts}]}
             if ok:
                 job = reader.chat_job(body)
-                assert job.prompt == prompt_of(e, 0).tokens and job.rows is not None
+                assert job.prompt == prompt_of(e, 0).tokens and job.pictures is not None
             else:
                 with pytest.raises(ApiError, match="cannot fetch"):
                     reader.chat_job(body)
@@ -260,15 +263,15 @@ def test_three_nodes_equal_in_process_bit_for_bit(tmp_path: Path, ref: Any) -> N
             params = SamplingParams(max_tokens=8, temperature=0.0)
             for i in range(3):
                 p, q = prompt_of(swarm, i), prompt_of(local, i)
-                assert p.tokens == q.tokens and p.rows is not None and q.rows is not None
-                assert torch.equal(p.rows.rows, q.rows.rows)
-                a = forward_one(swarm.model, p.tokens, swarm.model.new_state(), "cpu", rows=p.rows)
-                b = forward_one(local.model, q.tokens, local.model.new_state(), "cpu", rows=q.rows)
+                assert p.tokens == q.tokens and p.pictures is not None and q.pictures is not None
+                assert torch.equal(p.pictures.rows, q.pictures.rows)
+                a = forward_one(swarm.model, p.tokens, swarm.model.new_state(), "cpu", rows=p.pictures)
+                b = forward_one(local.model, q.tokens, local.model.new_state(), "cpu", rows=q.pictures)
                 assert torch.equal(a, b), f"prompt {i}: max {float((a - b).abs().max()):.3g}"
                 greedy = list(
-                    generate(swarm.model, p.tokens, params, "cpu", checker=swarm.checker, rows=p.rows)
+                    generate(swarm.model, p.tokens, params, "cpu", checker=swarm.checker, rows=p.pictures)
                 )
-                assert greedy == list(generate(local.model, q.tokens, params, "cpu", rows=q.rows))
+                assert greedy == list(generate(local.model, q.tokens, params, "cpu", rows=q.pictures))
                 assert greedy == ref[f"llama_greedy_{i}"].tolist()
             assert set(peers) <= set(swarm.experts.calls_per_node), "every node got calls"
         finally:
@@ -361,7 +364,7 @@ def in_process(e: Engine, messages: list[dict[str, Any]], max_tokens: int = 8) -
         {"messages": messages}
     )
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, stop_ids=e.tokenizer.eos_ids)
-    tokens = list(generate(e.model, job.prompt, params, "cpu", rows=job.rows))
+    tokens = list(generate(e.model, job.prompt, params, "cpu", rows=job.pictures))
     return e.tokenizer.decode([t for t in tokens if t not in params.stop_ids], skip_control=True), len(
         job.prompt
     )
@@ -445,7 +448,8 @@ def test_several_requests_with_pictures_decode_together_each_as_alone(engines: A
     prompts.append(run_prompt(e, "What is a list?", True, None, []))
     params = [SamplingParams(max_tokens=6, temperature=0.8 * (i % 2), seed=9 + i) for i in range(4)]
     alone = [
-        list(generate(e.model, p.tokens, q, "cpu", rows=p.rows)) for p, q in zip(prompts, params, strict=True)
+        list(generate(e.model, p.tokens, q, "cpu", rows=p.pictures))
+        for p, q in zip(prompts, params, strict=True)
     ]
     s = sched.Scheduler(e.model, torch.device("cpu"), None, 4, 256, 4)
     s.start()
@@ -454,7 +458,12 @@ def test_several_requests_with_pictures_decode_together_each_as_alone(engines: A
         outs: list[list[int]] = [[] for _ in range(4)]
         for i, p in enumerate(prompts):
             r = sched.Request(
-                p.tokens, params[i], outs[i].extend, lambda _, d=done[i]: d.set(), rows=p.rows, keys=p.keys
+                p.tokens,
+                params[i],
+                outs[i].extend,
+                lambda _, d=done[i]: d.set(),
+                rows=p.pictures,
+                keys=p.keys,
             )
             s.submit(r)
         assert all(d.wait(120) for d in done)

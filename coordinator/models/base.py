@@ -51,7 +51,7 @@ class SequenceState:
     # in order
     marked: list[Checkpoint] = dataclasses.field(default_factory=list)
     # the RoPE position of the next token: `length` until the sequence holds a picture, whose rows advance it
-    # by max(rows, columns) of its grid rather than by their number (M-RoPE, see Rows)
+    # by max(rows, columns) of its grid rather than by their number (M-RoPE, see PictureRows)
     position: int = 0
 
     def checkpoint(self) -> Checkpoint:
@@ -64,7 +64,7 @@ class SequenceState:
 
 
 @dataclass(frozen=True)
-class Rows:
+class PictureRows:
     """A sequence's new tokens of one call where some come as rows rather than from token_embd (a picture's
     rows, in place of its <|image_pad|> tokens), with the M-RoPE positions (t, h, w) of every new token
     relative to the sequence's next position (SequenceState.position). A text token has (p, p, p); a picture's
@@ -80,7 +80,7 @@ class Rows:
         """How far these tokens move the sequence's next position."""
         return int(self.positions.max()) + 1
 
-    def slice(self, a: int, b: int) -> Rows | None:
+    def slice(self, a: int, b: int) -> PictureRows | None:
         """The part of these tokens from a to b (one prompt chunk), relative to the position the tokens
         before a leave; None where it is plain text at consecutive positions."""
         pos = self.positions[:, a:b]
@@ -88,7 +88,7 @@ class Rows:
         sel = (self.at >= a) & (self.at < b)
         if not bool(sel.any()) and torch.equal(pos, torch.arange(b - a).expand(3, -1)):
             return None
-        return Rows(self.at[sel] - a, self.rows[sel], pos)
+        return PictureRows(self.at[sel] - a, self.rows[sel], pos)
 
 
 @dataclass(frozen=True)
@@ -102,8 +102,8 @@ class Batch:
     # a prompt's reader keeps one before the prompt's end, a checking window one after every row but the
     # last): its recurrent layers keep their state there. () when no sequence has any.
     marks: tuple[tuple[int, ...], ...] = ()
-    # picture rows (Rows): which rows of the call have h or w positions unlike their t ([k] long), and their
-    # absolute (t, h, w) [3, k]; `positions` holds their t. None: every row's three positions are equal.
+    # pictures (PictureRows): which rows of the call have h or w positions unlike their t ([k] long), and
+    # their absolute (t, h, w) [3, k]; `positions` holds their t. None: every row's three positions are equal.
     multi: torch.Tensor | None = None
     multi_positions: torch.Tensor | None = None
 
@@ -114,7 +114,7 @@ class Batch:
         lengths: Sequence[int],
         device: torch.device,
         marks: Sequence[Sequence[int]] = (),
-        inputs: Sequence[Rows | None] = (),
+        pictures: Sequence[PictureRows | None] = (),
     ) -> Batch:
         starts = tuple(s.length for s in states)
         # one tensor from a Python list: a decode step's few positions cost one op, not an arange per sequence
@@ -122,7 +122,7 @@ class Batch:
         multi: list[int] = []
         multi_pos: list[torch.Tensor] = []
         for i, (s, n) in enumerate(zip(states, lengths, strict=True)):
-            r = inputs[i] if inputs else None
+            r = pictures[i] if pictures else None
             if r is None:
                 at.extend(range(s.position, s.position + int(n)))
                 continue
@@ -148,21 +148,23 @@ class Batch:
         return torch.split(x, list(self.lengths), dim=0)
 
 
-def check_inputs(inputs: Sequence[Rows | None], lengths: Sequence[int]) -> None:
-    if not inputs:
+def check_pictures(pictures: Sequence[PictureRows | None], lengths: Sequence[int]) -> None:
+    if not pictures:
         return
-    if len(inputs) != len(lengths):
-        raise ValueError(f"{len(inputs)} inputs for {len(lengths)} sequences")
-    for r, n in zip(inputs, lengths, strict=True):
+    if len(pictures) != len(lengths):
+        raise ValueError(f"pictures given for {len(pictures)} sequences but {len(lengths)} are read")
+    for r, n in zip(pictures, lengths, strict=True):
         if r is not None and (r.positions.shape != (3, n) or (r.at.numel() and int(r.at.max()) >= n)):
             raise ValueError(f"rows with positions {list(r.positions.shape)} for {n} new tokens")
 
 
-def given_rows(x: torch.Tensor, inputs: Sequence[Rows | None], lengths: Sequence[int]) -> torch.Tensor:
-    """x [N, D] with the rows `inputs` give in place of the looked-up ones."""
+def given_rows(
+    x: torch.Tensor, pictures: Sequence[PictureRows | None], lengths: Sequence[int]
+) -> torch.Tensor:
+    """x [N, D] with the pictures' rows in place of the looked-up ones."""
     at, rows = [], []
     off = 0
-    for r, n in zip(inputs, lengths, strict=True):
+    for r, n in zip(pictures, lengths, strict=True):
         if r is not None and r.at.numel():
             at.append(r.at.to(x.device) + off)
             rows.append(r.rows.to(x.device, x.dtype))
@@ -245,7 +247,7 @@ class DecoderModel(nn.Module):
         marks: Sequence[int | Sequence[int]] = (),
         tails: Sequence[int] = (),
         hidden: bool = False,
-        inputs: Sequence[Rows | None] = (),
+        pictures: Sequence[PictureRows | None] = (),
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """tokens [N] (lengths[i] new tokens of sequence i, in order) -> logits [N, V] float32; with
         `hidden`, (logits, h [N, D]): h every row of the call after output_norm, whichever rows the logits
@@ -256,8 +258,8 @@ class DecoderModel(nn.Module):
         ([sum(tails), V]; a checking window's rows). States are advanced in place. `marks[i]` (a count m
         or several, increasing, each 0 < m < lengths[i]; 0 or (): none): sequence i is also checkpointed
         after its first m new tokens, into states[i].marked (as calling with those m tokens,
-        checkpointing, and calling with the rest would, in one pass). `inputs[i]` (or none): sequence i's new
-        tokens that come as rows (a picture's) and their M-RoPE positions.
+        checkpointing, and calling with the rest would, in one pass). `pictures[i]` (or none): sequence i's
+        new tokens that come as rows (a picture's) and their M-RoPE positions.
         """
         if not states or len(states) != len(lengths):
             raise ValueError(f"{len(states)} states but {len(lengths)} lengths; give at least one sequence")
@@ -276,19 +278,19 @@ class DecoderModel(nn.Module):
             len(tails) != len(lengths) or any(not 0 < k <= n for k, n in zip(tails, lengths, strict=True))
         ):
             raise ValueError(f"tails {list(tails)} do not fall within lengths {list(lengths)}")
-        check_inputs(inputs, lengths)
+        check_pictures(pictures, lengths)
         device = self.output_norm.weight.device
         # inference_mode throughout, so caches made in one call stay writable in the next.
         with torch.inference_mode():
-            batch = Batch.of(states, lengths, device, cuts, inputs)
+            batch = Batch.of(states, lengths, device, cuts, pictures)
             x = self.token_embd(tokens.to(device))  # [N, D]
-            if inputs:
-                x = given_rows(x, inputs, batch.lengths)
+            if pictures:
+                x = given_rows(x, pictures, batch.lengths)
             for i, blk in enumerate(self.blk):
                 x = blk(x, batch, [s.layers[i] for s in states])
             h = self.output_norm(x).float() if hidden else None  # [N, D]
             for i, (s, n) in enumerate(zip(states, batch.lengths, strict=True)):
-                r = inputs[i] if inputs else None
+                r = pictures[i] if pictures else None
                 for m in batch.marks[i] if batch.marks else ():
                     at = s.length + m
                     p = s.position + (int(r.positions[:, :m].max()) + 1 if r is not None else m)

@@ -62,9 +62,9 @@ class OpenAIApi:
         self, engine: Any, scheduler: sched.Scheduler, config: ServeConfig, metrics: ServeMetrics
     ) -> None:
         self.tokenizer = engine.tokenizer
-        self.pictures = getattr(engine, "vision", None)  # coordinator.pictures.Pictures, None: no pictures
+        self.vision = getattr(engine, "vision", None)  # text.pictures.PictureEncoder, None: no pictures
         self.jobs = JobReader(
-            self.tokenizer, ChatTemplate.from_tokenizer(self.tokenizer), config.ctx_size, self.pictures,
+            self.tokenizer, ChatTemplate.from_tokenizer(self.tokenizer), config.ctx_size, self.vision,
             config.allow_image_urls,
         )  # fmt: skip
         self.scheduler, self.config, self.metrics = scheduler, config, metrics
@@ -128,7 +128,7 @@ class OpenAIApi:
             loop.call_soon_threadsafe(events.put_nowait, x)
 
         scheduler = self.scheduler
-        req = sched.Request(job.prompt, job.params, put, put, mark=job.mark, rows=job.rows, keys=job.keys)
+        req = sched.Request(job.prompt, job.params, put, put, mark=job.mark, rows=job.pictures, keys=job.keys)
         try:
             scheduler.submit(req)
         except sched.QueueFull:
@@ -187,7 +187,7 @@ class OpenAIApi:
             self.check_key(request)
             body = await self.body_of(request)
             # pictures are decoded and encoded beside the event loop (seconds, for a big vision tower)
-            job = await asyncio.to_thread(make, body) if self.pictures is not None else make(body)
+            job = await asyncio.to_thread(make, body) if self.vision is not None else make(body)
             stream = body.get("stream", False)
             options = body.get("stream_options") or {}
             if not isinstance(stream, bool) or not isinstance(options, dict):
@@ -263,7 +263,7 @@ class OpenAIApi:
         except ApiError as e:
             return e.response()
         # what the model reads: "image" where a vision tower is loaded (image_url content parts)
-        reads = ["text", "image"] if self.pictures is not None else ["text"]
+        reads = ["text", "image"] if self.vision is not None else ["text"]
         return JSONResponse(
             {"object": "list", "data": [{"id": self.config.model_id, "object": "model", "created": 0,
              "owned_by": "swarm", "context_length": self.config.ctx_size, "input_modalities": reads}]}

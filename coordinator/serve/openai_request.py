@@ -43,7 +43,7 @@ class Job:
     params: SamplingParams
     stops: list[str]
     mark: int | None = None  # where the scheduler keeps a checkpoint before the prompt's end
-    rows: Any = None  # the prompt's pictures (models.base.Rows), or None
+    pictures: Any = None  # the prompt's pictures (models.base.PictureRows), or None
     keys: list[int] | None = None  # the prompt as slots match it (pictures.PicturePrompt.keys)
 
 
@@ -55,11 +55,11 @@ class JobReader:
         tokenizer: GGUFTokenizer,
         template: ChatTemplate,
         ctx_size: int,
-        pictures: Any = None,
+        vision: Any = None,
         allow_image_urls: bool = False,
     ) -> None:
         self.tokenizer, self.template, self.ctx_size = tokenizer, template, ctx_size
-        self.pictures = pictures  # the vision tower (coordinator.pictures.Pictures), None: no pictures
+        self.vision = vision  # the vision tower (text.pictures.PictureEncoder), None: no pictures
         self.allow_image_urls = allow_image_urls
 
     def sampling(self, body: dict[str, Any], n_prompt: int) -> tuple[SamplingParams, list[str]]:
@@ -123,28 +123,28 @@ class JobReader:
             raise ApiError(400, str(e), param="messages") from None
         if not images:
             prompt = self.tokenizer.encode(text, parse_special=True)
-            rows = keys = None
+            pictures = keys = None
         else:
-            prompt, rows, keys = self._with_pictures(text, images)
-        self.check_context(prompt, int(rows.at.numel()) if rows is not None else 0)
+            prompt, pictures, keys = self._with_pictures(text, images)
+        self.check_context(prompt, int(pictures.at.numel()) if pictures is not None else 0)
         params, stops = self.sampling(body, len(prompt))
-        return Job(prompt, params, stops, self._turn_end(plain, text, prompt), rows, keys)
+        return Job(prompt, params, stops, self._turn_end(plain, text, prompt), pictures, keys)
 
     def _with_pictures(self, text: str, images: list[Any]) -> tuple[list[int], Any, list[int]]:
-        """(prompt tokens, rows, keys) of a chat's text whose pictures stand at pictures.MARKER."""
+        """(prompt tokens, pictures, keys) of a chat's text whose pictures stand at pictures.MARKER."""
         from swarm.coordinator.text.pictures import picture_prompt
 
-        if self.pictures is None:
+        if self.vision is None:
             raise ApiError(
                 400, "this model reads no pictures here: the server runs without a vision tower (start "
                 "`swarm serve` with --mmproj FILE, the model's mmproj GGUF)", param="messages",
             )  # fmt: skip
         data = [picture_bytes(src, i, self.allow_image_urls) for i, src in images]
         try:
-            p = picture_prompt(self.tokenizer, self.pictures, text, data)
+            p = picture_prompt(self.tokenizer, self.vision, text, data)
         except UserError as e:
             raise ApiError(400, f"a picture cannot be used: {e}", param="messages") from None
-        return p.tokens, p.rows, p.keys
+        return p.tokens, p.pictures, p.keys
 
     def _turn_end(self, messages: list[dict[str, Any]], text: str, prompt: list[int]) -> int | None:
         """Where the conversation ends before the generation prompt: a chat app sends it again with the

@@ -1,5 +1,5 @@
 """Prompts holding pictures (Qwen3.5 / Qwen3.6 with an mmproj): the vision tower opened beside the text model,
-a prompt's picture places expanded to their rows, and what the model reads for them (models.base.Rows).
+a prompt's picture places expanded to their rows, and what the model reads for them (models.base.PictureRows).
 
 As llama.cpp's mtmd does, a picture's place in a prompt's text is the marker `<__media__>` (a chat's image
 content part becomes one before the chat template runs); each marker becomes `<|vision_start|>`, one
@@ -9,7 +9,7 @@ M-RoPE positions (coordinator.vision.positions).
 
     vision = open_vision(meta, "mmproj.gguf", numerics)
     prompt = picture_prompt(tokenizer, vision, "<__media__>What is this?", [png_bytes])
-    generate(model, prompt.tokens, params, rows=prompt.rows)
+    generate(model, prompt.tokens, params, pictures=prompt.pictures)
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from swarm.coordinator.models.base import Rows
+from swarm.coordinator.models.base import PictureRows
 from swarm.coordinator.text.tokenizer import GGUFTokenizer
 from swarm.proto.numerics import Numerics
 from swarm.sharding.errors import UserError
@@ -42,18 +42,18 @@ CACHED_PICTURES = 16  # encoded pictures kept, by pixel hash: a conversation sen
 @dataclass(frozen=True)
 class PicturePrompt:
     """A prompt's tokens (each picture as <|vision_start|>, its <|image_pad|> rows, <|vision_end|>), what the
-    model reads for them (None: no picture), and `keys`: the tokens with each picture's rows replaced by
-    numbers from a hash of its pixels (negative: never a token id), so that a prompt held by a serve slot
+    model reads for its pictures (None: no picture), and `keys`: the tokens with each picture's rows replaced
+    by numbers from a hash of its pixels (negative: never a token id), so that a prompt held by a serve slot
     matches a later one only where the pictures are the same."""
 
     tokens: list[int]
-    rows: Rows | None
+    pictures: PictureRows | None
     keys: list[int]
-    pictures: int = 0
 
     @property
     def picture_rows(self) -> int:
-        return int(self.rows.at.numel()) if self.rows is not None else 0
+        """How many of the tokens are pictures' rows."""
+        return int(self.pictures.at.numel()) if self.pictures is not None else 0
 
 
 def find_mmproj(model: str | Path) -> Path | None:
@@ -76,9 +76,9 @@ def open_vision(
     device: torch.device | str | None = None,
     min_tokens: int | None = None,
     max_tokens: int | None = None,
-) -> Any:
-    """The vision tower of the mmproj at `path` for the text model of `meta` (coordinator.vision.Vision); a
-    UserError where the text model cannot read pictures."""
+) -> PictureEncoder:
+    """The vision tower of the mmproj at `path` for the text model of `meta` (coordinator.vision.Vision), with
+    its cache of encoded pictures; a UserError where the text model cannot read pictures."""
     from swarm.coordinator.vision import load_vision
     from swarm.sharding.gguf_io import GGUFError
 
@@ -97,10 +97,10 @@ def open_vision(
                              numerics=numerics, min_tokens=min_tokens, max_tokens=max_tokens)  # fmt: skip
     except (GGUFError, OSError) as e:
         raise UserError(f"--mmproj {path}: {e}") from None
-    return Pictures(vision)
+    return PictureEncoder(vision)
 
 
-class Pictures:
+class PictureEncoder:
     """A vision tower and the encoded pictures it keeps (by a hash of their preprocessed pixels)."""
 
     def __init__(self, vision: Any) -> None:
@@ -129,7 +129,7 @@ class Pictures:
 
 def picture_prompt(
     tokenizer: GGUFTokenizer,
-    pictures: Pictures | None,
+    vision: PictureEncoder | None,
     text: str,
     images: Sequence[bytes],
     parse_special: bool = True,
@@ -139,7 +139,7 @@ def picture_prompt(
     if not images:
         ids = tokenizer.encode(text, parse_special=parse_special)
         return PicturePrompt(ids, None, list(ids))
-    if pictures is None:
+    if vision is None:
         raise UserError("this model reads no pictures: give the model's mmproj file with --mmproj")
     pieces = text.split(MARKER)
     if len(pieces) - 1 != len(images):
@@ -155,7 +155,7 @@ def picture_prompt(
     for i, piece in enumerate(pieces):
         ids = tokenizer.encode(piece, parse_special=parse_special) if piece else []
         if i:
-            key, pic = pictures.encode(images[i - 1])
+            key, pic = vision.encode(images[i - 1])
             n = int(pic.rows.shape[0])
             base = int.from_bytes(key[:5], "big") << 20
             ids_pic = [pad] * n
@@ -170,8 +170,8 @@ def picture_prompt(
     from swarm.coordinator.vision import mrope_positions
 
     pos, _ = mrope_positions([s for s in segments if s != 0])
-    given = Rows(torch.tensor(at, dtype=torch.long), torch.cat(rows).float(), torch.from_numpy(pos))
-    return PicturePrompt(tokens, given, keys, len(images))
+    given = PictureRows(torch.tensor(at, dtype=torch.long), torch.cat(rows).float(), torch.from_numpy(pos))
+    return PicturePrompt(tokens, given, keys)
 
 
 def read_image_files(paths: Sequence[str]) -> list[bytes]:
