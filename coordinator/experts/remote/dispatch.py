@@ -23,6 +23,7 @@ from swarm.coordinator.experts.remote.calls import Part, SentCall, WireRows, spl
 from swarm.coordinator.experts.remote.pending import SwarmPending, TimedPending
 from swarm.coordinator.experts.remote.placement import Placement, describe_missing
 from swarm.coordinator.experts.remote.wire import Q8Wire
+from swarm.node.auth import SwarmKey
 from swarm.node.client import NodeCallError, NodeClient
 from swarm.proto.channel import PROTOCOL_VERSION
 from swarm.proto.numerics import Numerics
@@ -68,7 +69,6 @@ class SwarmExperts:
         self.needed = list(needed)  # every (layer, expert) slab the model uses: what coverage is judged on
         self.classes: dict[str, str] = {} if classes is None else classes
         self.auditor = auditor
-        self.key = config.key
         # --wire q8 in native numerics: rows go as the 8-bit blocks their kernels quantize them to, where the
         # layer's experts have such a type, and the answers come back packed in byte planes (proto.planes)
         q8 = config.wire is Wire.Q8 and config.numerics == Numerics.NATIVE
@@ -97,6 +97,11 @@ class SwarmExperts:
     @property
     def timeout(self) -> float:
         return self.config.timeout
+
+    @property
+    def key(self) -> SwarmKey | None:
+        """The swarm key calls are signed with (also for the nodes mDNS finds later)."""
+        return self.config.key
 
     @property
     def degraded(self) -> bool:

@@ -169,7 +169,7 @@ class SwarmPending:
             try:
                 _, answer = self.failover.observed(twin)
             except NodeCallError as e:
-                log.warning("node %s failed a paired call of layer %d (%s)", twin.address, self.layer, e)
+                log.warning("node %s failed a twin call of layer %d (%s)", twin.address, self.layer, e)
                 self.failover.node_failed(twin.address)
                 continue
             at, answers = 0, []
