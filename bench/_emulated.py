@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from swarm.coordinator.decode.turns import away
+from swarm.coordinator.experts.turns import away
 
 
 class _Answered:

@@ -12,8 +12,8 @@ from pathlib import Path
 from _llama import rpc_servers
 from _loopback import LOOPBACK, free_port
 
+from swarm.coordinator.cli.launch import spawn_server
 from swarm.coordinator.cli.spawn import LocalNode, start_nodes, stop_nodes
-from swarm.coordinator.serve.launch import spawn_server
 
 N_NODES = 4  # the loopback nodes (or rpc-servers) a server spreads over
 

@@ -184,7 +184,7 @@ def emulated(args: argparse.Namespace) -> str:
         "layer's answers arrive one round trip after the call at no cost to this machine (zeros: the text is not "
         "the model's), as nodes with cores of their own and an ideal link would give them; the coordinator's "
         "side alone. Aggregate decode tok/s by groups (medians of "
-        f"{args.reps}; the groups take turns at the dense work, coordinator/decode/turns.py).",
+        f"{args.reps}; the groups take turns at the dense work, coordinator/experts/turns.py).",
         "",
         "| RTT | 1 group | 2 groups | 3 groups | 4 groups | best / 1 group |",
         "|---|---|---|---|---|---|",

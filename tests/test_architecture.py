@@ -161,3 +161,102 @@ def test_swarm_node_loads_no_coordinator_module(tmp_path: Path) -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-2000:]
+
+
+# The coordinator's rooms, lowest first (docs/ARCHITECTURE.md says what each owns): a module may import its own
+# room and the rooms below it, never one above. A loose module (config.py, loader.py, engine.py) is a room of
+# its own.
+ROOMS = (
+    "config", "checks", "experts", "models", "loader", "vision", "text", "drafts", "decode", "engine", "serve", "cli",
+)  # fmt: skip
+
+
+def room_of(rel: str) -> str:
+    """coordinator/decode/core.py -> decode; coordinator/engine.py -> engine."""
+    return Path(rel).relative_to("coordinator").parts[0].removesuffix(".py")
+
+
+def coordinator_imports(root: Path) -> dict[str, list[tuple[int, str]]]:
+    """Each coordinator module's imports of other coordinator modules (every depth, TYPE_CHECKING included;
+    `from swarm.coordinator.vision import native` names the module native, not the package)."""
+    base = root / "coordinator"
+    found: dict[str, list[tuple[int, str]]] = {}
+    for path in sorted(base.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel == "coordinator/__init__.py":
+            continue
+        mods = []
+        for n in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(n, ast.Import):
+                mods += [(n.lineno, a.name) for a in n.names]
+            elif isinstance(n, ast.ImportFrom) and n.module and n.level == 0:
+                for a in n.names:
+                    sub = f"{n.module}.{a.name}"
+                    is_module = (root / sub.replace("swarm.", "", 1).replace(".", "/")).with_suffix(".py").is_file()
+                    mods.append((n.lineno, sub if is_module else n.module))
+        found[rel] = sorted({(line, m) for line, m in mods if m.startswith("swarm.coordinator.")})
+    return found
+
+
+def room_violations(root: Path) -> list[str]:
+    bad = []
+    for rel, imports in coordinator_imports(root).items():
+        mine = room_of(rel)
+        if mine not in ROOMS:
+            bad.append(f"{rel}: room {mine!r} is not in ROOMS: place it")
+            continue
+        for line, mod in imports:
+            target = mod.split(".")[2]
+            if target in ROOMS and ROOMS.index(target) > ROOMS.index(mine):
+                bad.append(f"{rel}:{line} imports {mod}: {mine} may not import {target} (a room above it)")
+    return bad
+
+
+def module_cycles(root: Path) -> list[list[str]]:
+    """Import cycles among the coordinator's modules (a module importing a package counts as importing its
+    __init__); each cycle once."""
+    modules = {}
+    for rel in coordinator_imports(root):
+        name = "swarm." + rel.removesuffix(".py").replace("/", ".").removesuffix(".__init__")
+        modules[name] = rel
+    graph = {
+        name: {m for _, m in coordinator_imports(root)[rel] if m in modules and m != name}
+        for name, rel in modules.items()
+    }
+    cycles, seen = [], set()
+    for start in sorted(graph):
+        stack = [(start, [start])]
+        while stack:
+            node, path = stack.pop()
+            for nxt in sorted(graph[node]):
+                if nxt == start:
+                    key = frozenset(path)
+                    if key not in seen:
+                        seen.add(key)
+                        cycles.append(path + [start])
+                elif nxt not in path and nxt > start:
+                    stack.append((nxt, path + [nxt]))
+    return cycles
+
+
+def test_the_coordinators_rooms_import_downwards_only() -> None:
+    assert room_violations(ROOT) == []
+
+
+def test_no_import_cycle_in_the_coordinator() -> None:
+    assert module_cycles(ROOT) == []
+
+
+def test_the_room_and_cycle_checks_catch_what_breaks_them(tmp_path: Path) -> None:
+    (tmp_path / "coordinator" / "experts").mkdir(parents=True)
+    (tmp_path / "coordinator" / "decode").mkdir(parents=True)
+    (tmp_path / "coordinator" / "experts" / "a.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from swarm.coordinator.decode.b import B\n"
+    )
+    (tmp_path / "coordinator" / "decode" / "b.py").write_text("from swarm.coordinator.experts.a import A\n")
+    assert any("experts may not import decode" in v for v in room_violations(tmp_path))
+    assert module_cycles(tmp_path) == [
+        ["swarm.coordinator.decode.b", "swarm.coordinator.experts.a", "swarm.coordinator.decode.b"]
+    ]
+    (tmp_path / "coordinator" / "lobby.py").write_text("")
+    assert any("room 'lobby' is not in ROOMS" in v for v in room_violations(tmp_path))

@@ -1,4 +1,4 @@
-"""A serve pass split into groups in flight at once (steps.Steps with serve/groups.py): through real nodes, four
+"""A serve pass split into groups in flight at once (passes.Passes with serve/groups.py): through real nodes, four
 conversations with drafts each get the text they get alone; the automatic choice splits only where a pass
 spends most of its time waiting on the nodes."""
 

@@ -22,8 +22,8 @@ from conftest import FIXTURES
 from selenium.webdriver.common.by import By
 
 from swarm.coordinator.cli import main
+from swarm.coordinator.cli.launch import spawn_server
 from swarm.coordinator.cli.spawn import start_nodes, stop_nodes
-from swarm.coordinator.serve.launch import spawn_server
 from swarm.sharding.manifest import read_manifest
 from swarm.sharding.ranges import format_slabs
 from swarm.sharding.shard import shard_model

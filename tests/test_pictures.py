@@ -100,7 +100,7 @@ def test_text_model_on_the_references_rows_within_the_floor(
         torch.from_numpy(ref[f"{engine_name}_image_embd_{i}"]),
         torch.from_numpy(ref[f"hf_positions_{i}"][:, : len(tokens)].astype(np.int64)),
     )
-    got = forward_one(model, tokens.tolist(), model.new_state(), "cpu", rows=pictures)
+    got = forward_one(model, tokens.tolist(), model.new_state(), "cpu", pictures=pictures)
     within(got, ref[f"{engine_name}_logits_{i}"], TEXT_MAX, TEXT_KL, f"prompt {i} on {engine_name}'s rows")
 
 
@@ -117,10 +117,10 @@ def test_pictures_end_to_end_within_the_floors_and_greedy_tokens_equal(
                                 (Numerics.NATIVE, f"llama_logits_{i}", (LLAMA_MAX, LLAMA_KL))):  # fmt: skip
         e = engines[numerics]
         p = prompt_of(e, i)
-        got = forward_one(e.model, p.tokens, e.model.new_state(), "cpu", rows=p.pictures)
+        got = forward_one(e.model, p.tokens, e.model.new_state(), "cpu", pictures=p.pictures)
         within(got, ref[want], *tol, f"prompt {i} {numerics.value} vs {want}")
         params = SamplingParams(max_tokens=8, temperature=0.0)
-        assert list(generate(e.model, p.tokens, params, "cpu", rows=p.pictures)) == greedy
+        assert list(generate(e.model, p.tokens, params, "cpu", pictures=p.pictures)) == greedy
 
 
 def test_a_text_prompt_is_unchanged_by_picture_positions(engines: Any) -> None:
@@ -131,7 +131,7 @@ def test_a_text_prompt_is_unchanged_by_picture_positions(engines: Any) -> None:
             torch.zeros(0, dtype=torch.long), torch.zeros(0, 128), torch.arange(len(ids)).expand(3, -1)
         )
         a = forward_one(e.model, ids, e.model.new_state(), "cpu")
-        b = forward_one(e.model, ids, e.model.new_state(), "cpu", rows=pictures)
+        b = forward_one(e.model, ids, e.model.new_state(), "cpu", pictures=pictures)
         assert torch.equal(a, b)
 
 
@@ -145,7 +145,7 @@ def test_a_picture_cut_into_chunks_and_checkpoints_gives_the_same_bits(
     p = prompt_of(engines[numerics], 2)
     assert p.pictures is not None
     whole_state = model.new_state()
-    whole = forward_one(model, p.tokens, whole_state, "cpu", rows=p.pictures)
+    whole = forward_one(model, p.tokens, whole_state, "cpu", pictures=p.pictures)
     assert whole_state.position == 39 and whole_state.length == 50  # the fixture's: 15 + 24 text positions
     st, parts = model.new_state(), []
     cuts = [0, 7, 12, 20, 50]
@@ -265,13 +265,13 @@ def test_three_nodes_equal_in_process_bit_for_bit(tmp_path: Path, ref: Any) -> N
                 p, q = prompt_of(swarm, i), prompt_of(local, i)
                 assert p.tokens == q.tokens and p.pictures is not None and q.pictures is not None
                 assert torch.equal(p.pictures.rows, q.pictures.rows)
-                a = forward_one(swarm.model, p.tokens, swarm.model.new_state(), "cpu", rows=p.pictures)
-                b = forward_one(local.model, q.tokens, local.model.new_state(), "cpu", rows=q.pictures)
+                a = forward_one(swarm.model, p.tokens, swarm.model.new_state(), "cpu", pictures=p.pictures)
+                b = forward_one(local.model, q.tokens, local.model.new_state(), "cpu", pictures=q.pictures)
                 assert torch.equal(a, b), f"prompt {i}: max {float((a - b).abs().max()):.3g}"
                 greedy = list(
-                    generate(swarm.model, p.tokens, params, "cpu", checker=swarm.checker, rows=p.pictures)
+                    generate(swarm.model, p.tokens, params, "cpu", checker=swarm.checker, pictures=p.pictures)
                 )
-                assert greedy == list(generate(local.model, q.tokens, params, "cpu", rows=q.pictures))
+                assert greedy == list(generate(local.model, q.tokens, params, "cpu", pictures=q.pictures))
                 assert greedy == ref[f"llama_greedy_{i}"].tolist()
             assert set(peers) <= set(swarm.experts.calls_per_node), "every node got calls"
         finally:
@@ -316,7 +316,7 @@ MODEL_ID = "model-f32"
 
 class Server:
     def __init__(self, tmp: Path, name: str, *args: str) -> None:
-        from swarm.coordinator.serve.launch import spawn_server
+        from swarm.coordinator.cli.launch import spawn_server
 
         common = ["--local", "--parallel", "1", "--ctx-size", "256", "--api-key", KEY]
         self.proc = spawn_server(MODEL, [*common, *args], tmp, name).wait_ready(120)
@@ -364,7 +364,7 @@ def in_process(e: Engine, messages: list[dict[str, Any]], max_tokens: int = 8) -
         {"messages": messages}
     )
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, stop_ids=e.tokenizer.eos_ids)
-    tokens = list(generate(e.model, job.prompt, params, "cpu", rows=job.pictures))
+    tokens = list(generate(e.model, job.prompt, params, "cpu", pictures=job.pictures))
     return e.tokenizer.decode([t for t in tokens if t not in params.stop_ids], skip_control=True), len(
         job.prompt
     )
@@ -448,7 +448,7 @@ def test_several_requests_with_pictures_decode_together_each_as_alone(engines: A
     prompts.append(run_prompt(e, "What is a list?", True, None, []))
     params = [SamplingParams(max_tokens=6, temperature=0.8 * (i % 2), seed=9 + i) for i in range(4)]
     alone = [
-        list(generate(e.model, p.tokens, q, "cpu", rows=p.pictures))
+        list(generate(e.model, p.tokens, q, "cpu", pictures=p.pictures))
         for p, q in zip(prompts, params, strict=True)
     ]
     s = sched.Scheduler(e.model, torch.device("cpu"), None, 4, 256, 4)
@@ -462,7 +462,7 @@ def test_several_requests_with_pictures_decode_together_each_as_alone(engines: A
                 params[i],
                 outs[i].extend,
                 lambda _, d=done[i]: d.set(),
-                rows=p.pictures,
+                pictures=p.pictures,
                 keys=p.keys,
             )
             s.submit(r)

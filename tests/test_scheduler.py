@@ -41,13 +41,13 @@ def test_requests_that_come_together_to_an_idle_engine_are_read_in_one_pass(
     engine = open_engine(Path(MODEL), EngineConfig(local=True, device="cpu"))
     s = sched.Scheduler(engine.model, torch.device("cpu"), None, parallel=4, ctx_size=256, max_queue=4)
     passes: list[int] = []  # prompts read in each pass
-    step = s._steps.step
+    step = s.core.passes.step
 
     def counting(entries: list[Entry]) -> None:
         passes.append(sum(1 for e in entries if e.tokens is not None))
         step(entries)
 
-    monkeypatch.setattr(s._steps, "step", counting)
+    monkeypatch.setattr(s.core.passes, "step", counting)
     s.start()
     try:
         done = [threading.Event() for _ in range(3)]

@@ -17,8 +17,8 @@ import openai
 import pytest
 from conftest import FIXTURES
 
+from swarm.coordinator.cli.launch import spawn_server
 from swarm.coordinator.cli.spawn import start_nodes, stop_nodes
-from swarm.coordinator.serve.launch import spawn_server
 from swarm.sharding.shard import shard_model
 
 MODEL = (

@@ -16,7 +16,7 @@ from reference import assert_logits_close
 from swarm.compute.store import ROWS_PER_MATMUL, ExpertStore
 from swarm.coordinator.cli.spawn import start_nodes
 from swarm.coordinator.config import EngineConfig, Wire
-from swarm.coordinator.decode.one import forward_one
+from swarm.coordinator.decode.one import forward_one, greedy_trace
 from swarm.coordinator.engine import open_engine
 from swarm.coordinator.experts.backend import LocalExperts, WithoutExperts
 from swarm.coordinator.experts.remote.calls import Part, split_parts
@@ -62,14 +62,10 @@ def _prompts(name: str) -> tuple[np.lib.npyio.NpzFile, list[list[int]]]:
     return ref, [ref[f"tokens_{i}"].tolist() for i in range(4)]
 
 
-def _greedy(model, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
-    state = model.new_state()
-    rows = [forward_one(model, prompt, state, "cpu")[-1]]
-    tokens = []
-    for _ in range(steps):
-        tokens.append(int(torch.argmax(rows[-1])))
-        rows.append(forward_one(model, [tokens[-1]], state, "cpu")[-1])
-    return tokens, torch.stack(rows[1:])
+def _greedy(engine, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens and the decode steps' logits, through the decode core and its answer checks."""
+    tokens, logits = greedy_trace(engine.model, prompt, steps, "cpu", engine.checker)
+    return tokens, logits[1:]
 
 
 @pytest.mark.slow
@@ -88,8 +84,8 @@ def test_swarm_is_bit_identical_to_in_process(swarms, name):
             assert torch.equal(a, b), f"prompt {i}: prefill differs, max {float((a - b).abs().max()):.3g}"
             assert_logits_close(a, ref[f"hf_logits_{i}"], f"{name} swarm prompt {i} vs transformers")
         # decode: 16 greedy steps through the KV cache, one fan-out per step
-        tokens_s, logits_s = _greedy(swarm.model, prompts[0], 16)
-        tokens_l, logits_l = _greedy(local.model, prompts[0], 16)
+        tokens_s, logits_s = _greedy(swarm, prompts[0], 16)
+        tokens_l, logits_l = _greedy(local, prompts[0], 16)
         assert tokens_s == tokens_l == ref["llama_f32_greedy_0"].tolist()
         assert torch.equal(logits_s, logits_l)
         assert sum(swarm.experts.calls_per_node.values()) > 0
@@ -168,8 +164,8 @@ def test_quantized_swarm_is_bit_identical_to_in_process_in_both_numerics(swarms,
             a = forward_one(swarm.model, tokens, swarm.model.new_state(), "cpu")
             b = forward_one(local.model, tokens, local.model.new_state(), "cpu")
             assert torch.equal(a, b), f"prompt {i}: max |diff| {float((a - b).abs().max()):.3g}"
-        tokens_s, logits_s = _greedy(swarm.model, prompts[2], 8)
-        tokens_l, logits_l = _greedy(local.model, prompts[2], 8)
+        tokens_s, logits_s = _greedy(swarm, prompts[2], 8)
+        tokens_l, logits_l = _greedy(local, prompts[2], 8)
         assert tokens_s == tokens_l and torch.equal(logits_s, logits_l)
         if numerics == "exact":
             assert_logits_close(
@@ -357,8 +353,8 @@ def test_qwen36_35b_layer_shape_runs_through_four_nodes(tmp_path):
         assert (cfg.n_k_heads, cfg.n_v_heads, cfg.d_state, cfg.moe.n_ff_shared) == (16, 32, 128, 512)
         assert cfg.recurrent == (True, True, True, False)
         prompt = swarm.tokenizer.encode("Experts of one layer live on different machines.")
-        tokens_s, logits_s = _greedy(swarm.model, prompt, 3)
-        tokens_l, logits_l = _greedy(local.model, prompt, 3)
+        tokens_s, logits_s = _greedy(swarm, prompt, 3)
+        tokens_l, logits_l = _greedy(local, prompt, 3)
         assert tokens_s == tokens_l
         assert torch.equal(logits_s, logits_l)
         assert {n.address for n in nodes} <= set(swarm.experts.calls_per_node), "every node got calls"

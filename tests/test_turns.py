@@ -1,4 +1,4 @@
-"""Turns at the coordinator's compute (coordinator/decode/turns.py): groups of a pass in flight at once compute one at
+"""Turns at the coordinator's compute (coordinator/experts/turns.py): groups of a pass in flight at once compute one at
 a time, each giving up its turn while it waits on the nodes, so that one group's dense work fills another's
 wait instead of both waiting at once."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 import time
 
-from swarm.coordinator.decode.turns import Turns, away
+from swarm.coordinator.experts.turns import Turns, away
 
 
 def _group(turns: Turns, name: str, log: list[tuple[str, str, float]], layers: int, compute: float,

@@ -1,9 +1,8 @@
 """`swarm`: one command, a subcommand per job. Each part registers its own subcommands.
 
-This package holds the coordinator's verbs (run, logits, perplexity, demo, status); the node's, the
-shard's and the server's live with their parts (swarm.node.cli, swarm.sharding.cli, swarm.coordinator.serve.cli).
-The engine they drive is the rest of swarm.coordinator: engine and loader, models, decode, drafts, checks,
-experts, text, vision.
+This package holds the coordinator's verbs (run, logits, perplexity, demo, status, serve); the node's and the
+shard's live with their parts (swarm.node.cli, swarm.sharding.cli). The engine they drive is the rest of
+swarm.coordinator: engine and loader, models, decode, drafts, checks, experts, text, vision, serve.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ COMMAND_MODULES: dict[str, tuple[str, ...]] = {
     "swarm.node.cli": ("keygen", "node"),
     "swarm.coordinator.cli.commands": ("run", "logits", "perplexity", "demo"),
     "swarm.coordinator.cli.status": ("status",),
-    "swarm.coordinator.serve.cli": ("serve",),
+    "swarm.coordinator.cli.serve": ("serve",),
 }
 
 

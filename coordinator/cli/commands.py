@@ -106,18 +106,18 @@ def cmd_run(args: argparse.Namespace) -> int:
             if engine.mtp is not None:
                 engine.mtp.set_experts(stats_of)
         params = sampling_from_args(args, engine.tokenizer.eos_ids)
-        rows = None
+        pictures = None
         if args.image:
             from swarm.coordinator.text.pictures import read_image_files, run_prompt
 
             prompt = run_prompt(engine, args.prompt, args.chat, args.system, read_image_files(args.image))
-            ids, rows = prompt.tokens, prompt.rows
+            ids, pictures = prompt.tokens, prompt.pictures
         else:
             ids = prompt_ids(engine.tokenizer, args.prompt, args.chat, args.system)
         if not ids:
             raise UserError("the prompt is empty after tokenization; give some text")
         drafter, mtp = drafter_from_args(args, engine)
-        _, stats = stream_answer(engine, ids, params, drafter=drafter, mtp=mtp, rows=rows)
+        _, stats = stream_answer(engine, ids, params, drafter=drafter, mtp=mtp, pictures=pictures)
         report(engine, stats)
         if stats_of is not None:
             stats_of.save(args.stats, engine.fingerprint)

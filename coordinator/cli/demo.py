@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from swarm.coordinator.decode.one import greedy_trace
 from swarm.proto.numerics import Numerics
 from swarm.sharding.errors import UserError
 from swarm.sharding.manifest import Manifest
@@ -38,21 +39,6 @@ def split_experts(n_expert: int, n_nodes: int) -> list[list[int]]:
     return [list(range(bounds[i], bounds[i + 1])) for i in range(n_nodes)]
 
 
-def greedy_trace(
-    model: Any, prompt: list[int], steps: int, device: torch.device
-) -> tuple[list[int], torch.Tensor]:
-    """Greedy tokens and the logits that chose them: prefill's last row, then one row per decode step."""
-    from swarm.coordinator.decode.one import forward_one
-
-    state = model.new_state()
-    rows = [forward_one(model, prompt, state, device)[-1]]
-    tokens: list[int] = []
-    for _ in range(steps):
-        tokens.append(int(torch.argmax(rows[-1])))
-        rows.append(forward_one(model, [tokens[-1]], state, device)[-1])
-    return tokens, torch.stack(rows)
-
-
 def node_walks_away(
     swarm: Any,
     node: Any,
@@ -68,7 +54,7 @@ def node_walks_away(
     node.process.kill()
     node.process.wait()
     failovers = swarm.experts.failovers
-    tokens, logits = greedy_trace(swarm.model, ids, steps, swarm.device)
+    tokens, logits = greedy_trace(swarm.model, ids, steps, swarm.device, swarm.checker)
     moved = swarm.experts.failovers - failovers
     if tokens == expect_tokens and torch.equal(logits, expect_logits):
         _say(f"agreement after the loss: still bit-identical to in-process; {moved} call(s) failed over to "
@@ -222,8 +208,8 @@ def _agrees_in_process(
 ) -> tuple[bool, list[int], torch.Tensor]:
     """Whether the swarm's greedy trace is bit-identical to the in-process one; (that, the in-process
     tokens and logits)."""
-    swarm_tokens, swarm_logits = greedy_trace(swarm.model, ids, steps, swarm.device)
-    local_tokens, local_logits = greedy_trace(local.model, ids, steps, local.device)
+    swarm_tokens, swarm_logits = greedy_trace(swarm.model, ids, steps, swarm.device, swarm.checker)
+    local_tokens, local_logits = greedy_trace(local.model, ids, steps, local.device, local.checker)
     same = swarm_tokens == local_tokens == generated[:steps] and torch.equal(swarm_logits, local_logits)
     if same:
         _say(f"agreement: swarm and in-process logits are bit-identical ({swarm_logits.shape[0]} positions x "

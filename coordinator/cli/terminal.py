@@ -20,9 +20,9 @@ def stream_answer(
     out: Any = None,
     drafter: Any = None,
     mtp: Any = None,
-    rows: Any = None,
+    pictures: Any = None,
 ) -> tuple[list[int], Any]:
-    """Generate, printing text as it comes (to stdout by default); (generated ids, GenerationStats). `rows`:
+    """Generate, printing text as it comes (to stdout by default); (generated ids, GenerationStats). `pictures`:
     the prompt's pictures (coordinator.pictures)."""
     from swarm.coordinator.decode.one import GenerationStats, generate
 
@@ -39,7 +39,7 @@ def stream_answer(
         checker=engine.checker,
         drafter=drafter,
         mtp=mtp,
-        rows=rows,
+        pictures=pictures,
     ):
         generated.append(token)
         if token not in params.stop_ids:

@@ -1,5 +1,5 @@
-"""Token generation over any model of coordinator/models: prefill, decode, timing (sampling in sampling.py,
-the passes in steps.py).
+"""One conversation through the decode core (core.py): `swarm run`'s generation with its timing, `swarm
+logits`' checked logits, `swarm demo`'s greedy trace; and forward_one, one bare model call.
 
 Dimension letters: T tokens, V vocabulary.
 """
@@ -13,8 +13,9 @@ from typing import Any
 
 import torch
 
-from swarm.coordinator.decode.passes import CausalLM, Checker, Entry, Seq, Steps
-from swarm.coordinator.decode.sampling import Sampler, SamplingParams
+from swarm.coordinator.decode.core import Conversation, DecodeCore, lookup_source
+from swarm.coordinator.decode.passes import CausalLM, Checker
+from swarm.coordinator.decode.sampling import LogitsProcessor, SamplingParams
 
 
 @dataclass
@@ -43,12 +44,12 @@ def forward_one(
     state: Any,
     device: torch.device | str,
     last_only: bool = False,
-    rows: Any = None,
+    pictures: Any = None,
 ) -> torch.Tensor:
-    """Feed one sequence's tokens (`rows`: a picture's rows among them, models.base.Rows); logits [T, V] (or
+    """Feed one sequence's tokens (`pictures`: a picture's rows among them, models.base.PictureRows); logits [T, V] (or
     [1, V] with last_only)."""
     ids = torch.tensor(list(tokens), dtype=torch.long, device=device)
-    extra = {"inputs": [rows]} if rows is not None else {}
+    extra = {"pictures": [pictures]} if pictures is not None else {}
     with torch.inference_mode():
         return model(ids, [state], [len(tokens)], last_only=last_only, **extra)
 
@@ -59,15 +60,14 @@ def checked_logits(
     state: Any,
     device: torch.device | str,
     checker: Checker | None,
-    rows: Any = None,
+    pictures: Any = None,
 ) -> torch.Tensor:
     """forward_one's logits [T, V], once the nodes' answers behind them are checked."""
-    seq, steps = Seq(state), Steps(model, device, checker)
-    steps.join(seq)
-    steps.step([Entry(seq, tuple(tokens), rows=rows)])
-    if not seq.ready:
-        steps.finish()
-    return seq.ready[0]
+    core = DecodeCore(model, device, checker)
+    conv = core.open(tokens, None, state=state, pictures=pictures)
+    while not conv.seq.ready:
+        core.step(core.plan([conv])[0])
+    return conv.seq.ready[0]
 
 
 def generate(
@@ -80,62 +80,70 @@ def generate(
     checker: Checker | None = None,
     drafter: Callable[[Sequence[int]], Sequence[int]] | None = None,
     mtp: Any = None,
-    rows: Any = None,
+    pictures: Any = None,
+    processors: Sequence[LogitsProcessor] = (),
 ) -> Iterator[int]:
     """Yield generated token ids one by one; `stats` (if given) is filled in as it goes. With a `checker`,
-    tokens come once the nodes' answers behind them are checked (see Steps): a few at a time. With a
-    `drafter` (coordinator/drafts/lookup.py: the tokens so far -> guesses at the next ones), or `mtp` (an
-    MTPDrafter: the model's own MTP head), each decode step checks its drafts in one pass (see Steps); the
-    tokens are the same as without. `rows`: the prompt's pictures (models.base.Rows, coordinator.pictures)."""
-    if not prompt:
-        raise ValueError("empty prompt: give at least one token")
-    device = torch.device(device)
+    tokens come once the nodes' answers behind them are checked (see passes.Passes): a few at a time. With a
+    `drafter` (drafts/lookup.py: the tokens so far -> guesses at the next ones), or `mtp` (an MTPDrafter:
+    the model's own MTP head), each decode step checks its drafts in one pass; the tokens are the same as
+    without. `pictures`: the prompt's pictures (models.base.PictureRows, text/pictures.py); `processors`: what changes
+    each row of logits before its token is picked (decode/sampling.py)."""
     stats = stats if stats is not None else GenerationStats()
     stats.prompt_tokens = len(prompt)
-    seq, steps = Seq(model.new_state(), Sampler(params, device)), Steps(model, device, checker, mtp=mtp)
-    if mtp is not None:
-        seq.mtp = mtp.new_state()
-    steps.join(seq)
-
-    t0 = clock()
-    steps.step([Entry(seq, tuple(prompt), rows=rows)])
-    if not seq.ready:
-        steps.finish()  # the first token is the one a user waits for: settle it at once
-    stats.prefill_seconds = clock() - t0
-
-    t0 = clock()
-    passes = 0
-    history = list(prompt)  # the prompt and every token sampled (the last one not yet fed)
-    while True:
-        taken = seq.take()
-        history += taken
-        for token in taken:
-            stats.generated_tokens += 1
-            yield token
-            if token in params.stop_ids:
-                stats.finish_reason = "stop"
-                stats.decode_seconds = clock() - t0
+    core = DecodeCore(model, device, checker, drafts=lookup_source(drafter) if drafter else None, mtp=mtp)
+    conv = core.open(prompt, params, pictures=pictures, processors=processors)
+    try:
+        t0 = clock()
+        while conv.reading or core.pending:  # the first token is the one a user waits for: settle it at once
+            core.step(core.plan([conv])[0])
+        stats.prefill_seconds = clock() - t0
+        t0, passes = clock(), 0
+        while True:
+            for token in core.collect(conv):
+                stats.generated_tokens += 1
+                yield token
+            stats.decode_seconds = clock() - t0
+            if conv.finish is not None:
+                stats.finish_reason = conv.finish
                 return
-            if stats.generated_tokens >= params.max_tokens:
-                stats.finish_reason = "length"
-                stats.decode_seconds = clock() - t0
-                return
-        produced = stats.generated_tokens + len(seq.held)  # sampled so far (some still held back)
-        if produced >= params.max_tokens or any(t in params.stop_ids for t in seq.held):
-            steps.finish()  # nothing more to compute: release what is held
-        else:
-            drafts = (
-                seq.proposed if mtp is not None else tuple(drafter(history + seq.held)) if drafter else ()
-            )
-            steps.step([Entry(seq, drafts=drafts[: params.max_tokens - produced - 1])])
-            passes += 1
-        stats.extra["redone_passes"] = steps.redone
-        if drafter is not None or mtp is not None:
-            made = stats.generated_tokens + len(seq.held) + len(seq.ready) - 1  # by decode passes
-            stats.extra.update(
-                drafted=steps.drafted,
-                accepted=steps.accepted,
-                windows=steps.windows,
-                tokens_per_pass=made / passes if passes else 0.0,
-            )
-        stats.decode_seconds = clock() - t0
+            entries = core.plan([conv])[0]
+            core.step(entries)
+            passes += bool(entries)
+            _note(stats, core, conv, passes, drafting=drafter is not None or mtp is not None)
+    finally:
+        core.close()
+
+
+def _note(stats: GenerationStats, core: DecodeCore, conv: Conversation, passes: int, drafting: bool) -> None:
+    """The run's counters so far: passes redone, and the drafts' (with drafts)."""
+    stats.extra["redone_passes"] = core.passes.redone
+    if drafting:
+        made = conv.produced() - 1  # by decode passes (the first token comes out of the prompt's pass)
+        p = core.passes
+        stats.extra.update(
+            drafted=p.drafted,
+            accepted=p.accepted,
+            windows=p.windows,
+            tokens_per_pass=made / passes if passes else 0.0,
+        )
+
+
+def greedy_trace(
+    model: CausalLM,
+    prompt: Sequence[int],
+    steps: int,
+    device: torch.device | str,
+    checker: Checker | None = None,
+) -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens and the logits that chose them, through the core and its answer checks: `steps` tokens,
+    and steps + 1 rows of logits [steps + 1, V] (prefill's last row, then one row per decode step)."""
+    rows: dict[int, torch.Tensor] = {}
+
+    def record(logits: torch.Tensor, position: int) -> torch.Tensor:
+        rows[position] = logits.detach().clone()  # a redo writes its position again
+        return logits
+
+    params = SamplingParams(max_tokens=steps + 1, stop_ids=frozenset())
+    tokens = list(generate(model, prompt, params, device, checker=checker, processors=(record,)))
+    return tokens[:steps], torch.stack([rows[p] for p in sorted(rows)])

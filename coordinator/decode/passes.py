@@ -10,16 +10,19 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from swarm.coordinator.checks.audit import Verdict
 from swarm.coordinator.decode.sampling import Sampler
-from swarm.coordinator.decode.turns import Turns
+from swarm.coordinator.experts.turns import Turns
 
 
 class CausalLM(Protocol):
-    """What every architecture in coordinator/models implements."""
+    """What every architecture in coordinator/models implements (models/base.py DecoderModel.forward): logits
+    [N, V] of the rows asked for, and with `hidden` also the rows after output_norm [N, D]; `pictures`: per
+    sequence, the picture rows among its tokens (models.base.PictureRows) or None."""
 
     def new_state(self) -> Any: ...
 
@@ -31,14 +34,16 @@ class CausalLM(Protocol):
         last_only: bool = False,
         marks: Sequence[int | Sequence[int]] = (),
         tails: Sequence[int] = (),
-    ) -> torch.Tensor: ...
+        hidden: bool = False,
+        pictures: Sequence[Any] = (),
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class Checker(Protocol):
     """What checks the nodes' answers (swarm.coordinator.checks.audit.Auditor): after each forward pass, whether
     everything since the last settled point is checked, still open, or was shaped by a node now banned."""
 
-    def settle(self, force: bool = False) -> Any: ...
+    def settle(self, force: bool = False) -> Verdict: ...
 
     def cover(self, on: bool) -> None: ...
 
@@ -50,9 +55,18 @@ class Checker(Protocol):
 SETTLE_EVERY = 8
 
 
+class Anchor(NamedTuple):
+    """A sequence at the last settled point, where a redo starts again."""
+
+    state: Any  # the model state's checkpoint
+    last: Any  # its latest output then
+    mtp: Any  # its MTP head state's checkpoint (None without one)
+    proposed: tuple[int, ...]  # the head's drafts then
+
+
 @dataclass(eq=False)
 class Seq:
-    """One sequence of a Steps run: its model state and sampler (None: its passes give logits [T, V]),
+    """One sequence of a Passes run: its model state and sampler (None: its passes give logits [T, V]),
     its outputs (sampled tokens, or logits) that are settled (`ready`, for the caller to take) or still
     held back (`held`), and `last`, its latest output: the token a decode entry feeds next."""
 
@@ -61,9 +75,7 @@ class Seq:
     ready: list[Any] = field(default_factory=list)
     held: list[Any] = field(default_factory=list)
     last: Any = None
-    anchor: Any = (
-        None  # (state checkpoint, last, mtp checkpoint, proposed) at the settled point: a redo starts there
-    )
+    anchor: Anchor | None = None  # the sequence at the settled point: a redo starts there
     mtp: Any = None  # its MTP head's state (coordinator/drafts/mtp.py) when drafts come from the head
     proposed: tuple[int, ...] = ()  # the head's drafts for its next decode step
     drafted: int = 0  # drafts its checking windows carried
@@ -86,10 +98,10 @@ class Entry:
     tokens: tuple[int, ...] | None = None
     output: bool = True
     mark: int = 0  # > 0: keep a checkpoint after this many of `tokens` (in seq.state.marked)
-    # a decode step's guesses at the tokens after its last output (a checking window: see Steps)
+    # a decode step's guesses at the tokens after its last output (a checking window: see Passes)
     drafts: tuple[int, ...] = ()
-    # the rows and M-RoPE positions of `tokens` where some are a picture's (models.base.Rows), else None
-    rows: Any = None
+    # the rows and M-RoPE positions of `tokens` where some are a picture's (models.base.PictureRows), else None
+    pictures: Any = None
 
     def feed(self) -> list[int]:
         if self.tokens is not None:
@@ -97,7 +109,7 @@ class Entry:
         return [int(self.seq.last), *self.drafts]
 
 
-class Steps:
+class Passes:
     """Forward passes over several sequences whose outputs count only once the nodes' answers behind them
     are checked.
 
@@ -170,10 +182,16 @@ class Steps:
         if self.passes:
             self._settle(force=True)
 
+    def close(self) -> None:
+        """Stop the groups' threads (a Passes that splits passes into groups keeps a pool of them)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
     @staticmethod
-    def _checkpoint(seq: Seq) -> Any:
+    def _checkpoint(seq: Seq) -> Anchor:
         mtp = seq.mtp.checkpoint() if seq.mtp is not None else None
-        return seq.state.checkpoint(), seq.last, mtp, seq.proposed
+        return Anchor(seq.state.checkpoint(), seq.last, mtp, seq.proposed)
 
     def _pass(self, entries: list[Entry]) -> None:
         if self.checker is not None:  # every answer of a pass that reads a prompt is checked (audit.Scope)
@@ -219,8 +237,8 @@ class Steps:
         )
         hidden = self.mtp is not None and any(e.seq.mtp is not None for e in entries)
         extra: dict[str, Any] = {"hidden": True} if hidden else {}
-        if any(e.rows is not None for e in entries):
-            extra["inputs"] = [e.rows for e in entries]
+        if any(e.pictures is not None for e in entries):
+            extra["pictures"] = [e.pictures for e in entries]
         with torch.inference_mode():
             out = self.model(
                 ids,
@@ -302,13 +320,13 @@ class Steps:
             self.passes = []
             return
         while True:
-            verdict = self.checker.settle(force=force).value
-            if verdict == "caught":
+            verdict = self.checker.settle(force=force)
+            if verdict is Verdict.CAUGHT:
                 self._redo()
                 continue
-            if verdict == "open" and not force:
+            if verdict is Verdict.OPEN and not force:
                 return
-            if verdict == "open":
+            if verdict is Verdict.OPEN:
                 continue  # forced: the checker audits what is open until it settles or catches someone
             for seq in self.open.values():
                 seq.ready.extend(seq.held)
@@ -319,10 +337,12 @@ class Steps:
 
     def _redo(self) -> None:
         for seq in self.open.values():
-            state_cp, seq.last, mtp_cp, seq.proposed = seq.anchor
-            seq.state.restore(state_cp)
-            if mtp_cp is not None:
-                seq.mtp.restore(mtp_cp)
+            anchor = seq.anchor
+            assert anchor is not None, "a sequence a checker holds has an anchor"
+            seq.last, seq.proposed = anchor.last, anchor.proposed
+            seq.state.restore(anchor.state)
+            if anchor.mtp is not None:
+                seq.mtp.restore(anchor.mtp)
             seq.held.clear()
         self.redone += len(self.passes)
         for entries in self.passes:

@@ -6,6 +6,7 @@ Dimension letters: V vocabulary.
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,11 @@ class SamplingParams:
     seed: int | None = None
     stop_ids: frozenset[int] = frozenset()
 
+
+# What may change a row of logits before a token is picked from it (grammars, penalties; a recorder of the
+# rows): (logits [V], the position of the token picked from them) -> logits [V]. Called once per token picked,
+# in position order within a pass; a redo after a caught node calls it again for the positions it redoes.
+LogitsProcessor = Callable[[torch.Tensor, int], torch.Tensor]
 
 _MASK64 = (1 << 64) - 1
 
@@ -37,15 +43,18 @@ def position_uniform(seed: int, position: int) -> float:
 class Sampler:
     """Picks each next token: greedy at temperature 0, else from the temperature / top-k / top-p distribution
     by the inverse of its cumulative sum at position_uniform(seed, position) (a seed drawn at random when the
-    request gives none). It keeps no state between calls."""
+    request gives none), after its logits processors (in order). It keeps no state between calls."""
 
-    def __init__(self, params: SamplingParams, device: torch.device | str = "cpu") -> None:
+    def __init__(self, params: SamplingParams, processors: Sequence[LogitsProcessor] = ()) -> None:
         self.params = params
+        self.processors = tuple(processors)
         self.seed = params.seed if params.seed is not None else secrets.randbits(63)
 
     def __call__(self, logits: torch.Tensor, position: int) -> int:
         """logits [V] of the token at `position` (the tokens before it) -> its id."""
         p = self.params
+        for process in self.processors:
+            logits = process(logits, position)
         if p.temperature <= 0:
             return int(torch.argmax(logits).item())
         scores = logits.detach().float().cpu() / p.temperature

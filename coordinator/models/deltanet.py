@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -21,8 +21,22 @@ from swarm.compute import deltanet, dense
 from swarm.coordinator.models.base import Batch
 from swarm.coordinator.models.linear import Linear, RMSNorm, ggml_form, project
 
-if TYPE_CHECKING:  # the config's module builds its blocks from this one
-    from swarm.coordinator.models.hybrid import HybridConfig
+
+class DeltaNetShape(Protocol):
+    """What a Gated DeltaNet layer reads of its architecture's config (models/hybrid.py HybridConfig has it)."""
+
+    n_embd: int
+    n_k_heads: int
+    n_v_heads: int
+    d_state: int
+    conv_kernel: int
+    eps: float
+    fused_qkvz: bool  # older files: the raw fused qkvz projection
+    fused_ba: bool  # qwen3next: beta and alpha fused per K head
+    v_heads_tiled: bool  # qwen35moe: V head p reads K head p % n_k
+
+    @property
+    def conv_dim(self) -> int: ...
 
 # The L2 normalisation of q and k in linear attention (HF: 1e-6 fixed; llama.cpp: the rms eps).
 L2_EPS = 1e-6
@@ -73,7 +87,7 @@ class GatedDeltaNet(nn.Module):
 
     GGUF_TRANSPARENT: ClassVar[bool] = True  # tensors are blk.N.attn_qkv, blk.N.ssm_*
 
-    def __init__(self, cfg: HybridConfig) -> None:
+    def __init__(self, cfg: DeltaNetShape) -> None:
         super().__init__()
         self.cfg = cfg
         d, hk, hv, ds = cfg.n_embd, cfg.n_k_heads, cfg.n_v_heads, cfg.d_state

@@ -23,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from swarm.coordinator.decode.core import StopStrings
 from swarm.coordinator.serve import scheduler as sched
 from swarm.coordinator.serve.metrics import ServeMetrics
 from swarm.coordinator.serve.openai_answer import Answer, StopMatcher, error_event, timings
@@ -128,7 +129,10 @@ class OpenAIApi:
             loop.call_soon_threadsafe(events.put_nowait, x)
 
         scheduler = self.scheduler
-        req = sched.Request(job.prompt, job.params, put, put, mark=job.mark, rows=job.pictures, keys=job.keys)
+        stop_text = StopStrings(self.tokenizer.stream(skip_control=True), job.stops) if job.stops else None
+        req = sched.Request(
+            job.prompt, job.params, put, put, mark=job.mark, pictures=job.pictures, keys=job.keys, stop_text=stop_text
+        )
         try:
             scheduler.submit(req)
         except sched.QueueFull:

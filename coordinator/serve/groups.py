@@ -1,4 +1,4 @@
-"""How many groups `swarm serve` splits a pass into (steps.Steps runs each group as its own model call, on its own
+"""How many groups `swarm serve` splits a pass into (passes.Passes runs each group as its own model call, on its own
 thread, all in flight at once): over slow links a pass spends most of its time waiting for the nodes' answers
 layer after layer, and another group's dense work can run in that wait. Over fast links the wait is short, and
 two smaller calls cost more than one (each reads the dense weights), so there it stays one group.

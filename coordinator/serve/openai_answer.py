@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from swarm.coordinator.serve.openai_request import ApiError
+from swarm.coordinator.serve.api_error import ApiError
 from swarm.coordinator.serve.scheduler import Request
 
 

@@ -6,9 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from starlette.responses import JSONResponse
-
-from swarm.coordinator.decode.one import SamplingParams
+from swarm.coordinator.decode.sampling import SamplingParams
+from swarm.coordinator.serve.api_error import ApiError
 from swarm.coordinator.serve.picture_source import picture_bytes
 from swarm.coordinator.text.chat import ChatTemplate
 from swarm.coordinator.text.tokenizer import GGUFTokenizer
@@ -19,20 +18,6 @@ MAX_STOPS = 4  # stop strings per request, as OpenAI allows
 # client that sends it again with its answer appended continues from the slot's whole state, and one that
 # changes only the last tokens from there (the pass that reads the prompt's end keeps it: no pass of its own).
 COMPLETION_TAIL = 4
-
-
-class ApiError(Exception):
-    def __init__(
-        self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-        code: str | None = None, headers: dict[str, str] | None = None,
-    ) -> None:  # fmt: skip
-        super().__init__(message)
-        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
-        self.headers = headers or {}
-
-    def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
 @dataclass

@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from swarm.coordinator.serve.openai_request import ApiError
+from swarm.coordinator.serve.api_error import ApiError
 from swarm.coordinator.serve.watch import SwarmWatch
 
 STATIC = Path(__file__).parent / "static"

@@ -17,7 +17,7 @@ FETCH_SECONDS = 10.0  # the whole fetch of a remote picture
 
 def picture_bytes(src: Any, message: int, allow_urls: bool) -> bytes:
     """The bytes of the picture at `src` (an image_url part's url) of messages[message]."""
-    from swarm.coordinator.serve.openai_request import ApiError
+    from swarm.coordinator.serve.api_error import ApiError
 
     where = f"messages[{message}]: image_url"
     if not isinstance(src, str) or not src:
@@ -46,7 +46,7 @@ def picture_bytes(src: Any, message: int, allow_urls: bool) -> bytes:
 
 
 def fetch(url: str, where: str) -> bytes:
-    from swarm.coordinator.serve.openai_request import ApiError
+    from swarm.coordinator.serve.api_error import ApiError
 
     deadline = time.monotonic() + FETCH_SECONDS
     data = b""

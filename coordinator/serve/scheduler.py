@@ -4,8 +4,9 @@ One engine thread owns the model. Each step is one forward pass (one expert fan-
 everything in it) carrying the next token of every decoding sequence and, beside them, the next chunk of
 one prompt being read, so running requests keep streaming while a new prompt is read. A sequence's bits do
 not depend on what shares its passes nor on how its prompt is cut into chunks (coordinator/models), so each
-request gets exactly the tokens it gets alone, and a redo after a caught node (steps.Steps) gives the
-same outputs.
+request gets exactly the tokens it gets alone, and a redo after a caught node (decode/passes.py) gives the
+same outputs. The decode itself (what a pass feeds, drafts, the answer checks, stops and limits) is the decode
+core's (decode/core.py); this is its many-conversation driver: admission, slots and their held states.
 
 A slot keeps its state when its request ends. A later request whose prompt begins with what a slot holds
 (a chat app sends the whole conversation again) continues from there instead of reading the history again.
@@ -25,8 +26,8 @@ from typing import Any
 
 import torch
 
-from swarm.coordinator.decode.passes import Checker, Entry, Grouping, Seq, Steps
-from swarm.coordinator.decode.sampling import Sampler
+from swarm.coordinator.decode.core import DecodeCore, lookup_source
+from swarm.coordinator.decode.passes import Checker, Entry, Grouping
 from swarm.coordinator.models.attention import KVCache
 from swarm.coordinator.serve.slots import Done, QueueFull, Request, Slot
 from swarm.sharding.errors import UserError
@@ -60,10 +61,9 @@ class Scheduler:
         groups: Grouping | None = None,
         mtp: Any = None,
     ) -> None:
-        self.model, self.device, self.checker = model, device, checker
+        self.model, self.device = model, device
         self.ctx_size, self.max_queue = ctx_size, max_queue
         self.admit_check = admit_check  # says why no request can run now (experts without a holder), or None
-        self.drafter = drafter  # a decode step's drafts (coordinator/drafts/lookup.py), or None: one token a pass
         # over every finished request: drafts checked, drafts kept, decode passes, tokens those passes made
         self.draft_totals = {"drafted": 0, "accepted": 0, "steps": 0, "tokens": 0}
         self.slots = [Slot(i) for i in range(parallel)]
@@ -72,9 +72,19 @@ class Scheduler:
         self.recent: deque[tuple[float, int]] = deque(maxlen=4096)
         self._cond = threading.Condition()
         self._stopping = False
-        self.groups = groups  # how many groups each pass goes in (serve/groups.py), None: one
         self.mtp = mtp  # an MTPDrafter (drafts from the model's MTP head, in place of `drafter`), or None
-        self._steps = Steps(model, device, checker, groups, mtp)
+        # `drafter`: a decode step's drafts (drafts/lookup.py), or None: one token a pass; `groups`: how many
+        # groups each pass goes in (serve/groups.py), None: one
+        self.core = DecodeCore(
+            model,
+            device,
+            checker,
+            drafts=lookup_source(drafter) if drafter is not None else None,
+            mtp=mtp,
+            groups=groups,
+            prompt_chunk=CHUNK,
+            prompt_budget=(PASS_PROMPT_TOKENS_BESIDE_DECODE, PASS_PROMPT_TOKENS_ALONE),
+        )
         self._redone = 0
         self._thread = threading.Thread(target=self._main, name="swarm-serve-engine", daemon=True)
         self._warm: Callable[[], None] | None = None
@@ -149,15 +159,12 @@ class Scheduler:
                 self._gather()
                 self._admit()
                 entries, reads = self._entries()
-                if not entries and not self._steps.passes:
+                if not entries and not self.core.pending:
                     self._cond.wait(0.5)
                     continue
             began = time.monotonic()
             try:
-                if entries:
-                    self._steps.step(entries)
-                else:
-                    self._steps.finish()
+                self.core.step(entries)
             except Exception as e:  # a step that cannot finish fails the requests in it, not the server
                 self._fail_all(e)
                 continue
@@ -168,6 +175,7 @@ class Scheduler:
             with self._cond:
                 self._after_pass(reads)
         self._end_all()
+        self.core.close()
 
     def _gather(self) -> None:
         """An idle engine that a request wakes waits a moment for the ones that came with it (a chat app
@@ -213,9 +221,18 @@ class Scheduler:
             req = self.waiting.popleft()
             slot, pos = self._best_slot(free, req.match())
             self._prepare(slot, pos)
-            slot.request, slot.fed, slot.out, slot.used = req, pos, [], time.monotonic()
-            slot.seq = Seq(slot.state, Sampler(req.params, self.device), mtp=slot.mtp)
-            self._steps.join(slot.seq)
+            slot.request, slot.used = req, time.monotonic()
+            slot.conv = self.core.open(
+                req.prompt,
+                req.params,
+                state=slot.state,
+                mtp_state=slot.mtp,
+                fed=pos,
+                pictures=req.pictures,
+                mark=req.checkpoint_at(),
+                ctx_size=self.ctx_size,
+                stop_text=req.stop_text,
+            )
             req.cached, req.admitted = pos, time.monotonic()
 
     def _free_slots(self) -> list[Slot]:
@@ -224,7 +241,7 @@ class Scheduler:
 
     def _busy(self, s: Slot) -> bool:
         """A slot whose last request's passes may still be redone (a checker holds them)."""
-        return s.seq is not None and self._steps.holds(s.seq)
+        return s.conv is not None and self.core.holds(s.conv)
 
     def _best_slot(self, free: list[Slot], prompt: list[int]) -> tuple[Slot, int]:
         """The free slot holding the longest usable beginning of `prompt` (at least one token is left to
@@ -262,122 +279,66 @@ class Scheduler:
         slot.history = slot.history[:pos]
 
     def _entries(self) -> tuple[list[Entry], list[Slot]]:
-        """This step's pass: a decode entry for every sequence that goes on and, beside them, chunks of the
-        prompts being read (oldest first, within the pass's prompt budget); (entries, the slots read)."""
-        entries: list[Entry] = []
-        reading: list[Slot] = []
-        for s in self.slots:
-            r, seq = s.request, s.seq
-            if r is None or seq is None:
-                continue
-            if s.fed < len(r.prompt):
-                reading.append(s)
-            elif not self._computed(s):
-                entries.append(Entry(seq, drafts=self._drafts(s)))
-        budget = PASS_PROMPT_TOKENS_BESIDE_DECODE if entries else PASS_PROMPT_TOKENS_ALONE
-        reads: list[Slot] = []
-        for s in sorted(reading, key=lambda s: s.request.admitted or 0.0):  # type: ignore[union-attr]
-            if budget <= 0:
-                break
-            r = s.request
-            assert r is not None and s.seq is not None
-            end = min(len(r.prompt), s.fed + CHUNK, s.fed + budget)
-            at = r.checkpoint_at()
-            mark = at - s.fed if s.fed < at < end else 0  # checkpointed there within the pass
-            rows = r.rows.slice(s.fed, end) if r.rows is not None else None
-            entries.append(
-                Entry(s.seq, tuple(r.prompt[s.fed : end]), output=end == len(r.prompt), mark=mark, rows=rows)
-            )
-            reads.append(s)
-            budget -= end - s.fed
-            s.fed = end
-        return entries, reads
-
-    def _drafts(self, s: Slot) -> tuple[int, ...]:
-        """The drafts of the slot's next decode step, no more than it may still produce less one."""
-        r, seq = s.request, s.seq
-        if (self.drafter is None and self.mtp is None) or r is None or seq is None:
-            return ()
-        n = len(s.out) + len(seq.ready) + len(seq.held)
-        room = min(r.params.max_tokens - n, self.ctx_size - len(r.prompt) - n) - 1
-        if room <= 0:
-            return ()
-        if self.mtp is not None:
-            return seq.proposed[:room]
-        assert self.drafter is not None
-        return tuple(self.drafter([*r.prompt, *s.out, *seq.ready, *seq.held]))[:room]
-
-    def _computed(self, s: Slot) -> bool:
-        """Whether the slot's sequence needs no more passes (its last token is a stop, or it is long enough)."""
-        r, seq = s.request, s.seq
-        assert r is not None and seq is not None
-        n = len(s.out) + len(seq.ready) + len(seq.held)
-        stopped = seq.last in r.params.stop_ids or any(t in r.params.stop_ids for t in seq.held)
-        return stopped or n >= r.params.max_tokens or len(r.prompt) + n >= self.ctx_size
+        """This step's pass (decode/core.py `plan`): a decode entry for every conversation that goes on and,
+        beside them, chunks of the prompts being read, oldest first; (entries, the slots read)."""
+        running = [s for s in self.slots if s.request is not None and s.conv is not None]
+        running.sort(key=lambda s: s.request.admitted or 0.0)  # type: ignore[union-attr]
+        entries, reads = self.core.plan([s.conv for s in running])  # type: ignore[misc]
+        read = {id(c) for c in reads}
+        return entries, [s for s in running if id(s.conv) in read]
 
     def _after_pass(self, reads: list[Slot]) -> None:
         now = time.monotonic()
-        if self._steps.redone != self._redone:
+        if self.core.passes.redone != self._redone:
             # passes were done again after a node was caught: checkpoints taken meanwhile may hold its answers
-            self._redone = self._steps.redone
+            self._redone = self.core.passes.redone
             for s in self.slots:
                 if s.request is not None:
                     s.checkpoints = {}
         for s in reads:
-            r = s.request
-            if r is None or s.state is None:
+            r, conv = s.request, s.conv
+            if r is None or s.state is None or conv is None:
                 continue
             for cp in s.state.marked:  # the pass went past the checkpoint's place and kept it there
-                s.checkpoints[cp[0]] = cp
+                s.checkpoints[cp.length] = cp
             s.state.marked.clear()
-            if s.fed in (len(r.prompt), r.checkpoint_at()):
-                s.checkpoints[s.fed] = s.state.checkpoint()
+            if conv.fed in (len(r.prompt), r.checkpoint_at()):
+                s.checkpoints[conv.fed] = s.state.checkpoint()
         out_now = 0
         for s in self.slots:
-            r, seq = s.request, s.seq
-            if r is None or seq is None:
+            r, conv = s.request, s.conv
+            if r is None or conv is None:
                 continue
-            tokens = seq.take()
-            if not tokens:
+            give = self.core.collect(conv)
+            if not give:
                 continue
             if r.first_token is None:
                 r.first_token = now
                 r.prompt_seconds = now - (r.admitted or now)
-            s.out.extend(tokens)
-            out_now += len(tokens)
-            give = tokens
-            reason = None
-            for i, t in enumerate(tokens):
-                n = len(s.out) - len(tokens) + i + 1
-                if t in r.params.stop_ids:
-                    give, reason = tokens[: i + 1], "stop"
-                    break
-                if n >= r.params.max_tokens or len(r.prompt) + n >= self.ctx_size:
-                    give, reason = tokens[: i + 1], "length"
-                    break
+            out_now += len(give)
             r.produced += len(give)
             r.on_tokens(give)
-            if reason is not None:
-                self._release(s, Done(reason))
+            if conv.finish is not None:
+                self._release(s, Done(conv.finish))
         self.recent.append((now, out_now))
 
     def _release(self, s: Slot, done: Done) -> None:
         """End the slot's request; keep its state for a later conversation that begins the same way."""
-        r, seq = s.request, s.seq
+        r, conv = s.request, s.conv
         assert r is not None
         s.request = None
-        if seq is not None:
-            t = self.draft_totals
+        if conv is not None:
+            t, seq = self.draft_totals, conv.seq
             t["drafted"] += seq.drafted
             t["accepted"] += seq.accepted
             t["steps"] += seq.steps
-            t["tokens"] += max(len(s.out) - 1, 0)  # the first token comes out of the prompt's pass
-        if seq is not None and self._steps.holds(seq):
+            t["tokens"] += max(len(conv.out) + len(conv.past) - 1, 0)  # the first comes out of the prompt's pass
+        if conv is not None and self.core.holds(conv):
             # its passes may still be redone: the state cannot be trusted for reuse
             s.state, s.history, s.checkpoints = None, [], {}
-        elif s.state is not None and seq is not None:
+        elif s.state is not None and conv is not None:
             fed = s.state.length
-            s.history = (r.match() + s.out + list(seq.held))[:fed]
+            s.history = (r.match() + conv.out + conv.past + list(conv.seq.held))[:fed]
             s.checkpoints = {p: c for p, c in s.checkpoints.items() if p <= fed}
         s.used = time.monotonic()
         r.on_done(done)
@@ -391,9 +352,9 @@ class Scheduler:
             for s in self.slots:
                 if s.request is not None:
                     r = s.request
-                    s.request, s.state, s.seq, s.history, s.checkpoints = None, None, None, [], {}
+                    s.request, s.state, s.conv, s.history, s.checkpoints = None, None, None, [], {}
                     r.on_done(Done("error", msg, 503 if user else 500))
-            self._steps = Steps(self.model, self.device, self.checker, self.groups, self.mtp)
+            self.core.reset()
             self._redone = 0
 
     def _end_all(self) -> None:

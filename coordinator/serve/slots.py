@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from swarm.coordinator.decode.passes import Seq
+from swarm.coordinator.decode.core import Conversation
 from swarm.coordinator.decode.sampling import SamplingParams
 
 # A checkpoint this many tokens before a prompt's end, where its request names no better place (Request.mark):
@@ -47,9 +47,11 @@ class Request:
     cancelled: bool = False
     admitted: float | None = None
     produced: int = 0
-    rows: Any = None  # the prompt's pictures (models.base.Rows over the whole prompt), or None
+    pictures: Any = None  # the prompt's pictures (models.base.PictureRows over the whole prompt), or None
     # the prompt as slots match it: its pictures' rows as numbers from their pixels' hash (pictures.PicturePrompt)
     keys: list[int] | None = None
+    # what ends it at a stop string (decode/core.py StopStrings; the answer's text is cut by openai_answer's)
+    stop_text: Any = None
 
     def match(self) -> list[int]:
         """The prompt as a slot's history holds it: a held picture counts only where it is the same."""
@@ -69,7 +71,10 @@ class Slot:
     history: list[int] = field(default_factory=list)
     checkpoints: dict[int, Any] = field(default_factory=dict)  # position -> state checkpoint
     request: Request | None = None
-    seq: Seq | None = None
-    fed: int = 0  # prompt tokens read
-    out: list[int] = field(default_factory=list)  # tokens given to the request
+    conv: Conversation | None = None  # its request's conversation in the decode core
     used: float = 0.0
+
+    @property
+    def fed(self) -> int:
+        """Prompt tokens its request has read."""
+        return self.conv.fed if self.conv is not None else 0

@@ -1,4 +1,4 @@
-"""Turns at the coordinator's compute for the groups of a pass in flight at once (steps.Steps, `swarm serve
+"""Turns at the coordinator's compute for the groups of a pass in flight at once (passes.Passes, `swarm serve
 --groups`): a group computes from the moment it holds the turn until it waits on the nodes, and gives the turn
 up for that wait (remote.pending.TimedPending).
 
