@@ -63,7 +63,7 @@ class EngineConfig:
     wire: Wire = Wire.F32
     memory_budget: int | None = None  # bytes of repacked expert copies in process (None: the default)
     progress: bool = False  # progress bars on stderr (only when it is a terminal) while loading
-    mtp: bool = False  # the model's MTP head too (a file without one is a GGUFError)
+    mtp_head: bool = False  # the model's MTP head too (a file without one is a GGUFError)
     mmproj: str | Path | None = None  # the vision tower to read pictures with
     image_tokens: tuple[int | None, int | None] = (None, None)  # least / most rows a picture (None: the file's)
     # finding the nodes

@@ -44,7 +44,7 @@ class Engine:
     source: str
     fingerprint: str
     numerics: Numerics = Numerics.NATIVE
-    mtp: MTPHead | None = None  # the model's MTP head, loaded with EngineConfig(mtp=True)
+    mtp_head: MTPHead | None = None  # the model's MTP head, loaded with EngineConfig(mtp_head=True)
     vision: Any = None  # its vision tower (text.pictures.Pictures), loaded with EngineConfig(mmproj=...)
 
     @property
@@ -70,7 +70,7 @@ def open_engine(path: str | Path, config: EngineConfig) -> Engine:
         experts, fingerprint = _swarm_experts(path, config)
     try:
         model, meta = load_model(path, experts, dev, progress=config.progress, numerics=config.numerics)
-        head = load_mtp_head(path, model, experts, config.numerics) if config.mtp else None
+        head = load_mtp_head(path, model, experts, config.numerics) if config.mtp_head else None
         tokenizer = GGUFTokenizer(meta)
         vision = None
         if config.mmproj is not None:
@@ -92,9 +92,9 @@ def open_engine(path: str | Path, config: EngineConfig) -> Engine:
 
 def _swarm_experts(path: str | Path, config: EngineConfig) -> tuple[SwarmExperts, str]:
     """(the swarm backend, its nodes found and their admission begun; the model's fingerprint). Without
-    `config.mtp` the MTP block's experts are never asked for, so no node need hold them."""
+    `config.mtp_head` the MTP block's experts are never asked for, so no node need hold them."""
     identity, needed = model_identity(path)
-    first_mtp = None if config.mtp else first_mtp_layer(path)
+    first_mtp = None if config.mtp_head else first_mtp_layer(path)
     if first_mtp is not None:
         needed = [k for k in needed if k[0] < first_mtp]
     checker = functools.partial(make_auditor, path, config) if config.checks_answers else None
@@ -105,8 +105,8 @@ def _swarm_experts(path: str | Path, config: EngineConfig) -> tuple[SwarmExperts
 
 def _local_experts(path: str | Path, dev: torch.device, config: EngineConfig) -> tuple[LocalExperts, str]:
     """(the experts computed in this process, every slab checked as it loads; the model's fingerprint).
-    Without `config.mtp` the MTP block's experts stay on disk (nothing asks for them)."""
-    first_mtp = None if config.mtp else first_mtp_layer(path)
+    Without `config.mtp_head` the MTP block's experts stay on disk (nothing asks for them)."""
+    first_mtp = None if config.mtp_head else first_mtp_layer(path)
     with slab_progress("checking slabs", enabled=config.progress) as on_slab:
         loaded = load_slabs(path, layers=range(first_mtp) if first_mtp is not None else None, progress=on_slab)
     if loaded.problems:

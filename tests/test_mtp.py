@@ -46,7 +46,7 @@ NEAR_TIE = 1e-2
 
 @pytest.fixture(scope="module")
 def engines() -> Iterator[dict[str, Engine]]:
-    opened = {v: open_engine(MODEL / f"model-{v}.gguf", EngineConfig(local=True, device="cpu", mtp=True)) for v in VARIANTS}
+    opened = {v: open_engine(MODEL / f"model-{v}.gguf", EngineConfig(local=True, device="cpu", mtp_head=True)) for v in VARIANTS}
     yield opened
     for e in opened.values():
         e.close()
@@ -128,7 +128,7 @@ def _check_chains(variant: str, refs: np.lib.npyio.NpzFile, i: int, got: dict) -
 def test_drafts_and_chains_are_llama_cpps(engines: dict[str, Engine], variant: str) -> None:
     """Four sequences in one step each time, one token committed a step: every position's 3-chain."""
     engine, refs = engines[variant], _refs(variant)
-    assert engine.mtp is not None
+    assert engine.mtp_head is not None
     seqs = []
     for i in range(4):
         tokens = refs[f"tokens_{i}"]
@@ -138,7 +138,7 @@ def test_drafts_and_chains_are_llama_cpps(engines: dict[str, Engine], variant: s
             h, torch.from_numpy(refs[f"tgt_h_{i}"]), atol=1e-4 if variant == "f32" else 1e-2
         )
         seqs.append((tokens, h))
-    got = _forced(MTPDrafter(engine.mtp, k=3), seqs, [_cut(len(t), 0, [1]) for t, _ in seqs])
+    got = _forced(MTPDrafter(engine.mtp_head, k=3), seqs, [_cut(len(t), 0, [1]) for t, _ in seqs])
     ties = 0
     for i in range(4):
         assert sorted(got[i]) == list(range(len(seqs[i][0])))
@@ -151,7 +151,7 @@ def test_head_rows_are_close_to_llama_cpps(engines: dict[str, Engine], variant: 
     """Each whole sequence through the head in one pass, every row's output (llama.cpp's batched decode):
     h_mtp, the top-5 logits and the log-sum-exp of every row, and its draft."""
     engine, refs = engines[variant], _refs(variant)
-    head = engine.mtp
+    head = engine.mtp_head
     assert isinstance(head, MTPHead)
     tol = 1e-4 if variant == "f32" else 0.1
     for i in range(4):
@@ -177,8 +177,8 @@ def test_windows_of_several_tokens_and_a_taken_back_step_change_nothing(engines:
     """The prompt caught up in one step, then windows of 1-4 tokens (what verify passes commit), give the
     same drafts as a token a step, bit for bit; a step taken back with checkpoint/restore leaves no trace."""
     engine, refs = engines["f32"], _refs("f32")
-    assert engine.mtp is not None
-    drafter = MTPDrafter(engine.mtp, k=3)
+    assert engine.mtp_head is not None
+    drafter = MTPDrafter(engine.mtp_head, k=3)
     seqs = [(refs[f"tokens_{i}"], _trunk_h(engine, refs[f"tokens_{i}"])) for i in range(4)]
     one = _forced(drafter, seqs, [_cut(len(t), 0, [1]) for t, _ in seqs])
     # the prompt less its last token (llama.cpp's prefill), then windows of 1-4 tokens, a pattern per sequence
@@ -223,7 +223,7 @@ def test_one_fan_out_per_pass_for_every_sequence(engines: dict[str, Engine]) -> 
     """Catch-up rows of three sequences and their seed rows: one fan-out of the seed rows only (the catch-up
     rows only fill the caches); then one fan-out per chain step. The warm-up sends every expert one row."""
     engine = engines["f32"]
-    head = engine.mtp
+    head = engine.mtp_head
     assert head is not None
     counting = _Counting(engine.experts, head.layer)
     head.set_experts(counting)
@@ -244,13 +244,13 @@ def test_one_fan_out_per_pass_for_every_sequence(engines: dict[str, Engine]) -> 
 def test_p_min_ends_a_chain(engines: dict[str, Engine]) -> None:
     """A draft whose top-10 probability is below p_min is not drafted, and ends the chain."""
     engine, refs = engines["f32"], _refs("f32")
-    assert engine.mtp is not None
+    assert engine.mtp_head is not None
     tokens = refs["tokens_0"]
     h = _trunk_h(engine, tokens)
     conf = refs["chain_p_top10_0"]
     p = next(p for p in range(len(tokens)) if conf[p][0] > conf[p][1] + 0.02)
     for p_min, want in ((float(conf[p][0] + conf[p][1]) / 2, refs["chain_0"][p][:1]), (1.0, [])):
-        drafter = MTPDrafter(engine.mtp, k=3, p_min=p_min)
+        drafter = MTPDrafter(engine.mtp_head, k=3, p_min=p_min)
         state = drafter.new_state()
         got = drafter.step([state], [tokens[:p].tolist()], [0], [h[:p]], [int(tokens[p])])
         assert got == [tuple(int(t) for t in want)]
@@ -259,9 +259,9 @@ def test_p_min_ends_a_chain(engines: dict[str, Engine]) -> None:
 
 def test_a_file_without_an_mtp_block_says_so() -> None:
     with pytest.raises(GGUFError, match="has no MTP block"):
-        open_engine(FIXTURES / "qwen35moe-quant" / "model-q4_k_m.gguf", EngineConfig(local=True, device="cpu", mtp=True))
+        open_engine(FIXTURES / "qwen35moe-quant" / "model-q4_k_m.gguf", EngineConfig(local=True, device="cpu", mtp_head=True))
     with pytest.raises(GGUFError, match="no MTP head"):
-        open_engine(FIXTURES / "qwen3moe-tiny" / "model-f32.gguf", EngineConfig(local=True, device="cpu", mtp=True))
+        open_engine(FIXTURES / "qwen3moe-tiny" / "model-f32.gguf", EngineConfig(local=True, device="cpu", mtp_head=True))
 
 
 def test_a_quantized_mtp_block_is_multiplied_in_its_file_types(tmp_path) -> None:
@@ -272,9 +272,9 @@ def test_a_quantized_mtp_block_is_multiplied_in_its_file_types(tmp_path) -> None
     tokens = torch.arange(30) * 7 + 3
     out = {}
     for numerics in (Numerics.NATIVE, Numerics.EXACT):
-        engine = open_engine(path, EngineConfig(local=True, device="cpu", numerics=numerics, mtp=True))
+        engine = open_engine(path, EngineConfig(local=True, device="cpu", numerics=numerics, mtp_head=True))
         try:
-            head = engine.mtp
+            head = engine.mtp_head
             assert head is not None
             matrix = head.nextn.eh_proj.matrix
             assert isinstance(matrix, GGMLMatrix)
@@ -309,21 +309,21 @@ def test_drafts_through_three_nodes_are_the_in_process_ones(tmp_path, engines: d
     cuts = [0, n // 3, 2 * n // 3, n]
     nodes = start_nodes([(shard_dir, ["--no-mdns", "--experts", f"{cuts[i]}-{cuts[i + 1] - 1}"]) for i in range(3)],
                         tmp_path / "nodes")  # fmt: skip
-    local = open_engine(shard_dir, EngineConfig(local=True, device="cpu", mtp=True))
+    local = open_engine(shard_dir, EngineConfig(local=True, device="cpu", mtp_head=True))
     swarm = None
     try:
         swarm = open_engine(
-            shard_dir, EngineConfig(peers=tuple(x.address for x in nodes), mdns=False, device="cpu", mtp=True))
+            shard_dir, EngineConfig(peers=tuple(x.address for x in nodes), mdns=False, device="cpu", mtp_head=True))
         refs = _refs("f32")
         seqs = [(refs[f"tokens_{i}"], _trunk_h(local, refs[f"tokens_{i}"])) for i in range(4)]
         windows = [_cut(len(t), 0, [1, 3, 2]) for t, _ in seqs]
         outs = []
-        assert isinstance(swarm.experts, SwarmExperts) and swarm.mtp is not None
-        counting = _Counting(swarm.experts, swarm.mtp.layer)  # the MTP layer's fan-outs do go to the nodes
-        swarm.mtp.set_experts(counting)
+        assert isinstance(swarm.experts, SwarmExperts) and swarm.mtp_head is not None
+        counting = _Counting(swarm.experts, swarm.mtp_head.layer)  # the MTP layer's fan-outs do go to the nodes
+        swarm.mtp_head.set_experts(counting)
         outs = []
         for engine in (local, swarm):
-            head = engine.mtp
+            head = engine.mtp_head
             assert head is not None
             outs.append(_forced(MTPDrafter(head, k=3), seqs, windows))
             tokens, h = seqs[1]
@@ -361,7 +361,7 @@ def test_nodes_without_the_mtp_layer_serve_a_run_without_drafts(tmp_path, capsys
         finally:
             swarm.close()
         with pytest.raises(UserError, match="layer 4"):
-            open_engine(shard_dir, EngineConfig(peers=(node.address,), mdns=False, device="cpu", mtp=True, wait=0.5))
+            open_engine(shard_dir, EngineConfig(peers=(node.address,), mdns=False, device="cpu", mtp_head=True, wait=0.5))
         capsys.readouterr()
         assert main(["status", str(shard_dir), "--no-mdns", "--peer", node.address]) == 0  # it can run
         out = capsys.readouterr().out

@@ -38,16 +38,16 @@ def test_the_loops_drafts_are_llama_cpps(variant: str) -> None:
     ref = np.load(MTP / f"qwen35moe-tiny-{variant}.npz")
     meta = json.loads(str(ref["meta"]))
     engine = open_engine(
-        FIXTURES / "qwen35moe-tiny" / f"model-{variant}.gguf", EngineConfig(local=True, device="cpu", mtp=True))
+        FIXTURES / "qwen35moe-tiny" / f"model-{variant}.gguf", EngineConfig(local=True, device="cpu", mtp_head=True))
     try:
         for i in range(4):
             tokens = ref[f"tokens_{i}"].tolist()
             n = int(ref[f"spec_pos0_{i}"][0]) + 1  # the prompt's length
-            drafter = Recording(engine.mtp, 3)
+            drafter = Recording(engine.mtp_head, 3)
             drafter.seen = []
             stats = GenerationStats()
             got = list(generate(engine.model, tokens[:n], SamplingParams(max_tokens=meta["n_gen"]), "cpu", stats,
-                                mtp=drafter))  # fmt: skip
+                                mtp_drafter=drafter))  # fmt: skip
             assert got == tokens[n:], f"prompt {i}"
             spec = [tuple(t for t in row if t >= 0) for row in ref[f"spec_draft_{i}"].tolist()]
             steps = len(drafter.seen) - 1  # the last step's drafts are never checked (max_tokens reached)
@@ -61,14 +61,14 @@ def test_the_loops_drafts_are_llama_cpps(variant: str) -> None:
 
 
 def test_mtp_drafts_give_the_text_without_drafts_sampled() -> None:
-    engine = open_engine(FIXTURES / "qwen35moe-tiny" / "model-f32.gguf", EngineConfig(local=True, device="cpu", mtp=True))
+    engine = open_engine(FIXTURES / "qwen35moe-tiny" / "model-f32.gguf", EngineConfig(local=True, device="cpu", mtp_head=True))
     try:
         prompt = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20] * 2
         for params in (SamplingParams(max_tokens=10, temperature=0.9, seed=4), SamplingParams(max_tokens=6)):
             plain = list(generate(engine.model, prompt, params, "cpu"))
             stats = GenerationStats()
             assert (
-                list(generate(engine.model, prompt, params, "cpu", stats, mtp=MTPDrafter(engine.mtp, 2)))
+                list(generate(engine.model, prompt, params, "cpu", stats, mtp_drafter=MTPDrafter(engine.mtp_head, 2)))
                 == plain
             )
             assert stats.extra["windows"] > 0 and stats.extra["drafted"] > 0
@@ -106,11 +106,11 @@ def test_four_conversations_with_mtp_drafts_in_serve_passes() -> None:
 
     from swarm.coordinator.serve import scheduler as sched
 
-    engine = open_engine(FIXTURES / "qwen35moe-tiny" / "model-f32.gguf", EngineConfig(local=True, device="cpu", mtp=True))
+    engine = open_engine(FIXTURES / "qwen35moe-tiny" / "model-f32.gguf", EngineConfig(local=True, device="cpu", mtp_head=True))
     prompts = [[5 + i, 9, 40 + 3 * i, *range(60, 60 + 4 * i)] for i in range(4)]
     params = [SamplingParams(max_tokens=10, temperature=0.7 * (i % 2), seed=1 + i) for i in range(4)]
     try:
-        s = sched.Scheduler(engine.model, torch.device("cpu"), None, 4, 256, 4, mtp=MTPDrafter(engine.mtp, 2))
+        s = sched.Scheduler(engine.model, torch.device("cpu"), None, 4, 256, 4, mtp_drafter=MTPDrafter(engine.mtp_head, 2))
         s.start()
         alone: list[list[int]] = []
         try:

@@ -103,8 +103,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
             stats_of = RoutingStats(engine.experts)
             engine.model.set_experts(stats_of)
-            if engine.mtp is not None:
-                engine.mtp.set_experts(stats_of)
+            if engine.mtp_head is not None:
+                engine.mtp_head.set_experts(stats_of)
         params = sampling_from_args(args, engine.tokenizer.eos_ids)
         pictures = None
         if args.image:
@@ -116,8 +116,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             ids = prompt_ids(engine.tokenizer, args.prompt, args.chat, args.system)
         if not ids:
             raise UserError("the prompt is empty after tokenization; give some text")
-        drafter, mtp = drafter_from_args(args, engine)
-        _, stats = stream_answer(engine, ids, params, drafter=drafter, mtp=mtp, pictures=pictures)
+        drafter, mtp_drafter = drafter_from_args(args, engine)
+        _, stats = stream_answer(engine, ids, params, drafter=drafter, mtp_drafter=mtp_drafter, pictures=pictures)
         report(engine, stats)
         if stats_of is not None:
             stats_of.save(args.stats, engine.fingerprint)

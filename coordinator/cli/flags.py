@@ -195,10 +195,10 @@ def drafter_from_args(args: argparse.Namespace, engine: Any = None) -> tuple[Any
 
     if args.draft_max < 0 or args.mtp < 0:
         raise UserError("--draft-max and --mtp must be 0 or more")
-    if args.mtp and engine is not None and engine.mtp is not None:
+    if args.mtp and engine is not None and engine.mtp_head is not None:
         from swarm.coordinator.drafts.mtp import MTPDrafter
 
-        return None, MTPDrafter(engine.mtp, args.mtp)
+        return None, MTPDrafter(engine.mtp_head, args.mtp)
     if args.draft == "none" or args.draft_max == 0:
         return None, None
     return PromptLookup(args.draft_max), None
@@ -241,7 +241,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         numerics=Numerics.of(args.exact),
         wire=Wire(args.wire),
         progress=True,
-        mtp=mtp,
+        mtp_head=mtp,
         mmproj=mmproj_of(args),
         image_tokens=(getattr(args, "image_min_tokens", None), getattr(args, "image_max_tokens", None)),
         peers=tuple(args.peer),

@@ -178,7 +178,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         drafter, mtp_drafter = drafter_from_args(args, engine)
         scheduler = Scheduler(
             engine.model, engine.device, checker, args.parallel, args.ctx_size, args.max_queue, admit_check,
-            drafter=drafter, mtp=mtp_drafter, groups=_grouping(engine, args.groups),
+            drafter=drafter, mtp_drafter=mtp_drafter, groups=_grouping(engine, args.groups),
         )  # fmt: skip
         scheduler.start(_warm_up(engine, args.parallel))
         if args.stats:  # after the warm-up, which would count as routing
@@ -186,8 +186,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
             stats_of = RoutingStats(engine.experts)
             engine.model.set_experts(stats_of)
-            if engine.mtp is not None:
-                engine.mtp.set_experts(stats_of)
+            if engine.mtp_head is not None:
+                engine.mtp_head.set_experts(stats_of)
         config = ServeConfig(
             model_id=args.model_id or model_id_of(args.model), api_key=api_key, ctx_size=args.ctx_size,
             allow_image_urls=args.allow_image_urls,
@@ -279,8 +279,8 @@ def _warm_up(engine: Any, parallel: int) -> Callable[[], None]:
     def warm() -> None:  # on the engine thread
         status_line("swarm serve: warming up (every expert once, as llama.cpp does) ...")
         engine.model.warm_up()
-        if engine.mtp is not None:
-            engine.mtp.warm_up()  # its layer's experts too
+        if engine.mtp_head is not None:
+            engine.mtp_head.warm_up()  # its layer's experts too
         status_line("swarm serve: preparing passes of several conversations at once ...")
         warm_batches(engine.model, parallel, engine.device)
         warm_prompts(engine.model, parallel, engine.device)

@@ -19,7 +19,7 @@ def stream_answer(
     params: Any,
     out: Any = None,
     drafter: Any = None,
-    mtp: Any = None,
+    mtp_drafter: Any = None,
     pictures: Any = None,
 ) -> tuple[list[int], Any]:
     """Generate, printing text as it comes (to stdout by default); (generated ids, GenerationStats). `pictures`:
@@ -38,7 +38,7 @@ def stream_answer(
         stats,
         checker=engine.checker,
         drafter=drafter,
-        mtp=mtp,
+        mtp_drafter=mtp_drafter,
         pictures=pictures,
     ):
         generated.append(token)

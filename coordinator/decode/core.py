@@ -123,18 +123,20 @@ class DecodeCore:
         checker: Checker | None = None,
         *,
         drafts: DraftSource | None = None,
-        mtp: Any = None,
+        mtp_drafter: Any = None,
         groups: Grouping | None = None,
         prompt_chunk: int | None = None,
         prompt_budget: tuple[int | None, int | None] = (None, None),
     ) -> None:
         self.model, self.device, self.checker = model, torch.device(device), checker
-        self.drafts = mtp_source if mtp is not None else drafts
-        self.mtp = mtp  # an MTPDrafter (drafts/mtp.py): its per-sequence head states live in each Seq
+        self.drafts = mtp_source if mtp_drafter is not None else drafts
+        self.mtp_drafter = (
+            mtp_drafter  # an MTPDrafter (drafts/mtp.py): its per-sequence head states live in each Seq
+        )
         self.groups = groups
         self.prompt_chunk = prompt_chunk
         self.beside_decode, self.alone = prompt_budget
-        self.passes = Passes(model, self.device, checker, groups, mtp)
+        self.passes = Passes(model, self.device, checker, groups, mtp_drafter)
 
     # --- conversations ------------------------------------------------------------------------------------
 
@@ -144,7 +146,7 @@ class DecodeCore:
         params: SamplingParams | None,
         *,
         state: Any = None,
-        mtp_state: Any = None,
+        head_state: Any = None,
         fed: int = 0,
         processors: Sequence[LogitsProcessor] = (),
         **conversation: Any,
@@ -154,10 +156,10 @@ class DecodeCore:
         Conversation's fields (pictures, mark, ctx_size, stop_text, drafts)."""
         if not prompt:
             raise ValueError("empty prompt: give at least one token")
-        if mtp_state is None and self.mtp is not None and params is not None:
-            mtp_state = self.mtp.new_state()
+        if head_state is None and self.mtp_drafter is not None and params is not None:
+            head_state = self.mtp_drafter.new_state()
         sampler = Sampler(params, processors) if params is not None else None
-        seq = Seq(state if state is not None else self.model.new_state(), sampler, mtp=mtp_state)
+        seq = Seq(state if state is not None else self.model.new_state(), sampler, head_state=head_state)
         self.passes.join(seq)
         return Conversation(prompt, params or SamplingParams(), seq, fed=fed, **conversation)
 
@@ -236,7 +238,7 @@ class DecodeCore:
     def reset(self) -> None:
         """Drop every held pass (a step failed: its conversations have ended)."""
         self.passes.close()
-        self.passes = Passes(self.model, self.device, self.checker, self.groups, self.mtp)
+        self.passes = Passes(self.model, self.device, self.checker, self.groups, self.mtp_drafter)
 
     def close(self) -> None:
         self.passes.close()

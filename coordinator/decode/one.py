@@ -79,19 +79,21 @@ def generate(
     clock: Callable[[], float] = time.perf_counter,
     checker: Checker | None = None,
     drafter: Callable[[Sequence[int]], Sequence[int]] | None = None,
-    mtp: Any = None,
+    mtp_drafter: Any = None,
     pictures: Any = None,
     processors: Sequence[LogitsProcessor] = (),
 ) -> Iterator[int]:
     """Yield generated token ids one by one; `stats` (if given) is filled in as it goes. With a `checker`,
     tokens come once the nodes' answers behind them are checked (see passes.Passes): a few at a time. With a
-    `drafter` (drafts/lookup.py: the tokens so far -> guesses at the next ones), or `mtp` (an MTPDrafter:
+    `drafter` (drafts/lookup.py: the tokens so far -> guesses at the next ones), or `mtp_drafter` (an MTPDrafter:
     the model's own MTP head), each decode step checks its drafts in one pass; the tokens are the same as
     without. `pictures`: the prompt's pictures (models.base.PictureRows, text/pictures.py); `processors`: what changes
     each row of logits before its token is picked (decode/sampling.py)."""
     stats = stats if stats is not None else GenerationStats()
     stats.prompt_tokens = len(prompt)
-    core = DecodeCore(model, device, checker, drafts=lookup_source(drafter) if drafter else None, mtp=mtp)
+    core = DecodeCore(
+        model, device, checker, drafts=lookup_source(drafter) if drafter else None, mtp_drafter=mtp_drafter
+    )
     conv = core.open(prompt, params, pictures=pictures, processors=processors)
     try:
         t0 = clock()
@@ -110,7 +112,7 @@ def generate(
             entries = core.plan([conv])[0]
             core.step(entries)
             passes += bool(entries)
-            _note(stats, core, conv, passes, drafting=drafter is not None or mtp is not None)
+            _note(stats, core, conv, passes, drafting=drafter is not None or mtp_drafter is not None)
     finally:
         core.close()
 

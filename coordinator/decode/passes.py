@@ -60,7 +60,7 @@ class Anchor(NamedTuple):
 
     state: Any  # the model state's checkpoint
     last: Any  # its latest output then
-    mtp: Any  # its MTP head state's checkpoint (None without one)
+    head_state: Any  # its MTP head state's checkpoint (None without one)
     proposed: tuple[int, ...]  # the head's drafts then
 
 
@@ -76,7 +76,7 @@ class Seq:
     held: list[Any] = field(default_factory=list)
     last: Any = None
     anchor: Anchor | None = None  # the sequence at the settled point: a redo starts there
-    mtp: Any = None  # its MTP head's state (coordinator/drafts/mtp.py) when drafts come from the head
+    head_state: Any = None  # its MTP head's state (coordinator/drafts/mtp.py) when drafts come from the head
     proposed: tuple[int, ...] = ()  # the head's drafts for its next decode step
     drafted: int = 0  # drafts its checking windows carried
     accepted: int = 0  # ... of which the model's own tokens agreed with
@@ -138,7 +138,7 @@ class Passes:
         device: torch.device | str,
         checker: Checker | None = None,
         groups: Grouping | None = None,
-        mtp: Any = None,
+        mtp_drafter: Any = None,
     ) -> None:
         self.model, self.device, self.checker = model, torch.device(device), checker
         # how many groups a pass's entries go in, each its own model call on its own thread, in flight at
@@ -147,7 +147,7 @@ class Passes:
         self._pool: ThreadPoolExecutor | None = None
         # the MTP drafter (coordinator/drafts/mtp.py): after each pass, the sequences that have a head state
         # catch it up with the rows they kept and get their next drafts in seq.proposed
-        self.mtp = mtp
+        self.mtp_drafter = mtp_drafter
         self._count = threading.Lock()  # the counters below, from every group's thread
         self.passes: list[list[Entry]] = []  # since the settled point
         self.open: dict[int, Seq] = {}  # sequences joined or stepped since the settled point, by id
@@ -190,8 +190,8 @@ class Passes:
 
     @staticmethod
     def _checkpoint(seq: Seq) -> Anchor:
-        mtp = seq.mtp.checkpoint() if seq.mtp is not None else None
-        return Anchor(seq.state.checkpoint(), seq.last, mtp, seq.proposed)
+        head = seq.head_state.checkpoint() if seq.head_state is not None else None
+        return Anchor(seq.state.checkpoint(), seq.last, head, seq.proposed)
 
     def _pass(self, entries: list[Entry]) -> None:
         if self.checker is not None:  # every answer of a pass that reads a prompt is checked (audit.Scope)
@@ -235,7 +235,7 @@ class Passes:
             if windows
             else []
         )
-        hidden = self.mtp is not None and any(e.seq.mtp is not None for e in entries)
+        hidden = self.mtp_drafter is not None and any(e.seq.head_state is not None for e in entries)
         extra: dict[str, Any] = {"hidden": True} if hidden else {}
         if any(e.pictures is not None for e in entries):
             extra["pictures"] = [e.pictures for e in entries]
@@ -274,7 +274,7 @@ class Passes:
         at = 0
         for e, f, k in zip(entries, feeds, kept, strict=True):
             rows, at = h[at : at + k], at + len(f)
-            if e.seq.mtp is None:
+            if e.seq.head_state is None:
                 continue
             picked.append(e.seq)
             committed.append(f[:k])
@@ -282,7 +282,9 @@ class Passes:
             hs.append(rows)
             lasts.append(int(e.seq.last) if e.output and e.seq.sampler is not None else None)
         for seq, d in zip(
-            picked, self.mtp.step([s.mtp for s in picked], committed, starts, hs, lasts), strict=True
+            picked,
+            self.mtp_drafter.step([s.head_state for s in picked], committed, starts, hs, lasts),
+            strict=True,
         ):
             seq.proposed = tuple(d)
 
@@ -341,8 +343,8 @@ class Passes:
             assert anchor is not None, "a sequence a checker holds has an anchor"
             seq.last, seq.proposed = anchor.last, anchor.proposed
             seq.state.restore(anchor.state)
-            if anchor.mtp is not None:
-                seq.mtp.restore(anchor.mtp)
+            if anchor.head_state is not None:
+                seq.head_state.restore(anchor.head_state)
             seq.held.clear()
         self.redone += len(self.passes)
         for entries in self.passes:

@@ -59,7 +59,7 @@ class Scheduler:
         admit_check: Callable[[], str | None] | None = None,
         drafter: Callable[[Sequence[int]], Sequence[int]] | None = None,
         groups: Grouping | None = None,
-        mtp: Any = None,
+        mtp_drafter: Any = None,
     ) -> None:
         self.model, self.device = model, device
         self.ctx_size, self.max_queue = ctx_size, max_queue
@@ -72,7 +72,9 @@ class Scheduler:
         self.recent: deque[tuple[float, int]] = deque(maxlen=4096)
         self._cond = threading.Condition()
         self._stopping = False
-        self.mtp = mtp  # an MTPDrafter (drafts from the model's MTP head, in place of `drafter`), or None
+        self.mtp_drafter = (
+            mtp_drafter  # an MTPDrafter (drafts from the model's MTP head, in place of `drafter`), or None
+        )
         # `drafter`: a decode step's drafts (drafts/lookup.py), or None: one token a pass; `groups`: how many
         # groups each pass goes in (serve/groups.py), None: one
         self.core = DecodeCore(
@@ -80,7 +82,7 @@ class Scheduler:
             device,
             checker,
             drafts=lookup_source(drafter) if drafter is not None else None,
-            mtp=mtp,
+            mtp_drafter=mtp_drafter,
             groups=groups,
             prompt_chunk=CHUNK,
             prompt_budget=(PASS_PROMPT_TOKENS_BESIDE_DECODE, PASS_PROMPT_TOKENS_ALONE),
@@ -226,7 +228,7 @@ class Scheduler:
                 req.prompt,
                 req.params,
                 state=slot.state,
-                mtp_state=slot.mtp,
+                head_state=slot.head_state,
                 fed=pos,
                 pictures=req.pictures,
                 mark=req.checkpoint_at(),
@@ -267,14 +269,14 @@ class Scheduler:
                 if isinstance(layer, KVCache):
                     layer.capacity = self.ctx_size
             slot.checkpoints, slot.history = {}, []
-            slot.mtp = self.mtp.new_state() if self.mtp is not None else None
+            slot.head_state = self.mtp_drafter.new_state() if self.mtp_drafter is not None else None
             return
         if pos != len(slot.history):
             slot.state.restore(slot.checkpoints[pos])
-        if slot.mtp is not None and slot.mtp.length != pos:
+        if slot.head_state is not None and slot.head_state.length != pos:
             # the head's cache holds a row for every position the slot read; the trunk's hidden row before
             # `pos` is not kept, and the next row pairs with zeros instead (drafts only: never the text)
-            slot.mtp.restore((pos, torch.zeros_like(slot.mtp.pending_h)))
+            slot.head_state.restore((pos, torch.zeros_like(slot.head_state.pending_h)))
         slot.checkpoints = {p: c for p, c in slot.checkpoints.items() if p <= pos}
         slot.history = slot.history[:pos]
 
@@ -332,7 +334,9 @@ class Scheduler:
             t["drafted"] += seq.drafted
             t["accepted"] += seq.accepted
             t["steps"] += seq.steps
-            t["tokens"] += max(len(conv.out) + len(conv.past) - 1, 0)  # the first comes out of the prompt's pass
+            t["tokens"] += max(
+                len(conv.out) + len(conv.past) - 1, 0
+            )  # the first comes out of the prompt's pass
         if conv is not None and self.core.holds(conv):
             # its passes may still be redone: the state cannot be trusted for reuse
             s.state, s.history, s.checkpoints = None, [], {}

@@ -66,7 +66,7 @@ class Request:
 class Slot:
     index: int
     state: Any = None  # the model's SequenceState, kept between requests
-    mtp: Any = None  # its MTP head's state (with --mtp), at the same position as `state`
+    head_state: Any = None  # its MTP head's state (with --mtp), at the same position as `state`
     # the tokens `state` holds (when idle), each picture's rows as Request.match gives them
     history: list[int] = field(default_factory=list)
     checkpoints: dict[int, Any] = field(default_factory=dict)  # position -> state checkpoint
