@@ -10,14 +10,14 @@ container: swarm.compute.cgroup) stays under it rather than being killed:
 
 - A call multiplies its experts' copies at once, and a copy a call holds cannot be freed while it runs: a
   prefill naming every expert of a layer would hold the whole layer's copies whatever the budget. A call whose
-  copies outgrow the budget is multiplied in groups that fit it (`groups`), the copies of a group evicted for
-  the next one's. Each row's result depends only on that row and its expert's weights, so the groups give the
+  copies outgrow the budget is multiplied in rounds that fit it (`rounds`), the copies of a round evicted for
+  the next one's. Each row's result depends only on that row and its expert's weights, so the rounds give the
   bits of one graph. ggml's repacked kernels do not give the bits of its plain ones (their sums run in
   another order), so multiplying an expert from its memory-mapped slab instead of a copy is no way out.
 - glibc keeps freed memory in its heap and, for copies of this size, mostly does not reuse it for the next
   ones: two calls naming every expert of a layer leave 360 MiB of copies in a 760 MiB heap, all of it
   resident. The memory of evicted copies is handed back to the kernel (`malloc_trim`) every TRIM_STEP bytes
-  evicted and after each group.
+  evicted and after each round.
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ class ExpertCopies:
         self.hits = self.misses = self.evictions = self.repacks = 0
         self.unreturned = 0  # bytes of copies dropped since the heap last handed freed memory back
         self._sizes: dict[tuple[SlabKey, bool], int] = {}  # call_bytes of each expert, native or not
-        # a call split in groups holds up to a budget of copies: two at once would hold twice that
+        # a call split in rounds holds up to a budget of copies: two at once would hold twice that
         self.split_lock = threading.Lock()
 
     def stats(self) -> CacheStats:
@@ -195,24 +195,24 @@ class ExpertCopies:
         """Whether the copy a call in these numerics multiplies this expert as is kept now."""
         return key in (self.native if native else self.float32)
 
-    def groups(
+    def rounds(
         self, blocks: Sequence[tuple[SlabKey, int, int]], sizes: Sequence[int], native: bool
     ) -> list[list[tuple[SlabKey, int, int]]]:
         """A call's blocks (expert, first row, rows) in the groups it multiplies at once: all of them as
         given when their copies (`sizes`, bytes) fit the budget, else those kept now first (nothing to copy),
-        then the others, each group within the budget (one expert at least)."""
+        then the others, each round within the budget (one expert at least)."""
         if not self.budget or sum(sizes) <= self.budget:
             return [list(blocks)]
         order = sorted(range(len(blocks)), key=lambda i: not self.held(blocks[i][0], native))
-        groups: list[list[tuple[SlabKey, int, int]]] = [[]]
+        rounds: list[list[tuple[SlabKey, int, int]]] = [[]]
         size = 0
         for i in order:
-            if groups[-1] and size + sizes[i] > self.budget:
-                groups.append([])
+            if rounds[-1] and size + sizes[i] > self.budget:
+                rounds.append([])
                 size = 0
-            groups[-1].append(blocks[i])
+            rounds[-1].append(blocks[i])
             size += sizes[i]
-        return groups
+        return rounds
 
     def hand_back(self, step: int = 0) -> None:
         """Once more than `step` bytes of copies were dropped since the last time, have the heap hand its

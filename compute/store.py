@@ -362,20 +362,20 @@ class ExpertStore:
             ids = np.repeat(np.asarray(expert_ids, np.int32), np.asarray(counts, np.int64))
             ffn.moe_rows(stack, ids[:, None], x, out)
             return as_given(out, rows)
-        # in groups whose copies fit the memory budget when the call's do not (swarm.compute.expert_copies)
+        # in rounds whose copies fit the memory budget when the call's do not (swarm.compute.expert_copies)
         todo, start, native, copies, slabs = [], 0, numerics == Numerics.NATIVE, self._copies, self.slabs
         for expert, n in zip(expert_ids, counts, strict=True):
             if n:
                 todo.append(((layer, expert), start, n))
             start += n
         sizes = [copies.size(k, slabs[k], native) if k in slabs else 0 for k, _, _ in todo if copies.budget]
-        groups = copies.groups(todo, sizes, native)
-        with copies.split_lock if len(groups) > 1 else contextlib.nullcontext():
-            for group in groups:
-                blocks = [(self.ffn(layer, k[1], numerics), a, n) for k, a, n in group]
+        rounds = copies.rounds(todo, sizes, native)
+        with copies.split_lock if len(rounds) > 1 else contextlib.nullcontext():
+            for part in rounds:
+                blocks = [(self.ffn(layer, k[1], numerics), a, n) for k, a, n in part]
                 ffn.ffn_rows(blocks, x, out)
-                if len(groups) > 1:
-                    del blocks  # this group's copies, evicted for the next group's, are freed now
+                if len(rounds) > 1:
+                    del blocks  # this round's copies, evicted for the next round's, are freed now
                     with self._lock:
                         copies.hand_back()
         return as_given(out, rows)
