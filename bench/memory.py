@@ -24,7 +24,7 @@ from _doc import command, machine, publish  # noqa: E402
 
 from swarm.coordinator.cli.spawn import start_nodes, stop_nodes  # noqa: E402
 from swarm.coordinator.config import EngineConfig
-from swarm.coordinator.decode.one import forward_one  # noqa: E402
+from swarm.coordinator.decode.one import SamplingParams, generate  # noqa: E402
 from swarm.coordinator.engine import open_engine  # noqa: E402
 from swarm.sharding.shard import shard_model  # noqa: E402
 from swarm.sharding.slabs import read_manifest  # noqa: E402
@@ -67,10 +67,9 @@ def node_peak(shard: Path, numerics: str, workdir: Path) -> tuple[int, int]:
         engine = open_engine(shard, EngineConfig(peers=(node.address,), mdns=False, device="cpu", numerics=numerics))
         try:
             ids = (engine.tokenizer.encode(PROMPT) * 8)[:64]
-            state = engine.model.new_state()
-            logits = forward_one(engine.model, ids, state, "cpu", last_only=True)[-1]
-            for _ in range(16):
-                logits = forward_one(engine.model, [int(logits.argmax())], state, "cpu")[-1]
+            params = SamplingParams(max_tokens=17, stop_ids=frozenset())  # the prompt's token, then 16 steps
+            for _ in generate(engine.model, ids, params, "cpu", checker=engine.checker):
+                pass
             return vm_hwm(node.pid), expert_bytes
         finally:
             engine.close()

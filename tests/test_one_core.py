@@ -20,6 +20,7 @@ from swarm.coordinator.cli import main
 from swarm.coordinator.cli.launch import spawn_server
 from swarm.coordinator.cli.spawn import start_nodes, stop_nodes
 from swarm.coordinator.config import EngineConfig
+from swarm.coordinator.decode.core import DecodeCore, StopStrings
 from swarm.coordinator.decode.one import generate
 from swarm.coordinator.decode.sampling import Sampler, SamplingParams
 from swarm.coordinator.drafts.lookup import PromptLookup
@@ -102,3 +103,39 @@ def test_run_logits_and_serve_give_the_same_tokens(where: str, swarm, tmp_path: 
             assert r.usage is not None and r.usage.completion_tokens == len(tokens)
         finally:
             assert server.stop() == 0, server.log_tail()
+
+
+def test_the_cores_hooks_a_logits_processor_and_stop_strings() -> None:
+    """What the next front ends build on: a processor sees each row before its token is picked (here it
+    bans the token greedy decoding picks first), and a stop string ends a conversation at the token that
+    completes it."""
+    engine = open_engine(MODEL, EngineConfig(local=True, device="cpu"))
+    try:
+        tok = engine.tokenizer
+        prompt = tok.encode(PROMPT, parse_special=False)
+        params = SamplingParams(max_tokens=12, stop_ids=frozenset())
+        plain = list(generate(engine.model, prompt, params, "cpu"))
+        seen: list[int] = []
+
+        def ban(logits: torch.Tensor, position: int) -> torch.Tensor:
+            seen.append(position)
+            out = logits.clone()
+            out[plain[0]] = float("-inf")
+            return out
+
+        banned = list(generate(engine.model, prompt, params, "cpu", processors=(ban,)))
+        assert plain[0] not in banned and len(banned) == 12
+        assert seen == list(range(len(prompt), len(prompt) + 12))  # one row per token, in position order
+
+        k = next(i for i in range(1, 12) if tok.decode(plain[i : i + 1], skip_control=True).strip())
+        stop = tok.decode(plain[k : k + 1], skip_control=True).strip()
+        core = DecodeCore(engine.model, "cpu")
+        conv = core.open(prompt, params, stop_text=StopStrings(tok.stream(skip_control=True), [stop]))
+        while conv.finish is None:
+            core.step(core.plan([conv])[0])
+            core.collect(conv)
+        assert conv.finish == "stop" and conv.out == plain[: len(conv.out)]
+        assert stop in tok.decode(conv.out, skip_control=True)
+        assert stop not in tok.decode(conv.out[:-1], skip_control=True)
+    finally:
+        engine.close()

@@ -150,6 +150,13 @@ class _Unit(RMSNorm):
         self.register_buffer("weight", torch.ones(dim), persistent=False)
 
 
+class HeadCheckpoint(NamedTuple):
+    """An MTPState as it was: its cache's length and the trunk's hidden row the next row pairs with."""
+
+    length: int
+    pending_h: torch.Tensor  # [D]
+
+
 @dataclass
 class MTPState:
     """One sequence's MTP state: the head's own KV cache (rows (x_p, h_{p-1}) of the committed positions) and
@@ -164,9 +171,11 @@ class MTPState:
         """Positions the cache holds = the position of the next committed row."""
         return self.kv.length
 
-    def checkpoint(self) -> tuple[int, torch.Tensor]:
-        return self.kv.checkpoint(), self.pending_h  # (pending_h is replaced, never written in place)
+    def checkpoint(self) -> HeadCheckpoint:
+        return HeadCheckpoint(
+            self.kv.checkpoint(), self.pending_h
+        )  # (pending_h is replaced, never written in place)
 
-    def restore(self, cp: tuple[int, torch.Tensor]) -> None:
-        length, self.pending_h = cp
-        self.kv.restore(length)
+    def restore(self, cp: HeadCheckpoint) -> None:
+        self.pending_h = cp.pending_h
+        self.kv.restore(cp.length)

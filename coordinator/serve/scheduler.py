@@ -29,6 +29,7 @@ import torch
 from swarm.coordinator.decode.core import DecodeCore, lookup_source
 from swarm.coordinator.decode.passes import Checker, Entry, Grouping
 from swarm.coordinator.models.attention import KVCache
+from swarm.coordinator.models.mtp import HeadCheckpoint
 from swarm.coordinator.serve.slots import Done, QueueFull, Request, Slot
 from swarm.sharding.errors import UserError
 
@@ -234,6 +235,7 @@ class Scheduler:
                 mark=req.checkpoint_at(),
                 ctx_size=self.ctx_size,
                 stop_text=req.stop_text,
+                processors=req.processors,
             )
             req.cached, req.admitted = pos, time.monotonic()
 
@@ -276,7 +278,7 @@ class Scheduler:
         if slot.head_state is not None and slot.head_state.length != pos:
             # the head's cache holds a row for every position the slot read; the trunk's hidden row before
             # `pos` is not kept, and the next row pairs with zeros instead (drafts only: never the text)
-            slot.head_state.restore((pos, torch.zeros_like(slot.head_state.pending_h)))
+            slot.head_state.restore(HeadCheckpoint(pos, torch.zeros_like(slot.head_state.pending_h)))
         slot.checkpoints = {p: c for p, c in slot.checkpoints.items() if p <= pos}
         slot.history = slot.history[:pos]
 

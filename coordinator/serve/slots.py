@@ -52,6 +52,8 @@ class Request:
     keys: list[int] | None = None
     # what ends it at a stop string (decode/core.py StopStrings; the answer's text is cut by openai_answer's)
     stop_text: Any = None
+    # what changes each row of logits before its token is picked (decode/sampling.py LogitsProcessor)
+    processors: tuple[Any, ...] = ()
 
     def match(self) -> list[int]:
         """The prompt as a slot's history holds it: a held picture counts only where it is the same."""
