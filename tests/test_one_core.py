@@ -117,13 +117,25 @@ def test_the_cores_hooks_a_logits_processor_and_stop_strings() -> None:
         plain = list(generate(engine.model, prompt, params, "cpu"))
         seen: list[int] = []
 
-        def ban(logits: torch.Tensor, position: int) -> torch.Tensor:
+        def ban(logits: torch.Tensor, position: int, before: list[int]) -> torch.Tensor:
+            assert before == [*prompt, *banned_so_far(position)]
             seen.append(position)
             out = logits.clone()
             out[plain[0]] = float("-inf")
             return out
 
-        banned = list(generate(engine.model, prompt, params, "cpu", processors=(ban,)))
+        picked: list[int] = []
+
+        def banned_so_far(position: int) -> list[int]:
+            return picked[: position - len(prompt)]
+
+        def keep(logits: torch.Tensor, position: int, before: list[int]) -> torch.Tensor:
+            return logits
+
+        banned = []
+        for t in generate(engine.model, prompt, params, "cpu", processors=(ban, keep)):
+            banned.append(t)
+            picked.append(t)
         assert plain[0] not in banned and len(banned) == 12
         assert seen == list(range(len(prompt), len(prompt) + 12))  # one row per token, in position order
 

@@ -97,6 +97,10 @@ class Conversation:
         """Tokens sampled so far: given out, settled, or held until the answers behind them are checked."""
         return len(self.out) + len(self.seq.ready) + len(self.seq.held)
 
+    def before(self, position: int) -> list[int]:
+        """Its tokens before a position (the prompt from 0, then every token sampled)."""
+        return self.tokens()[:position]
+
     def tokens(self) -> list[int]:
         """Its prompt and every token sampled (the last one not yet fed)."""
         return [*self.prompt, *self.out, *self.past, *self.seq.ready, *self.seq.held]
@@ -158,10 +162,12 @@ class DecodeCore:
             raise ValueError("empty prompt: give at least one token")
         if head_state is None and self.mtp_drafter is not None and params is not None:
             head_state = self.mtp_drafter.new_state()
-        sampler = Sampler(params, processors) if params is not None else None
-        seq = Seq(state if state is not None else self.model.new_state(), sampler, head_state=head_state)
+        seq = Seq(state if state is not None else self.model.new_state(), None, head_state=head_state)
+        conv = Conversation(prompt, params or SamplingParams(), seq, fed=fed, **conversation)
+        if params is not None:
+            seq.sampler = Sampler(params, processors, history=conv.before)
         self.passes.join(seq)
-        return Conversation(prompt, params or SamplingParams(), seq, fed=fed, **conversation)
+        return conv
 
     def holds(self, conv: Conversation) -> bool:
         """Whether its passes may still be redone (its state is not to be reused yet)."""

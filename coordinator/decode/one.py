@@ -142,7 +142,7 @@ def greedy_trace(
     and steps + 1 rows of logits [steps + 1, V] (prefill's last row, then one row per decode step)."""
     rows: dict[int, torch.Tensor] = {}
 
-    def record(logits: torch.Tensor, position: int) -> torch.Tensor:
+    def record(logits: torch.Tensor, position: int, before: Sequence[int]) -> torch.Tensor:
         rows[position] = logits.detach().clone()  # a redo writes its position again
         return logits
 

@@ -23,9 +23,11 @@ class SamplingParams:
 
 
 # What may change a row of logits before a token is picked from it (grammars, penalties; a recorder of the
-# rows): (logits [V], the position of the token picked from them) -> logits [V]. Called once per token picked,
-# in position order within a pass; a redo after a caught node calls it again for the positions it redoes.
-LogitsProcessor = Callable[[torch.Tensor, int], torch.Tensor]
+# rows): (logits [V], the position of the token picked from them, the sequence's tokens before that position,
+# prompt included) -> logits [V]. Called once per token picked, in position order within a pass; a checking
+# window's rows and a redo after a caught node call it again for positions it has seen, with the tokens
+# before them as they are then: it keeps no state a position it has seen relies on, or rolls it back.
+LogitsProcessor = Callable[[torch.Tensor, int, Sequence[int]], torch.Tensor]
 
 _MASK64 = (1 << 64) - 1
 
@@ -45,16 +47,25 @@ class Sampler:
     by the inverse of its cumulative sum at position_uniform(seed, position) (a seed drawn at random when the
     request gives none), after its logits processors (in order). It keeps no state between calls."""
 
-    def __init__(self, params: SamplingParams, processors: Sequence[LogitsProcessor] = ()) -> None:
+    def __init__(
+        self,
+        params: SamplingParams,
+        processors: Sequence[LogitsProcessor] = (),
+        history: Callable[[int], Sequence[int]] | None = None,
+    ) -> None:
+        """`history`: a position -> the sequence's tokens before it (what processors are given)."""
         self.params = params
         self.processors = tuple(processors)
+        self.history = history
         self.seed = params.seed if params.seed is not None else secrets.randbits(63)
 
     def __call__(self, logits: torch.Tensor, position: int) -> int:
         """logits [V] of the token at `position` (the tokens before it) -> its id."""
         p = self.params
-        for process in self.processors:
-            logits = process(logits, position)
+        if self.processors:
+            before = self.history(position) if self.history is not None else ()
+            for process in self.processors:
+                logits = process(logits, position, before)
         if p.temperature <= 0:
             return int(torch.argmax(logits).item())
         scores = logits.detach().float().cpu() / p.temperature
