@@ -79,6 +79,8 @@ class Conversation:
     ctx_size: int | None = None  # the most tokens its state may hold, prompt included (None: no bound)
     stop_text: StopText | None = None
     drafts: DraftSource | None = None
+    # tokens known to come next (a grammar's forced ones, decode/grammar.py): drafted first, the drafts after
+    forced: DraftSource | None = None
     out: list[int] = field(default_factory=list)  # tokens given out
     past: list[int] = field(default_factory=list)  # tokens sampled after its end (its state has read them)
     finish: str | None = None  # "stop" or "length" once it has ended
@@ -153,11 +155,13 @@ class DecodeCore:
         head_state: Any = None,
         fed: int = 0,
         processors: Sequence[LogitsProcessor] = (),
+        record: Callable[[int, int, torch.Tensor], None] | None = None,
         **conversation: Any,
     ) -> Conversation:
         """A conversation joined to the core. `state`: a model state holding the prompt's first `fed` tokens
-        (None: a fresh one); `params` None: its prompt's pass gives logits [T, V], not a token; the rest are
-        Conversation's fields (pictures, mark, ctx_size, stop_text, drafts)."""
+        (None: a fresh one); `params` None: its prompt's pass gives logits [T, V], not a token; `record`: told
+        every token picked with its row (Sampler); the rest are Conversation's fields (pictures, mark,
+        ctx_size, stop_text, drafts, forced)."""
         if not prompt:
             raise ValueError("empty prompt: give at least one token")
         if head_state is None and self.mtp_drafter is not None and params is not None:
@@ -165,7 +169,7 @@ class DecodeCore:
         seq = Seq(state if state is not None else self.model.new_state(), None, head_state=head_state)
         conv = Conversation(prompt, params or SamplingParams(), seq, fed=fed, **conversation)
         if params is not None:
-            seq.sampler = Sampler(params, processors, history=conv.before)
+            seq.sampler = Sampler(params, processors, history=conv.before, record=record)
         self.passes.join(seq)
         return conv
 
@@ -234,12 +238,18 @@ class DecodeCore:
         return give
 
     def _drafts(self, c: Conversation) -> tuple[int, ...]:
-        """Its next decode pass's drafts, no more than it may still produce less one."""
+        """Its next decode pass's drafts, no more than it may still produce less one: the tokens known to
+        come next first, then its draft source's guesses after them (the MTP head's are for the place right
+        after its last token: none after forced ones)."""
         source = c.drafts if c.drafts is not None else self.drafts
         room = c.limit - c.produced() - 1
-        if source is None or room <= 0 or c.seq.sampler is None:
+        if room <= 0 or c.seq.sampler is None:
             return ()
-        return tuple(source(c.tokens(), c.seq))[:room]
+        tokens = c.tokens()
+        first = tuple(c.forced(tokens, c.seq))[:room] if c.forced is not None else ()
+        if source is None or (first and source is mtp_source):
+            return first
+        return (first + tuple(source([*tokens, *first], c.seq)))[:room]
 
     def reset(self) -> None:
         """Drop every held pass (a step failed: its conversations have ended)."""

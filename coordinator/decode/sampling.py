@@ -18,6 +18,7 @@ class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = no limit
+    min_p: float = 0.0  # drop tokens less likely than min_p times the likeliest (at the temperature); 0 = off
     seed: int | None = None
     stop_ids: frozenset[int] = frozenset()
 
@@ -43,7 +44,7 @@ def position_uniform(seed: int, position: int) -> float:
 
 
 class Sampler:
-    """Picks each next token: greedy at temperature 0, else from the temperature / top-k / top-p distribution
+    """Picks each next token: greedy at temperature 0, else from the temperature / top-k / min-p / top-p distribution
     by the inverse of its cumulative sum at position_uniform(seed, position) (a seed drawn at random when the
     request gives none), after its logits processors (in order). It keeps no state between calls."""
 
@@ -52,20 +53,29 @@ class Sampler:
         params: SamplingParams,
         processors: Sequence[LogitsProcessor] = (),
         history: Callable[[int], Sequence[int]] | None = None,
+        record: Callable[[int, int, torch.Tensor], None] | None = None,
     ) -> None:
-        """`history`: a position -> the sequence's tokens before it (what processors are given)."""
+        """`history`: a position -> the sequence's tokens before it (what processors are given); `record`:
+        given (position, the token picked, the row after the processors) for each token (decode/logprobs.py)."""
         self.params = params
         self.processors = tuple(processors)
         self.history = history
+        self.record = record
         self.seed = params.seed if params.seed is not None else secrets.randbits(63)
 
     def __call__(self, logits: torch.Tensor, position: int) -> int:
         """logits [V] of the token at `position` (the tokens before it) -> its id."""
-        p = self.params
         if self.processors:
             before = self.history(position) if self.history is not None else ()
             for process in self.processors:
                 logits = process(logits, position, before)
+        token = self._pick(logits, position)
+        if self.record is not None:
+            self.record(position, token, logits)
+        return token
+
+    def _pick(self, logits: torch.Tensor, position: int) -> int:
+        p = self.params
         if p.temperature <= 0:
             return int(torch.argmax(logits).item())
         scores = logits.detach().float().cpu() / p.temperature
@@ -73,6 +83,8 @@ class Sampler:
             kth = torch.topk(scores, p.top_k).values[-1]
             scores = scores.masked_fill(scores < kth, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
+        if p.min_p > 0.0:
+            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
         if p.top_p < 1.0:
             sorted_probs, order = torch.sort(probs, descending=True)
             # keep the smallest prefix whose mass reaches top_p (always at least one token)

@@ -1,0 +1,162 @@
+"""Structured output (decode/grammar.py): a grammar compiled by llguidance over the model's whole vocabulary
+holds every answer to its schema, as a token mask and its forced tokens as drafts.
+
+On the 152k-token Qwen3.5 vocabulary (../shared/fixtures/tokenizer): the mask of a prefix is the same however
+the matcher reached it (checking windows and redos revisit positions); the forced tokens are what the mask
+leaves. On the fixture's random weights in process: 50 seeds under a JSON schema all validate (the
+`jsonschema` package), with the same tokens with drafts and without; a grammar with no way on ends the answer
+with its own finish reason."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+from conftest import FIXTURES
+
+from swarm.coordinator.config import EngineConfig
+from swarm.coordinator.decode.core import DecodeCore, lookup_source
+from swarm.coordinator.decode.grammar import DEAD_END, Grammar, GrammarError, GrammarVocab, json_grammar
+from swarm.coordinator.decode.sampling import SamplingParams
+from swarm.coordinator.drafts.lookup import PromptLookup
+from swarm.coordinator.engine import open_engine
+from swarm.coordinator.text.tokenizer import GGUFTokenizer
+from swarm.sharding.gguf_io import open_gguf, read_metadata
+
+VOCAB = Path(__file__).parents[2] / "shared" / "fixtures" / "tokenizer" / "ggml-vocab-qwen35.gguf"
+MODEL = FIXTURES / "qwen35moe-tiny" / "model-f32.gguf"
+# bounded everywhere, so that random weights finish it within a short answer
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "ok": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"enum": ["red", "green"]}, "maxItems": 2},
+    },
+    "required": ["name", "age", "ok", "tags"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def big() -> GrammarVocab:
+    return GrammarVocab.of(GGUFTokenizer(read_metadata(open_gguf(VOCAB))))
+
+
+def greedy(grammar: Grammar, prompt: list[int], rows: torch.Tensor, eos: set[int]) -> list[int]:
+    """Tokens picked greedily from `rows` (one random row per position) through the grammar's mask."""
+    seq = list(prompt)
+    for row in rows:
+        token = int(torch.argmax(grammar(row, len(seq), seq)))
+        seq.append(token)
+        if token in eos:
+            break
+    return seq[len(prompt) :]
+
+
+def test_the_whole_vocabulary_answers_to_the_schema_and_the_mask_follows_any_prefix(
+    big: GrammarVocab,
+) -> None:
+    tok = big.tokenizer
+    assert big.size == tok.vocab_size > 150_000
+    prompt = tok.encode("<|im_start|>user\nJSON please<|im_end|>\n<|im_start|>assistant\n")
+    eos = set(tok.eos_ids)
+    rows = torch.randn(80, tok.vocab_size, generator=torch.Generator().manual_seed(1))
+    grammar = Grammar(big, big.compile(json_grammar(SCHEMA)), start=len(prompt))
+    answer = greedy(grammar, prompt, rows, eos)
+    assert answer[-1] in eos and grammar.ended_by(answer) is None
+    jsonschema.validate(json.loads(tok.decode(answer[:-1])), SCHEMA)
+    # the first tokens are forced ('{"name": "'): the drafts are the mask's only choice
+    forced = grammar.forced(prompt)
+    assert tok.decode(list(forced)).startswith('{"name"') and tuple(answer[: len(forced)]) == forced
+
+    # a fresh matcher's mask at each prefix, then the first one's at the same prefixes in random order
+    seq = prompt + answer
+    fresh = Grammar(big, big.compile(json_grammar(SCHEMA)), start=len(prompt))
+    zero = torch.zeros(tok.vocab_size)
+    want = {p: fresh(zero, p, seq[:p]).clone() for p in range(len(prompt), len(seq))}
+    order = list(want)
+    random.Random(0).shuffle(order)
+    for p in order:
+        assert torch.equal(grammar(zero, p, seq[:p]), want[p]), p
+    # complete: only EOS is left
+    done = grammar(zero, len(seq) - 1, seq[:-1])
+    assert set(torch.nonzero(torch.isfinite(done)).flatten().tolist()) <= eos
+
+
+def test_a_thinking_block_goes_before_the_value(big: GrammarVocab) -> None:
+    tok = big.tokenizer
+    grammar = Grammar(big, big.compile(json_grammar({"type": "object"}, thinking=True)), start=0)
+    answer = tok.encode('hmm {"no": 1} </think>\n\n{"a": [1, 2]}') + [min(tok.eos_ids)]
+    assert grammar.ended_by(answer) is None
+    assert grammar.forced(answer[:-1]) == ()
+    assert grammar.ended_by(tok.encode("hmm") + [min(tok.eos_ids)]) == DEAD_END  # EOS before any value
+
+
+def test_a_grammar_with_no_way_on_ends_with_its_own_reason(big: GrammarVocab) -> None:
+    tok = big.tokenizer
+    grammar = Grammar(big, big.compile('start: "ab" B\nB: /[a-z]+/ & /[0-9]+/\n'), start=0)
+    answer = greedy(grammar, [], torch.zeros(6, tok.vocab_size), set(tok.eos_ids))
+    assert tok.decode(answer[:-1]) == "ab" and answer[-1] in tok.eos_ids
+    assert grammar.ended_by(answer) == DEAD_END
+    # an answer that left the grammar (a prefix it never allowed) gets EOS alone, and the same reason
+    row = grammar(torch.zeros(tok.vocab_size), 2, tok.encode("zz"))
+    assert torch.nonzero(torch.isfinite(row)).flatten().tolist() == [min(tok.eos_ids)]
+
+
+@pytest.mark.parametrize(
+    "schema", [{"type": "foo"}, {"type": "object", "properties": {"a": {"type": 3}}}, [1], "object"]
+)
+def test_a_schema_the_engine_cannot_compile_is_a_grammar_error(big: GrammarVocab, schema: object) -> None:
+    with pytest.raises(GrammarError):
+        big.compile(json_grammar(schema))
+
+
+# --- in process, the fixture's random weights -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine():
+    engine = open_engine(MODEL, EngineConfig(local=True))
+    yield engine
+    engine.close()
+
+
+def answers(
+    engine, prompt: list[int], params: list[SamplingParams], src: str, drafts: bool
+) -> list[list[int]]:
+    """Conversations through one decode core (together: one pass for all), each held to the grammar; drafts:
+    its forced tokens, and prompt lookup after them."""
+    vocab = GrammarVocab.of(engine.tokenizer)
+    core = DecodeCore(engine.model, engine.device, drafts=lookup_source(PromptLookup(3)) if drafts else None)
+    convs = []
+    for p in params:
+        grammar = Grammar(vocab, vocab.compile(src), start=len(prompt))
+        convs.append(core.open(prompt, p, processors=[grammar], forced=grammar.forced if drafts else None))
+    while any(c.finish is None for c in convs):
+        core.step(core.plan([c for c in convs if c.finish is None])[0])
+        for c in convs:
+            core.collect(c)
+    core.close()
+    if drafts:
+        assert all(c.seq.accepted > 0 for c in convs), "forced tokens ride the checking window"
+    return [c.out for c in convs]
+
+
+def test_fifty_seeds_validate_and_drafts_change_no_token(engine) -> None:
+    tok = engine.tokenizer
+    prompt = tok.encode("<|im_start|>user\nA person as JSON<|im_end|>\n<|im_start|>assistant\n")
+    src = json_grammar(SCHEMA)
+    params = [SamplingParams(120, temperature=1.0, seed=seed, stop_ids=tok.eos_ids) for seed in range(50)]
+    params.append(SamplingParams(120, stop_ids=tok.eos_ids))  # greedy
+    outs = answers(engine, prompt, params, src, drafts=True)
+    for seed, out in enumerate(outs):
+        assert out[-1] in tok.eos_ids, (seed, tok.decode(out))
+        jsonschema.validate(json.loads(tok.decode(out[:-1])), SCHEMA)
+    assert len({tuple(o) for o in outs}) > 40, "the seeds sample"
+    assert answers(engine, prompt, params[::10], src, drafts=False) == outs[::10]
