@@ -14,10 +14,13 @@ import random
 from pathlib import Path
 
 import jsonschema
+import openai
 import pytest
 import torch
 from conftest import FIXTURES
 
+from swarm.coordinator.cli.launch import spawn_server
+from swarm.coordinator.cli.spawn import start_nodes, stop_nodes
 from swarm.coordinator.config import EngineConfig
 from swarm.coordinator.decode.core import DecodeCore, lookup_source
 from swarm.coordinator.decode.grammar import DEAD_END, Grammar, GrammarError, GrammarVocab, json_grammar
@@ -26,6 +29,7 @@ from swarm.coordinator.drafts.lookup import PromptLookup
 from swarm.coordinator.engine import open_engine
 from swarm.coordinator.text.tokenizer import GGUFTokenizer
 from swarm.sharding.gguf_io import open_gguf, read_metadata
+from swarm.sharding.shard import shard_model
 
 VOCAB = Path(__file__).parents[2] / "shared" / "fixtures" / "tokenizer" / "ggml-vocab-qwen35.gguf"
 MODEL = FIXTURES / "qwen35moe-tiny" / "model-f32.gguf"
@@ -160,3 +164,90 @@ def test_fifty_seeds_validate_and_drafts_change_no_token(engine) -> None:
         jsonschema.validate(json.loads(tok.decode(out[:-1])), SCHEMA)
     assert len({tuple(o) for o in outs}) > 40, "the seeds sample"
     assert answers(engine, prompt, params[::10], src, drafts=False) == outs[::10]
+
+
+# --- through the server and real nodes, the official client ------------------------------------------------
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "maxLength": 8},
+                    "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                    "units": {"enum": ["c", "f"]},
+                },
+                "required": ["city", "days"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}},
+]
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory):
+    tmp = tmp_path_factory.mktemp("grammar-serve")
+    shard = tmp / "m.swarm"
+    shard_model(MODEL, shard)
+    nodes = start_nodes([(shard, ["--experts", "0-15"]), (shard, ["--experts", "16-31"])], tmp / "nodes")
+    try:
+        peers = [a for n in nodes for a in ("--peer", n.address)]
+        args = ["--no-mdns", *peers, "--parallel", "4", "--ctx-size", "1024", "--model-id", "m"]
+        proc = spawn_server(shard, args, tmp).wait_ready(120)
+        try:
+            yield openai.OpenAI(base_url=proc.ready["url"], api_key="-", max_retries=0)
+        finally:
+            assert proc.stop() == 0, proc.log_tail()
+    finally:
+        stop_nodes(nodes)
+
+
+def ask(client: openai.OpenAI, seed: int, max_tokens: int = 120, **kw: object):
+    return client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Answer in JSON"}], max_tokens=max_tokens,
+        temperature=1.0, seed=seed, extra_body=NO_THINKING, **kw,
+    )  # fmt: skip
+
+
+def test_through_nodes_every_answer_fits_its_schema_and_every_call_its_tool(served: openai.OpenAI) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
+    texts = set()
+    for seed in range(4):
+        r = ask(served, seed, response_format=fmt)
+        assert r.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+        texts.add(r.choices[0].message.content)
+    assert len(texts) > 1
+    r = ask(served, 0, response_format={"type": "json_object"}, max_tokens=30)
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    else:
+        assert r.choices[0].message.content.startswith("{")
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for seed, choice in [(0, "required"), (1, "required"), (2, "required"), (3, named)]:
+        r = ask(served, seed, tools=TOOLS, tool_choice=choice, parallel_tool_calls=seed == 2)
+        assert r.choices[0].finish_reason == "tool_calls" or seed == 2, r.choices[0]
+        assert r.choices[0].message.tool_calls, r.choices[0]
+        for call in r.choices[0].message.tool_calls:
+            assert choice == "required" or call.function.name == "get_weather"
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+
+
+def test_a_schema_the_engine_cannot_compile_is_a_400_naming_response_format(served: openai.OpenAI) -> None:
+    for fmt in [
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}},
+        {"type": "json_schema", "json_schema": {"name": "x"}},
+        {"type": "xml"},
+    ]:
+        with pytest.raises(openai.BadRequestError) as e:
+            ask(served, 0, response_format=fmt)
+        assert e.value.body["param"] == "response_format", e.value.body
+    ok = ask(served, 0, response_format={"type": "text"}, max_tokens=4)
+    assert ok.choices[0].finish_reason in ("stop", "length")

@@ -27,6 +27,7 @@ from swarm.coordinator.decode.core import StopStrings
 from swarm.coordinator.serve import scheduler as sched
 from swarm.coordinator.serve.metrics import ServeMetrics
 from swarm.coordinator.serve.openai_answer import Answer, StopMatcher, error_event, timings
+from swarm.coordinator.serve.openai_decoding import Decoding
 from swarm.coordinator.serve.openai_request import ApiError, Job, JobReader
 from swarm.coordinator.text.chat import ChatTemplate
 from swarm.sharding.errors import UserError
@@ -130,9 +131,11 @@ class OpenAIApi:
 
         scheduler = self.scheduler
         stop_text = StopStrings(self.tokenizer.stream(skip_control=True), job.stops) if job.stops else None
+        hooks = job.decoding if job.decoding is not None else Decoding()  # grammar, penalties, logprobs
         req = sched.Request(
-            job.prompt, job.params, put, put, mark=job.mark, pictures=job.pictures, keys=job.keys, stop_text=stop_text
-        )
+            job.prompt, job.params, put, put, mark=job.mark, pictures=job.pictures, keys=job.keys, stop_text=stop_text,
+            processors=hooks.processors, forced=hooks.forced, record=hooks.record,
+        )  # fmt: skip
         try:
             scheduler.submit(req)
         except sched.QueueFull:
@@ -161,8 +164,10 @@ class OpenAIApi:
                         raise ApiError(ev.status, ev.error or "generation failed", "server_error")
                     finished = True
                     tail = stop.push(detok.flush())[0] + stop.flush()
-                    yield tail, ev.finish_reason if ev.finish_reason != "cancelled" else "stop", req
+                    reason = hooks.finish_reason(ev.finish_reason)  # 'grammar': it left no token to go on
+                    yield tail, reason if reason != "cancelled" else "stop", req
                     return
+                hooks.tokens.extend(ev)
                 text = "".join(detok.push(t) for t in ev if t not in job.params.stop_ids)
                 piece, hit = stop.push(text)
                 if hit:
@@ -201,6 +206,7 @@ class OpenAIApi:
             answer = Answer(
                 ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12), int(time.time()), chat,
                 self.config.model_id, bool(options.get("include_usage", False)), started,
+                job.decoding.answer_logprobs(self.tokenizer, chat) if job.decoding is not None else None,
             )  # fmt: skip
             gen = self.run(job, request)
             if stream:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +51,7 @@ class Answer:
     model: str
     include_usage: bool
     started: float
+    logprobs: Callable[[], dict[str, Any] | None] | None = None  # the answer's, once it is whole
 
     @property
     def whole_object(self) -> str:
@@ -66,7 +68,8 @@ class Answer:
 
     def whole(self, text: str, reason: str, req: Request) -> dict[str, Any]:
         """The completion object of an answer sent at once."""
-        choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": None}
+        logprobs = self.logprobs() if self.logprobs is not None else None
+        choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": logprobs}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:

@@ -8,6 +8,7 @@ from typing import Any
 
 from swarm.coordinator.decode.sampling import SamplingParams
 from swarm.coordinator.serve.api_error import ApiError
+from swarm.coordinator.serve.openai_decoding import Decoding, decoding
 from swarm.coordinator.serve.picture_source import picture_bytes
 from swarm.coordinator.text.chat import ChatTemplate
 from swarm.coordinator.text.tokenizer import GGUFTokenizer
@@ -30,6 +31,8 @@ class Job:
     mark: int | None = None  # where the scheduler keeps a checkpoint before the prompt's end
     pictures: Any = None  # the prompt's pictures (models.base.PictureRows), or None
     keys: list[int] | None = None  # the prompt as slots match it (pictures.PicturePrompt.keys)
+    # its grammar, penalties and logprobs: the decode core's hooks (openai_decoding.py)
+    decoding: Decoding | None = None
 
 
 class JobReader:
@@ -79,6 +82,7 @@ class JobReader:
             temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
             top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
             top_k=top_k,
+            min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
             seed=seed,
             stop_ids=self.tokenizer.eos_ids,
         )
@@ -113,7 +117,8 @@ class JobReader:
             prompt, pictures, keys = self._with_pictures(text, images)
         self.check_context(prompt, int(pictures.at.numel()) if pictures is not None else 0)
         params, stops = self.sampling(body, len(prompt))
-        return Job(prompt, params, stops, self._turn_end(plain, text, prompt), pictures, keys)
+        hooks = decoding(body, self.tokenizer, prompt, chat=True)
+        return Job(prompt, params, stops, self._turn_end(plain, text, prompt), pictures, keys, decoding=hooks)
 
     def _with_pictures(self, text: str, images: list[Any]) -> tuple[list[int], Any, list[int]]:
         """(prompt tokens, pictures, keys) of a chat's text whose pictures stand at pictures.MARKER."""
@@ -161,7 +166,8 @@ class JobReader:
             raise ApiError(400, "missing 'prompt': a string or a list of token ids", param="prompt")
         self.check_context(prompt)
         params, stops = self.sampling(body, len(prompt))
-        return Job(prompt, params, stops, max(len(prompt) - COMPLETION_TAIL, 0) or None)
+        hooks = decoding(body, tokenizer, prompt, chat=False)
+        return Job(prompt, params, stops, max(len(prompt) - COMPLETION_TAIL, 0) or None, decoding=hooks)
 
 
 def _plain_messages(messages: Any) -> tuple[list[dict[str, Any]], list[tuple[int, Any]]]:

@@ -236,6 +236,8 @@ class Scheduler:
                 ctx_size=self.ctx_size,
                 stop_text=req.stop_text,
                 processors=req.processors,
+                forced=req.forced,
+                record=req.record,
             )
             req.cached, req.admitted = pos, time.monotonic()
 

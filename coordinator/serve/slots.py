@@ -54,6 +54,10 @@ class Request:
     stop_text: Any = None
     # what changes each row of logits before its token is picked (decode/sampling.py LogitsProcessor)
     processors: tuple[Any, ...] = ()
+    # tokens known to come next, drafted first (a grammar's forced ones: decode/core.py Conversation.forced)
+    forced: Any = None
+    # told every token picked with the row it was picked from (decode/logprobs.py Logprobs.record)
+    record: Any = None
 
     def match(self) -> list[int]:
         """The prompt as a slot's history holds it: a held picture counts only where it is the same."""
