@@ -224,6 +224,11 @@ def test_through_nodes_every_answer_fits_its_schema_and_every_call_its_tool(serv
         jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
         texts.add(r.choices[0].message.content)
     assert len(texts) > 1
+    c = served.completions.create(
+        model="m", prompt="A person:", max_tokens=120, temperature=1.0, seed=7,
+        extra_body={"response_format": fmt},
+    )  # fmt: skip
+    jsonschema.validate(json.loads(c.choices[0].text), SCHEMA)
     r = ask(served, 0, response_format={"type": "json_object"}, max_tokens=30)
     if r.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(r.choices[0].message.content), dict)

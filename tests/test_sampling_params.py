@@ -103,6 +103,21 @@ def test_penalties_and_logprobs_equal_the_reference(client: openai.OpenAI) -> No
     assert bytes(first.bytes).decode("utf-8", errors="replace") == first.token
 
 
+def test_streamed_logprobs_add_up_to_the_whole_answers(client: openai.OpenAI) -> None:
+    kw = {"model": "m", "max_tokens": 8, "temperature": 0}
+    whole = client.completions.create(prompt=PROMPT, logprobs=2, **kw)
+    streamed = [
+        c.choices[0].logprobs for c in client.completions.create(prompt=PROMPT, logprobs=2, stream=True, **kw)
+    ]
+    assert [x for lp in streamed if lp for x in lp.token_logprobs] == whole.choices[0].logprobs.token_logprobs
+    assert [x for lp in streamed if lp for x in lp.text_offset] == whole.choices[0].logprobs.text_offset
+    msgs = [{"role": "user", "content": PROMPT}]
+    chat = client.chat.completions.create(messages=msgs, logprobs=True, top_logprobs=2, **kw)
+    chunks = client.chat.completions.create(messages=msgs, logprobs=True, top_logprobs=2, stream=True, **kw)
+    got = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert got == chat.choices[0].logprobs.content and len(got) > 1
+
+
 def test_min_p_of_one_leaves_only_the_likeliest_token(client: openai.OpenAI) -> None:
     greedy = client.completions.create(model="m", prompt=PROMPT, max_tokens=10, temperature=0)
     hot = client.completions.create(

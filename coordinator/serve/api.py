@@ -207,6 +207,7 @@ class OpenAIApi:
                 ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12), int(time.time()), chat,
                 self.config.model_id, bool(options.get("include_usage", False)), started,
                 job.decoding.answer_logprobs(self.tokenizer, chat) if job.decoding is not None else None,
+                job.decoding.stream_logprobs(self.tokenizer, chat) if job.decoding is not None else None,
             )  # fmt: skip
             gen = self.run(job, request)
             if stream:

@@ -52,6 +52,7 @@ class Answer:
     include_usage: bool
     started: float
     logprobs: Callable[[], dict[str, Any] | None] | None = None  # the answer's, once it is whole
+    stream_logprobs: Callable[[], dict[str, Any] | None] | None = None  # those come since the last chunk
 
     @property
     def whole_object(self) -> str:
@@ -92,6 +93,10 @@ class Answer:
             choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": reason}
         else:
             choice = {"index": 0, "text": piece or "", "finish_reason": reason, "logprobs": None}
+        if self.stream_logprobs is not None:
+            # the tokens' come since the last chunk (a chat's content chunks are openai_tools' own: a chat's
+            # come with its last chunk, which the client's stream helpers add up all the same)
+            choice["logprobs"] = self.stream_logprobs()
         return sse_data({**self.identity(self.chunk_object), "choices": [choice], **(extra or {})})
 
     def usage_event(self, req: Request) -> bytes:

@@ -60,34 +60,43 @@ class Decoding:
         """What gives the whole answer's `logprobs` object once it has come (None: none asked for)."""
         if self.logprobs is None:
             return None
-        return lambda: self.chat_logprobs(tokenizer) if chat else self.completion_logprobs(tokenizer)
+        return lambda: self.logprobs_of(tokenizer, chat, 0, len(self.tokens))
 
-    def chat_logprobs(self, tokenizer: GGUFTokenizer, count: int | None = None) -> dict[str, Any] | None:
-        """OpenAI's chat `logprobs` object for the answer's first `count` tokens (None: all), EOS left out."""
+    def stream_logprobs(
+        self, tokenizer: GGUFTokenizer, chat: bool
+    ) -> Callable[[], dict[str, Any] | None] | None:
+        """What gives, at each streamed chunk, the `logprobs` of the tokens come since the last (None: none
+        asked for)."""
         if self.logprobs is None:
             return None
-        content = []
-        for i, token in enumerate(self.tokens[:count]):
-            entry = self.logprobs.of(self.start + i)
+        sent = [0]
+
+        def since() -> dict[str, Any] | None:
+            begin, sent[0] = sent[0], len(self.tokens)
+            return self.logprobs_of(tokenizer, chat, begin, sent[0])
+
+        return since
+
+    def logprobs_of(self, tokenizer: GGUFTokenizer, chat: bool, begin: int, end: int) -> dict[str, Any]:
+        """OpenAI's `logprobs` object (the chat one, or the legacy completions' with text_offset counted from
+        the answer's start) for the answer's tokens [begin, end), EOS left out."""
+        assert self.logprobs is not None
+        content, offsets = [], []
+        at = sum(len(tokenizer.token_bytes(t).decode("utf-8", errors="replace")) for t in self.tokens[:begin])
+        for i in range(begin, end):
+            token, entry = self.tokens[i], self.logprobs.of(self.start + i)
             if entry is None or token in tokenizer.eos_ids:
                 continue
             top = [_token(tokenizer, t, lp) for t, lp in entry.top]
             content.append({**_token(tokenizer, token, entry.logprob), "top_logprobs": top})
-        return {"content": content, "refusal": None}
-
-    def completion_logprobs(self, tokenizer: GGUFTokenizer) -> dict[str, Any] | None:
-        """The legacy completions' `logprobs` object: tokens, token_logprobs, top_logprobs, text_offset."""
-        chat = self.chat_logprobs(tokenizer)
-        if chat is None:
-            return None
-        offsets, at = [], 0
-        for e in chat["content"]:
             offsets.append(at)
-            at += len(e["token"])
+            at += len(content[-1]["token"])
+        if chat:
+            return {"content": content, "refusal": None}
         return {
-            "tokens": [e["token"] for e in chat["content"]],
-            "token_logprobs": [e["logprob"] for e in chat["content"]],
-            "top_logprobs": [_first_of_each(e["top_logprobs"]) for e in chat["content"]],
+            "tokens": [e["token"] for e in content],
+            "token_logprobs": [e["logprob"] for e in content],
+            "top_logprobs": [_first_of_each(e["top_logprobs"]) for e in content],
             "text_offset": offsets,
         }
 
