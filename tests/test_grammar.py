@@ -23,11 +23,20 @@ from swarm.coordinator.cli.launch import spawn_server
 from swarm.coordinator.cli.spawn import start_nodes, stop_nodes
 from swarm.coordinator.config import EngineConfig
 from swarm.coordinator.decode.core import DecodeCore, lookup_source
-from swarm.coordinator.decode.grammar import DEAD_END, Grammar, GrammarError, GrammarVocab, json_grammar
+from swarm.coordinator.decode.grammar import (
+    DEAD_END,
+    Grammar,
+    GrammarError,
+    GrammarVocab,
+    answer_grammar,
+    json_grammar,
+)
 from swarm.coordinator.decode.sampling import SamplingParams
+from swarm.coordinator.decode.tool_grammar import calls_lark, tool_schemas
 from swarm.coordinator.drafts.lookup import PromptLookup
 from swarm.coordinator.engine import open_engine
 from swarm.coordinator.text.tokenizer import GGUFTokenizer
+from swarm.coordinator.text.tools import Family, Reading, call_format, read_answer
 from swarm.sharding.gguf_io import open_gguf, read_metadata
 from swarm.sharding.shard import shard_model
 
@@ -121,6 +130,24 @@ def test_a_schema_the_engine_cannot_compile_is_a_grammar_error(big: GrammarVocab
         big.compile(json_grammar(schema))
 
 
+@pytest.mark.parametrize("family", [Family.QWEN_XML, Family.JSON])
+def test_a_forced_call_reads_back_as_a_call_its_tool_accepts(big: GrammarVocab, family: Family) -> None:
+    tok, schemas = big.tokenizer, tool_schemas(TOOLS)
+    src = big.compile(answer_grammar(calls_lark(call_format(family), schemas, parallel=False)))
+    gen = torch.Generator().manual_seed(2)
+    names = set()
+    for _ in range(6):
+        answer = greedy(
+            Grammar(big, src, start=0), [], torch.randn(300, tok.vocab_size, generator=gen), set(tok.eos_ids)
+        )
+        assert answer[-1] in tok.eos_ids, tok.decode(answer)
+        read = read_answer(tok.decode(answer[:-1]), Reading(family, schemas))
+        assert len(read.calls) == 1 and not read.content.strip(), tok.decode(answer)
+        jsonschema.validate(read.calls[0].arguments, schemas[read.calls[0].name])
+        names.add(read.calls[0].name)
+    assert names == set(schemas)
+
+
 # --- in process, the fixture's random weights -------------------------------------------------------------
 
 
@@ -185,7 +212,13 @@ TOOLS = [
             },
         },
     },
-    {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "now",
+            "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+        },
+    },
 ]
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 
