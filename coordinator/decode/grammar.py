@@ -179,25 +179,25 @@ class Grammar:
             if len(self._bias) != len(mask):
                 self._bias = np.empty((len(mask), 8), dtype=np.float32)
             np.take(_BYTE_BIAS, mask, axis=0, out=self._bias)
-            out = self._row(logits)
+            row = logits.detach().float().cpu().numpy()
+            out = self._buffer(row)
             n = min(len(out), self._bias.size)
-            np.add(out[:n], self._bias.reshape(-1)[:n], out=out[:n])
+            np.add(row[:n], self._bias.reshape(-1)[:n], out=out[:n])
             out[n:] = -np.inf
             return torch.from_numpy(out)
 
-    def _row(self, logits: torch.Tensor) -> np.ndarray:
-        """The row as float32 numbers in the grammar's own buffer (numpy: one thread, whatever torch's pool is
-        doing; the buffer is reused, so the row returned is good until the next call)."""
-        row = logits.detach().float().cpu().numpy()
+    def _buffer(self, row: np.ndarray) -> np.ndarray:
+        """The grammar's own float32 row, as long as `row` (numpy: one thread, whatever torch's pool is doing;
+        reused, so a row returned is good until the next call)."""
         if self._out.shape != row.shape:
-            self._out = np.empty_like(row)
-        np.copyto(self._out, row)
+            self._out = np.empty(row.shape, dtype=np.float32)
         return self._out
 
     def _only(self, logits: torch.Tensor, token: int) -> torch.Tensor:
         """A row in which `token` is the only choice."""
-        out = self._row(logits)
-        keep = out[token] if np.isfinite(out[token]) else 0.0
+        row = logits.detach().float().cpu().numpy()
+        keep = row[token] if np.isfinite(row[token]) else 0.0
+        out = self._buffer(row)
         out.fill(-np.inf)
         out[token] = keep
         return torch.from_numpy(out)

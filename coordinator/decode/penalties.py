@@ -13,13 +13,13 @@ Dimension letters: V vocabulary.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 
-@dataclass(frozen=True)
+@dataclass
 class Penalties:
     """The answer starts at token `start` of the sequence (the prompt's length)."""
 
@@ -27,6 +27,7 @@ class Penalties:
     presence: float = 0.0
     frequency: float = 0.0
     repetition: float = 1.0
+    prompt_ids: np.ndarray | None = field(default=None, repr=False)  # the prompt's distinct tokens, once read
 
     @property
     def active(self) -> bool:
@@ -37,7 +38,7 @@ class Penalties:
         row = np.array(logits.detach().float().cpu().numpy(), dtype=np.float32)  # [V]
         size = len(row)
         if self.repetition != 1.0 and before:
-            seen = np.unique(np.asarray(before, dtype=np.int64))
+            seen = np.union1d(self._prompt(before), np.asarray(before[self.start :], dtype=np.int64))
             seen = seen[seen < size]
             values = row[seen]
             row[seen] = np.where(values > 0, values / self.repetition, values * self.repetition)
@@ -47,3 +48,9 @@ class Penalties:
             keep = ids < size
             row[ids[keep]] -= self.presence + self.frequency * counts[keep].astype(np.float32)
         return torch.from_numpy(row)
+
+    def _prompt(self, before: Sequence[int]) -> np.ndarray:
+        """The prompt's distinct tokens (kept: the prompt is the same at every position)."""
+        if self.prompt_ids is None:
+            self.prompt_ids = np.unique(np.asarray(before[: self.start], dtype=np.int64))
+        return self.prompt_ids
