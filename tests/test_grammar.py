@@ -193,6 +193,24 @@ def test_fifty_seeds_validate_and_drafts_change_no_token(engine) -> None:
     assert answers(engine, prompt, params[::10], src, drafts=False) == outs[::10]
 
 
+def test_fifty_seeds_under_tool_choice_required_each_call_fits_its_tool(engine) -> None:
+    """25 seeds under "required" (either tool), 25 under the named get_weather."""
+    tok, schemas = engine.tokenizer, tool_schemas(TOOLS)
+    prompt = tok.encode("<|im_start|>user\nThe weather?<|im_end|>\n<|im_start|>assistant\n")
+    fmt = call_format(Family.QWEN_XML)
+    named = {"get_weather": schemas["get_weather"]}
+    for offered, seeds in [(schemas, range(25)), (named, range(25, 50))]:
+        src = answer_grammar(calls_lark(fmt, offered, parallel=False))
+        params = [SamplingParams(120, temperature=1.0, seed=seed, stop_ids=tok.eos_ids) for seed in seeds]
+        outs = answers(engine, prompt, params, src, drafts=True)
+        for seed, out in zip(seeds, outs, strict=True):
+            assert out[-1] in tok.eos_ids, (seed, tok.decode(out))
+            read = read_answer(tok.decode(out[:-1]), Reading(Family.QWEN_XML, schemas))
+            assert len(read.calls) == 1 and read.calls[0].name in offered, (seed, tok.decode(out))
+            jsonschema.validate(read.calls[0].arguments, schemas[read.calls[0].name])
+        assert answers(engine, prompt, params[::8], src, drafts=False) == outs[::8]
+
+
 # --- through the server and real nodes, the official client ------------------------------------------------
 
 TOOLS = [
