@@ -47,12 +47,13 @@ class ServeConfig:
 def build_app(
     engine: Any, scheduler: sched.Scheduler, config: ServeConfig, metrics: ServeMetrics
 ) -> Starlette:
+    from swarm.coordinator.serve.anthropic import anthropic_routes
     from swarm.coordinator.serve.page import page_routes
     from swarm.coordinator.serve.watch import SwarmWatch
 
     api = OpenAIApi(engine, scheduler, config, metrics)
     watch = SwarmWatch(engine, scheduler, metrics, config.model_id).start()
-    return api.app(page_routes(watch, api.check_key))
+    return api.app([*page_routes(watch, api.check_key), *anthropic_routes(api)])
 
 
 class OpenAIApi:

@@ -1,0 +1,131 @@
+"""An answer in Anthropic's shapes: the pieces the answer's text is read into (text/tools.py AnswerReader:
+reasoning, content, calls) as content blocks (thinking, text, tool_use), in the whole message or as the
+server-sent events of a streamed one (message_start, ping, content_block_start / _delta / _stop per block,
+message_delta with the stop reason and usage, message_stop)."""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from swarm.coordinator.text.tools import Piece
+
+# the block each kind of piece goes into
+BLOCKS = {"reasoning": "thinking", "content": "text", "call": "tool_use"}
+
+
+@dataclass
+class Message:
+    """One answer's identity, and its blocks as they are given (whole, or as events)."""
+
+    model: str
+    input_tokens: int
+    cached: int
+    message_id: str = field(default_factory=lambda: "msg_" + secrets.token_hex(12))
+    content: list[dict[str, Any]] = field(default_factory=list)
+    open_kind: str | None = None  # the kind of the streamed block still open
+
+    def usage(self, output_tokens: int) -> dict[str, Any]:
+        return {"input_tokens": self.input_tokens - self.cached, "output_tokens": output_tokens,
+                "cache_read_input_tokens": self.cached, "cache_creation_input_tokens": 0}  # fmt: skip
+
+    def add(self, pieces: list[Piece]) -> None:
+        """Pieces into the whole message's content."""
+        for piece in pieces:
+            self._add(piece)
+
+    def _add(self, piece: Piece) -> None:
+        kind = BLOCKS[piece.kind]
+        if piece.call is not None:
+            self.content.append(
+                {"type": kind, "id": "toolu_" + secrets.token_hex(12), "name": piece.call.name,
+                 "input": piece.call.arguments}
+            )  # fmt: skip
+        elif self.content and self.content[-1]["type"] == kind:
+            self.content[-1][kind] += piece.text
+        else:
+            self.content.append(
+                {"type": kind, kind: piece.text, **({"signature": ""} if kind == "thinking" else {})}
+            )
+
+    def whole(self, stop_reason: str, stop_sequence: str | None, output_tokens: int) -> dict[str, Any]:
+        return {**self._head(), "content": self.content, "stop_reason": stop_reason,
+                "stop_sequence": stop_sequence, "usage": self.usage(output_tokens)}  # fmt: skip
+
+    def _head(self) -> dict[str, Any]:
+        return {"id": self.message_id, "type": "message", "role": "assistant", "model": self.model}
+
+    # ---- streamed ----
+
+    def start_events(self) -> Iterator[bytes]:
+        head = {
+            **self._head(),
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": self.usage(0),
+        }
+        yield event("message_start", {"type": "message_start", "message": head})
+        yield event("ping", {"type": "ping"})
+
+    def events(self, pieces: list[Piece]) -> Iterator[bytes]:
+        for piece in pieces:
+            yield from self._events(piece)
+
+    def _events(self, piece: Piece) -> Iterator[bytes]:
+        """The events of one piece: a new block where its kind differs from the open one (each call its own)."""
+        kind = BLOCKS[piece.kind]
+        if kind == self.open_kind and piece.call is None:
+            delta = {"type": f"{kind}_delta", kind: piece.text}
+            yield event("content_block_delta", {"type": "content_block_delta", "index": len(self.content) - 1,
+                                                "delta": delta})  # fmt: skip
+            self._add(piece)
+            return
+        yield from self.close_events()
+        self._add(piece)
+        index, block = len(self.content) - 1, dict(self.content[-1])
+        if piece.call is not None:
+            block["input"] = {}
+            deltas = [{"type": "input_json_delta", "partial_json": j} for j in piece.call.json_pieces()]
+        else:
+            block[kind] = ""
+            deltas = [{"type": f"{kind}_delta", kind: piece.text}]
+        yield event(
+            "content_block_start", {"type": "content_block_start", "index": index, "content_block": block}
+        )
+        for delta in deltas:
+            yield event(
+                "content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}
+            )
+        self.open_kind = kind
+
+    def close_events(self) -> Iterator[bytes]:
+        if self.open_kind is not None:
+            yield event("content_block_stop", {"type": "content_block_stop", "index": len(self.content) - 1})
+            self.open_kind = None
+
+    def end_events(self, stop_reason: str, stop_sequence: str | None, output_tokens: int) -> Iterator[bytes]:
+        yield from self.close_events()
+        yield event("message_delta", {"type": "message_delta", "delta": {"stop_reason": stop_reason,
+                    "stop_sequence": stop_sequence}, "usage": self.usage(output_tokens)})  # fmt: skip
+        yield event("message_stop", {"type": "message_stop"})
+
+
+def event(name: str, data: dict[str, Any]) -> bytes:
+    return f"event: {name}\ndata: {json.dumps(data)}\n\n".encode()
+
+
+def stop_reason(finish: str, calls: bool, stops: list[str], text: str) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence) of an answer that ended with the core's `finish` ("stop" or "length"):
+    the stop sequence is the one that appears first in the answer's whole text (the core ends at it)."""
+    if finish == "length":
+        return "max_tokens", None
+    if calls:
+        return "tool_use", None
+    found = [(i, s) for s in stops if (i := text.find(s)) >= 0]
+    if found:
+        return "stop_sequence", min(found)[1]
+    return "end_turn", None
