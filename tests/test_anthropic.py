@@ -233,6 +233,9 @@ BASE = {"model": MODEL_ID, "max_tokens": 8, "messages": ASK}
         ({"system": [{"type": "image"}]}, 400, "invalid_request_error", "system[0]"),
         ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "base64",
           "media_type": "image/png", "data": "AAAA"}}]}]}, 400, "invalid_request_error", "picture"),
+        ({"output_config": {"format": {"type": "xml"}}}, 400, "invalid_request_error", "output_config.format"),
+        ({"output_config": {"format": {"type": "json_schema", "schema": {"type": "object", "required": 5}}}},
+         400, "invalid_request_error", "response_format"),
         ({"model": "claude-opus"}, 404, "not_found_error", "claude-opus"),
     ],
 )  # fmt: skip
@@ -360,3 +363,26 @@ def test_a_forced_call_is_a_tool_use_block_and_its_result_the_next_turn(server: 
         n.input_tokens
         > m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0) + m.usage.output_tokens - 8
     )
+
+
+def test_structured_output_is_text_that_fits_the_schema(server: Server) -> None:
+    """output_config.format: the grammar holds the text to the schema (the fixture's random weights), whole and
+    streamed, and the OpenAI endpoint's response_format gives the same text."""
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]},
+              "n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["answer", "n"],
+              "additionalProperties": False}  # fmt: skip
+    c = client(server)
+    kw: dict[str, Any] = {"model": MODEL_ID, "max_tokens": 60, "messages": ASK, "thinking": {"type": "disabled"},
+                          "output_config": {"format": {"type": "json_schema", "schema": schema}}, **GREEDY}  # fmt: skip
+    m = c.messages.create(**kw)
+    assert [b.type for b in m.content] == ["text"] and m.stop_reason == "end_turn"
+    got = json.loads(blocks(m)[1])
+    assert got["answer"] in ("yes", "no") and 0 <= got["n"] <= 9 and set(got) == {"answer", "n"}
+    with c.messages.stream(**kw) as s:
+        assert blocks(s.get_final_message()) == blocks(m)
+    o = server.client().chat.completions.create(
+        model=MODEL_ID, max_tokens=60, messages=ASK, temperature=0,  # type: ignore[arg-type]
+        response_format={"type": "json_schema", "json_schema": {"name": "output", "schema": schema}},
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )  # fmt: skip
+    assert o.choices[0].message.content == blocks(m)[1]

@@ -4,7 +4,8 @@ so both APIs make the same Job: the same template rendering, tools, sampling and
 system → a system message; text blocks → text; image blocks → image_url parts (data: URLs); an assistant's
 tool_use blocks → its tool_calls, its thinking blocks → reasoning_content; a user's tool_result blocks → tool
 messages; tools' input_schema → function parameters; tool_choice auto/any/tool/none → auto/required/a named
-function/none; stop_sequences → stop; thinking {"type": "disabled"} → enable_thinking false for the template.
+function/none; stop_sequences → stop; thinking {"type": "disabled"} → enable_thinking false for the template;
+output_config.format (a JSON schema) → response_format json_schema.
 Whatever is wrong raises ApiError naming the field (anthropic.py answers it in Anthropic's error shape).
 """
 
@@ -26,7 +27,7 @@ def openai_body(body: dict[str, Any]) -> dict[str, Any]:
         raise ApiError(400, "max_tokens: a positive integer is required", param="max_tokens")
     # thinking comes back apart, in thinking blocks, whatever the server's --reasoning-format
     out = {"model": body.get("model"), "max_tokens": limit, "reasoning_format": "deepseek"}
-    out.update(sampling(body), **tools(body))
+    out.update(sampling(body), **tools(body), **output(body))
     out["messages"] = system(body.get("system")) + messages(body.get("messages"))
     return out
 
@@ -63,6 +64,29 @@ def sampling(body: dict[str, Any]) -> dict[str, Any]:
     if metadata is not None and not isinstance(metadata, dict):
         raise ApiError(400, "metadata: an object", param="metadata")
     return out
+
+
+def output(body: dict[str, Any]) -> dict[str, Any]:
+    """Structured output (output_config.format, or the beta's output_format) as a json_schema response_format:
+    the text held to the schema by the grammar."""
+    config, fmt = body.get("output_config"), body.get("output_format")
+    if config is not None:
+        if not isinstance(config, dict):
+            raise ApiError(400, "output_config: an object", param="output_config")
+        fmt = config.get("format", fmt)
+    if fmt is None:
+        return {}
+    if (
+        not isinstance(fmt, dict)
+        or fmt.get("type") != "json_schema"
+        or not isinstance(fmt.get("schema"), dict)
+    ):
+        raise ApiError(
+            400, "output_config.format: {'type': 'json_schema', 'schema': {...}}", param="output_config"
+        )
+    return {
+        "response_format": {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
+    }
 
 
 def system(given: Any) -> list[dict[str, Any]]:
