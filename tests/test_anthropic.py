@@ -4,13 +4,16 @@ endpoint of the same server for the same conversation."""
 
 from __future__ import annotations
 
+import base64
 import json
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import anthropic
 import pytest
+from conftest import FIXTURES
 from test_serve import KEY, MODEL, MODEL_ID, Server
 
 from swarm.coordinator.serve.anthropic_answer import Message
@@ -108,6 +111,17 @@ def test_a_message_whole_and_streamed_is_the_chat_completions_text(server: Serve
     assert [b.to_dict() for b in streamed.content] == [b.to_dict() for b in m.content]
     assert deltas == blocks(m)[0]
     assert streamed.stop_reason == "max_tokens" and streamed.usage.output_tokens == 20
+
+
+def test_a_seeded_sampled_message_is_the_chat_completions_text(server: Server) -> None:
+    sampled = {"temperature": 0.9, "top_p": 0.95, "seed": 11}
+    m = client(server).messages.create(model=MODEL_ID, max_tokens=16, messages=ASK, extra_body=sampled)  # type: ignore[arg-type]
+    o = server.client().chat.completions.create(model=MODEL_ID, max_tokens=16, messages=ASK, **sampled)  # type: ignore[arg-type]
+    assert blocks(m) == openai_split(o.choices[0].message)
+    other = client(server).messages.create(
+        model=MODEL_ID, max_tokens=16, messages=ASK, extra_body={**sampled, "seed": 12}
+    )  # type: ignore[arg-type]
+    assert blocks(other) != blocks(m)
 
 
 def test_the_stream_is_anthropics_event_sequence(server: Server) -> None:
@@ -386,3 +400,34 @@ def test_structured_output_is_text_that_fits_the_schema(server: Server) -> None:
         extra_body={"chat_template_kwargs": {"enable_thinking": False}},
     )  # fmt: skip
     assert o.choices[0].message.content == blocks(m)[1]
+
+
+VISION = FIXTURES / "qwen35moe-vision"
+
+
+def test_a_picture_block_is_read_as_the_chat_completions_image(tmp_path: Path) -> None:
+    """An image block (base64) is the picture an image_url data: URL gives the OpenAI endpoint: the same prompt,
+    the same text."""
+    s = Server(tmp_path, "--local", "--parallel", "1", "--ctx-size", "256", "--api-key", KEY,
+               "--mmproj", str(VISION / "mmproj-f32.gguf"), source=VISION / "model-f32.gguf")  # fmt: skip
+    try:
+        data = base64.b64encode((VISION / "image_A_96x96.png").read_bytes()).decode()
+        image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}}
+        ask = [{"role": "user", "content": [image, {"type": "text", "text": "What do you see here?"}]}]
+        m = client(s).messages.create(model="model-f32", max_tokens=8, messages=ask, **GREEDY)  # type: ignore[arg-type]
+        url = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + data}}
+        o = s.client().chat.completions.create(
+            model="model-f32", max_tokens=8, temperature=0,
+            messages=[{"role": "user", "content": [url, {"type": "text", "text": "What do you see here?"}]}],  # type: ignore[list-item]
+        )  # fmt: skip
+        plain = [{"role": "user", "content": "What do you see here?"}]
+        without = client(s).messages.count_tokens(model="model-f32", messages=plain).input_tokens  # type: ignore[arg-type]
+        assert o.usage is not None and o.usage.prompt_tokens > without + 2  # the picture's rows and marks
+        assert m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0) == o.usage.prompt_tokens
+        assert blocks(m) == openai_split(o.choices[0].message)
+        assert (
+            client(s).messages.count_tokens(model="model-f32", messages=ask).input_tokens
+            == o.usage.prompt_tokens
+        )  # type: ignore[arg-type]
+    finally:
+        assert s.stop() == 0, s.proc.log_tail()

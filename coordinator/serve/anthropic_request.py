@@ -45,8 +45,12 @@ def sampling(body: dict[str, Any]) -> dict[str, Any]:
             if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= hi:
                 raise ApiError(400, f"{name}: a number in [0, {hi:g}]", param=name)
             out[name] = v
-    if body.get("top_k") is not None:
-        out["top_k"] = body["top_k"]  # JobReader checks it
+    for name in (
+        "top_k",
+        "seed",
+    ):  # seed: not Anthropic's, swarm's as in the OpenAI API (JobReader checks both)
+        if body.get(name) is not None:
+            out[name] = body[name]
     stops = body.get("stop_sequences")
     if stops is not None:
         if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
