@@ -131,17 +131,22 @@ def test_the_chat_streams_the_apis_answer_and_keeps_the_conversation(local: Serv
     u1 = {"role": "user", "content": "Name three fruits."}
     api = api_answer(local, [u1], 32)
     assert first["text"] == api.choices[0].message.content
+    # the template opens <think>: the random model's answer is thinking, shown folded
+    assert first["reasoning"] == api.choices[0].message.model_extra["reasoning_content"] != ""
     assert first["pieces"] > 1  # streamed as it came, not at once
     assert first["timings"]["predicted_n"] == api.usage.completion_tokens
-    shown = d.find_elements(By.CSS_SELECTOR, ".msg.assistant .body")[-1].text
-    assert shown.strip() and "tok/s" in d.find_elements(By.CSS_SELECTOR, ".msg.assistant .meta")[-1].text
+    thought = d.find_elements(By.CSS_SELECTOR, ".msg.assistant details.think")[-1]
+    assert thought.get_attribute("open") is None and thought.text.strip() == "thought"
+    assert first["reasoning"].split()[0] in thought.get_attribute("textContent")
+    assert "tok/s" in d.find_elements(By.CSS_SELECTOR, ".msg.assistant .meta")[-1].text
 
     second = ask(d, "And two vegetables?", 24)  # the whole conversation again, continued from held state
     assert second is not None
     a1 = {"role": "assistant", "content": first["text"]}
     u2 = {"role": "user", "content": "And two vegetables?"}
     assert page_state(d, "swarmChat")["messages"][:3] == [u1, a1, u2]
-    assert second["text"] == api_answer(local, [u1, a1, u2], 24).choices[0].message.content
+    again = api_answer(local, [u1, a1, u2], 24).choices[0].message
+    assert (second["text"], second["reasoning"]) == (again.content, again.model_extra["reasoning_content"])
     assert second["timings"]["cache_n"] > 0
     _no_script_errors(d)
     d.save_screenshot(str(DOCS / "page-chat.png"))
@@ -211,6 +216,31 @@ def test_the_markdown_renderer_escapes_the_models_html(local: Server, browser: A
     assert '<code class="lang-python">&lt;script&gt;alert(1)&lt;/script&gt;</code>' in html
 
 
+def test_an_answer_shows_its_thinking_folded_and_its_tool_calls(local: Server, browser: Any) -> None:
+    d = browser
+    open_page(d, local, "/", KEY)
+    answer = {
+        "reasoning": "The user <b>wants</b> weather.",
+        "text": "Looking it up.",
+        "calls": [{"name": "get_<weather>", "arguments": '{"city": "Paris", "days": 2}'}],
+    }
+    html = d.execute_script("return SwarmMarkdown.renderAnswer(arguments[0], false)", answer)
+    assert html.startswith('<details class="think"><summary>thought</summary>')  # folded once done
+    assert "The user &lt;b&gt;wants&lt;/b&gt; weather." in html and "<p>Looking it up.</p>" in html
+    assert "called <code>get_&lt;weather&gt;</code>" in html
+    assert "{\n  &quot;city&quot;: &quot;Paris&quot;,\n  &quot;days&quot;: 2\n}" in html  # laid out
+    # while only thinking has come it is open; arguments still coming are shown as they are
+    streaming = d.execute_script(
+        "return SwarmMarkdown.renderAnswer(arguments[0], true)", {"reasoning": "Hmm", "text": "", "calls": []}
+    )
+    assert streaming.startswith('<details class="think" open><summary>thinking…</summary>')
+    partial = d.execute_script(
+        "return SwarmMarkdown.renderAnswer(arguments[0], true)",
+        {"reasoning": "", "text": "", "calls": [{"name": "f", "arguments": '{"a": '}]},
+    )
+    assert "<code>{&quot;a&quot;: </code>" in partial and "details" not in partial
+
+
 def test_the_chat_over_two_nodes_streams_the_apis_answer(tmp_path: Path, browser: Any) -> None:
     shard = tmp_path / "m.swarm"
     shard_model(MODEL, shard)
@@ -226,6 +256,7 @@ def test_the_chat_over_two_nodes_streams_the_apis_answer(tmp_path: Path, browser
             assert answer is not None and answer["pieces"] > 1
             api = api_answer(s, [{"role": "user", "content": "What is a mixture of experts?"}], 32, key="-")
             assert answer["text"] == api.choices[0].message.content
+            assert answer["reasoning"] == api.choices[0].message.model_extra["reasoning_content"]
             _no_script_errors(d)
         finally:
             assert s.stop() == 0

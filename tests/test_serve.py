@@ -79,8 +79,10 @@ def test_models_chat_completion_and_streaming(server: Server) -> None:
 
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a list?"}]
     r = c.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=20, temperature=0)  # type: ignore[arg-type]
-    text = r.choices[0].message.content
-    assert r.choices[0].finish_reason == "length" and r.usage is not None
+    # the template opens <think>: the random model's answer is all thinking, in reasoning_content
+    message = r.choices[0].message
+    text = message.model_extra["reasoning_content"]
+    assert message.content == "" and r.choices[0].finish_reason == "length" and r.usage is not None
     assert r.usage.completion_tokens == 20 and r.usage.prompt_tokens == 35  # the fixture's chat prompt
     assert text
 
@@ -89,8 +91,10 @@ def test_models_chat_completion_and_streaming(server: Server) -> None:
         stream_options={"include_usage": True},
     )  # fmt: skip
     chunks = list(stream)
-    deltas = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
-    assert deltas == text
+    deltas = "".join(
+        (ch.choices[0].delta.model_extra or {}).get("reasoning_content") or "" for ch in chunks if ch.choices
+    )
+    assert deltas == text and not any(ch.choices[0].delta.content for ch in chunks if ch.choices)
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 20
 

@@ -95,6 +95,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="fetch pictures that chat requests give as http(s) URLs (default: only data: URLs, the picture "
         "itself in the request)",
     )
+    p.add_argument(
+        "--reasoning-format",
+        choices=("auto", "deepseek", "none"),
+        default="auto",
+        help="where a chat answer's thinking (<think>...</think>) goes: auto and deepseek (default auto): apart, "
+        "in the message's reasoning_content; none: left in content as the model wrote it. A request's "
+        "'reasoning_format' overrides it",
+    )
     p.set_defaults(func=cmd_serve)
 
 
@@ -190,7 +198,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 engine.mtp_head.set_experts(stats_of)
         config = ServeConfig(
             model_id=args.model_id or model_id_of(args.model), api_key=api_key, ctx_size=args.ctx_size,
-            allow_image_urls=args.allow_image_urls,
+            allow_image_urls=args.allow_image_urls, reasoning_format=args.reasoning_format,
         )  # fmt: skip
         metrics = ServeMetrics(engine.experts, scheduler)
         app = build_app(engine, scheduler, config, metrics)

@@ -29,6 +29,7 @@ from swarm.coordinator.serve.metrics import ServeMetrics
 from swarm.coordinator.serve.openai_answer import Answer, StopMatcher, error_event, timings
 from swarm.coordinator.serve.openai_decoding import Decoding
 from swarm.coordinator.serve.openai_request import ApiError, Job, JobReader
+from swarm.coordinator.serve.openai_tools import ChunkStream, whole_chat
 from swarm.coordinator.text.chat import ChatTemplate
 from swarm.sharding.errors import UserError
 
@@ -42,6 +43,7 @@ class ServeConfig:
     ctx_size: int
     retry_after: int = 1  # seconds a client told "queue full" should wait
     allow_image_urls: bool = False  # fetch pictures given as http(s) URLs (else only data: URLs)
+    reasoning_format: str = "auto"  # thinking apart in reasoning_content, or "none": left in content
 
 
 def build_app(
@@ -68,7 +70,7 @@ class OpenAIApi:
         self.vision = getattr(engine, "vision", None)  # text.pictures.PictureEncoder, None: no pictures
         self.jobs = JobReader(
             self.tokenizer, ChatTemplate.from_tokenizer(self.tokenizer), config.ctx_size, self.vision,
-            config.allow_image_urls,
+            config.allow_image_urls, config.reasoning_format,
         )  # fmt: skip
         self.scheduler, self.config, self.metrics = scheduler, config, metrics
 
@@ -215,7 +217,7 @@ class OpenAIApi:
                 first = await anext(gen, None)  # errors before the first token still get a status
                 self.metrics.request(kind, 200)
                 return StreamingResponse(
-                    self.sse(gen, first, answer, kind),
+                    self.sse(gen, first, answer, kind, ChunkStream(answer, job.tools)),
                     media_type="text/event-stream",
                     headers={"Cache-Control": "no-cache"},
                 )
@@ -225,7 +227,8 @@ class OpenAIApi:
                 reason = fin or reason
             assert req is not None
             self.metrics.finished(req, started, kind)
-            return JSONResponse(answer.whole(text, reason, req))
+            whole = answer.whole(text, reason, req)
+            return JSONResponse(whole_chat(whole, text, job.tools) if chat else whole)
         except ApiError as e:
             self.metrics.request(kind, e.status)
             return e.response()
@@ -240,6 +243,7 @@ class OpenAIApi:
         first: tuple[str, str | None, sched.Request] | None,
         a: Answer,
         kind: str,
+        chunks: ChunkStream,
     ) -> AsyncIterator[bytes]:
         req = first[2] if first else None
         reason = None
@@ -248,19 +252,22 @@ class OpenAIApi:
                 yield a.role_event()
             if first is not None:
                 req, reason = first[2], first[1]
-                if first[0]:
-                    yield a.event(first[0], None)
+                for event in chunks.events(first[0]):
+                    yield event
             if reason is None:
                 async for piece, fin, r in gen:
                     req, reason = r, fin
-                    if piece:
-                        yield a.event(piece, None)
+                    for event in chunks.events(piece):
+                        yield event
         except ApiError as e:
             yield error_event(e)
             return
         finally:
             await gen.aclose()  # a client gone mid-stream: `run` cancels its request, freeing the slot
-        yield a.event(None if a.chat else "", reason or "stop", {"timings": timings(req)} if req else None)
+        last, reason = chunks.end(reason or "stop")
+        for event in last:
+            yield event
+        yield a.event(None if a.chat else "", reason, {"timings": timings(req)} if req else None)
         if a.include_usage and req is not None:
             yield a.usage_event(req)
         yield b"data: [DONE]\n\n"

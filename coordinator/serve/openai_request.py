@@ -9,9 +9,11 @@ from typing import Any
 from swarm.coordinator.decode.sampling import SamplingParams
 from swarm.coordinator.serve.api_error import ApiError
 from swarm.coordinator.serve.openai_decoding import Decoding, decoding
+from swarm.coordinator.serve.openai_tools import ToolRequest, chat_request
 from swarm.coordinator.serve.picture_source import picture_bytes
 from swarm.coordinator.text.chat import ChatTemplate
 from swarm.coordinator.text.tokenizer import GGUFTokenizer
+from swarm.coordinator.text.tools import ChatFormat
 from swarm.sharding.errors import UserError
 
 MAX_STOPS = 4  # stop strings per request, as OpenAI allows
@@ -31,6 +33,7 @@ class Job:
     mark: int | None = None  # where the scheduler keeps a checkpoint before the prompt's end
     pictures: Any = None  # the prompt's pictures (models.base.PictureRows), or None
     keys: list[int] | None = None  # the prompt as slots match it (pictures.PicturePrompt.keys)
+    tools: ToolRequest | None = None  # a chat's tools and how its answer is read (openai_tools.py)
     # its grammar, penalties and logprobs: the decode core's hooks (openai_decoding.py)
     decoding: Decoding | None = None
 
@@ -45,8 +48,11 @@ class JobReader:
         ctx_size: int,
         vision: Any = None,
         allow_image_urls: bool = False,
+        reasoning_format: str = "auto",
     ) -> None:
         self.tokenizer, self.template, self.ctx_size = tokenizer, template, ctx_size
+        self.format = ChatFormat.of_template(template.source)  # the template's call family, its thinking
+        self.reasoning_format = reasoning_format  # the server's default (openai_tools.REASONING_FORMATS)
         self.vision = vision  # the vision tower (text.pictures.PictureEncoder), None: no pictures
         self.allow_image_urls = allow_image_urls
 
@@ -106,8 +112,9 @@ class JobReader:
 
     def chat_job(self, body: dict[str, Any]) -> Job:
         plain, images = _plain_messages(body.get("messages"))
+        chat = chat_request(body, plain, self.reasoning_format)
         try:
-            text = self.template.render(plain, add_generation_prompt=True)
+            text = self.template.render(chat.messages, add_generation_prompt=True, **chat.variables)
         except UserError as e:
             raise ApiError(400, str(e), param="messages") from None
         if not images:
@@ -117,8 +124,10 @@ class JobReader:
             prompt, pictures, keys = self._with_pictures(text, images)
         self.check_context(prompt, int(pictures.at.numel()) if pictures is not None else 0)
         params, stops = self.sampling(body, len(prompt))
-        hooks = decoding(body, self.tokenizer, prompt, chat=True)
-        return Job(prompt, params, stops, self._turn_end(plain, text, prompt), pictures, keys, decoding=hooks)
+        mark = self._turn_end(chat.messages, text, prompt, chat.variables)
+        tools = chat.read_as(self.format, text)
+        hooks = decoding(body, self.tokenizer, prompt, chat=True, tools=tools, thinking=bool(tools.reading.opened))
+        return Job(prompt, params, stops, mark, pictures, keys, tools, hooks)
 
     def _with_pictures(self, text: str, images: list[Any]) -> tuple[list[int], Any, list[int]]:
         """(prompt tokens, pictures, keys) of a chat's text whose pictures stand at pictures.MARKER."""
@@ -136,13 +145,15 @@ class JobReader:
             raise ApiError(400, f"a picture cannot be used: {e}", param="messages") from None
         return p.tokens, p.pictures, p.keys
 
-    def _turn_end(self, messages: list[dict[str, Any]], text: str, prompt: list[int]) -> int | None:
+    def _turn_end(
+        self, messages: list[dict[str, Any]], text: str, prompt: list[int], variables: dict[str, Any]
+    ) -> int | None:
         """Where the conversation ends before the generation prompt: a chat app sends it again with the
         answer and a new turn after that point (a template re-renders a past answer in its own way, e.g.
         without its reasoning), so a checkpoint there is the one it can continue from. None where the
         prompt's text or tokens do not end with the generation prompt's (only that tail is tokenized again)."""
         try:
-            head = self.template.render(messages, add_generation_prompt=False)
+            head = self.template.render(messages, add_generation_prompt=False, **variables)
         except UserError:
             return None
         if not text.startswith(head):

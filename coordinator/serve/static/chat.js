@@ -1,7 +1,8 @@
 // The chat page: the conversation kept here (and in sessionStorage, so a reload keeps it), sent whole on
 // every turn (the server continues from the state its slot holds, so a long chat stays fast), the answer
-// streamed from /v1/chat/completions as server-sent events and rendered as Markdown while it comes. Stop
-// aborts the request: the server sees its client go and frees the slot.
+// streamed from /v1/chat/completions as server-sent events and rendered as Markdown while it comes, its
+// thinking (reasoning_content) folded and its tool calls shown. Stop aborts the request: the server sees its
+// client go and frees the slot.
 "use strict";
 
 (() => {
@@ -60,9 +61,32 @@
     return { div, body, meta };
   }
 
-  function showText(view, role, text) {
+  // a user's text as typed; an answer ({text, reasoning, calls}) as Markdown, its thinking folded
+  function showText(view, role, text, answer, streaming) {
     if (role === "user") view.body.textContent = text;
-    else view.body.innerHTML = SwarmMarkdown.render(text);
+    else view.body.innerHTML = SwarmMarkdown.renderAnswer(answer || { text }, streaming);
+  }
+
+  // one chunk's delta into the answer: content, reasoning_content, and tool calls by their index (the name
+  // and id come first, the arguments in pieces); whether it brought anything
+  function take(answer, delta) {
+    let got = false;
+    if (delta.content) {
+      answer.text += delta.content;
+      got = true;
+    }
+    if (delta.reasoning_content) {
+      answer.reasoning += delta.reasoning_content;
+      got = true;
+    }
+    for (const piece of delta.tool_calls || []) {
+      const call = (answer.calls[piece.index] ||= { id: null, name: "", arguments: "" });
+      if (piece.id) call.id = piece.id;
+      if (piece.function && piece.function.name) call.name += piece.function.name;
+      if (piece.function && piece.function.arguments) call.arguments += piece.function.arguments;
+      got = true;
+    }
+    return got;
   }
 
   function figures(answer) {
@@ -135,7 +159,10 @@
     const messages = state.messages.concat([{ role: "user", content: text }]);
     const view = messageView("assistant");
     view.div.classList.add("streaming");
-    const answer = { text: "", pieces: 0, finish: null, timings: null, usage: null, first: null, stopped: false };
+    const answer = {
+      text: "", reasoning: "", calls: [], pieces: 0, finish: null, timings: null, usage: null, first: null,
+      stopped: false,
+    };
     state.current = answer;
     const request = {
       model: state.model, messages, stream: true, stream_options: { include_usage: true },
@@ -144,9 +171,10 @@
     controller = new AbortController();
     const started = performance.now();
     let dirty = false;
+    let done = false; // a paint still pending from the stream must not open the thinking again
     const paint = () => {
       dirty = false;
-      showText(view, "assistant", answer.text);
+      showText(view, "assistant", answer.text, answer, !done);
       const log = $("log");
       if (log.scrollHeight - log.scrollTop - log.clientHeight < 160) log.scrollTop = log.scrollHeight;
     };
@@ -163,9 +191,8 @@
         for await (const ev of events(resp.body)) {
           if (ev.error) throw new Error(ev.error.message);
           const choice = ev.choices && ev.choices[0];
-          if (choice && choice.delta && choice.delta.content) {
+          if (choice && choice.delta && take(answer, choice.delta)) {
             if (answer.first === null) answer.first = performance.now() - started;
-            answer.text += choice.delta.content;
             answer.pieces++;
             if (!dirty) {
               dirty = true;
@@ -186,7 +213,7 @@
       setBusy(false);
       view.div.classList.remove("streaming");
     }
-    if (failed !== null && !answer.text) {
+    if (failed !== null && !answer.pieces) {
       userView.div.remove(); // nothing came: give the message back to edit or send again
       view.div.remove();
       if (!$("prompt").value) $("prompt").value = text;
@@ -195,6 +222,7 @@
       return;
     }
     if (failed !== null) showError(failed);
+    done = true;
     paint();
     view.meta.textContent = figures(answer);
     state.messages = messages.concat([{ role: "assistant", content: answer.text }]);
@@ -215,8 +243,9 @@
     let a = 0;
     for (const m of state.messages) {
       const view = messageView(m.role);
-      showText(view, m.role, m.content);
-      if (m.role === "assistant" && state.answers[a]) view.meta.textContent = figures(state.answers[a++]);
+      const answer = m.role === "assistant" ? state.answers[a++] : null;
+      showText(view, m.role, m.content, answer && answer.text === m.content ? answer : null, false);
+      if (answer) view.meta.textContent = figures(answer);
     }
   }
 

@@ -1,7 +1,8 @@
 // A small Markdown renderer for the model's answers. Safe by construction: every piece of the model's text
 // is HTML-escaped before any markup of ours is added, and a link keeps only http(s), relative and #anchor
 // targets. Handles what chat models write: fenced code, inline code, headings, lists, quotes, rules,
-// tables, bold, italics, strike-through, links; a <think>...</think> section becomes a folded block.
+// tables, bold, italics, strike-through, links; a <think>...</think> section becomes a folded block, as does an
+// answer's reasoning_content (renderAnswer), and its tool calls are shown by name with their arguments.
 "use strict";
 
 const SwarmMarkdown = (() => {
@@ -136,11 +137,36 @@ const SwarmMarkdown = (() => {
     text = text.replace(/\u0000/g, ""); // the code-span placeholders' mark
     const think = text.match(/^\s*<think>([\s\S]*?)(<\/think>|$)/);
     if (!think) return blocks(text);
-    const done = think[2] === "</think>";
-    const rest = text.slice(think[0].length);
-    return `<details class="think"${done ? "" : " open"}><summary>${done ? "thought" : "thinking…"}</summary>` +
-      `${blocks(think[1])}</details>` + blocks(rest);
+    return folded(think[1], think[2] !== "</think>") + blocks(text.slice(think[0].length));
   }
 
-  return { render, escapeHtml };
+  function folded(reasoning, open) {
+    return `<details class="think"${open ? " open" : ""}><summary>${open ? "thinking…" : "thought"}</summary>` +
+      `${blocks(reasoning)}</details>`;
+  }
+
+  // arguments as the API sends them (JSON text, perhaps still coming) laid out when they parse
+  function prettyArguments(text) {
+    try {
+      return JSON.stringify(JSON.parse(text), null, 2);
+    } catch (_) {
+      return text;
+    }
+  }
+
+  // An answer as the API gives it: {reasoning, text, calls: [{name, arguments}]}. The reasoning is folded (open
+  // while it is all that has come), the text is Markdown, each call a block of its name and arguments.
+  function renderAnswer(answer, streaming) {
+    const calls = answer.calls || [];
+    let html = "";
+    if (answer.reasoning) html += folded(answer.reasoning, streaming && !answer.text && !calls.length);
+    html += render(answer.text || "");
+    for (const call of calls) {
+      html += `<div class="call"><div class="call-name">called <code>${escapeHtml(call.name || "")}</code></div>` +
+        `<pre><code>${escapeHtml(prettyArguments(call.arguments || ""))}</code></pre></div>`;
+    }
+    return html;
+  }
+
+  return { render, renderAnswer, escapeHtml };
 })();
