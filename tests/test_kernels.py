@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -330,7 +331,25 @@ def test_a_call_of_many_experts_fits_its_graph() -> None:
 def test_a_prompt_graphs_intermediates_share_memory() -> None:
     """A one-off graph (a prompt's, more rows than are kept) of 12 ops in a chain over [512, 2048]: ggml's graph
     allocator gives an intermediate whose reader has run to the next, so the thread's buffer holds a few of
-    them, not all twelve (48 MiB, which each prompt pass used to touch afresh), and the result is the chain's."""
+    them, not all twelve (48 MiB, which each prompt pass used to touch afresh), and the result is the chain's.
+    The buffers are each thread's own and only grow: the graph runs on a thread of its own, so what earlier
+    tests ran on this one does not count."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            _prompt_graph_shares_memory()
+        except BaseException as e:  # handed to the test's thread
+            errors.append(e)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    if errors:
+        raise errors[0]
+
+
+def _prompt_graph_shares_memory() -> None:
     rows, cols, steps = 512, 2048, 12
     gr = graph.Graph(0, steps + 4)
     g = gr.g

@@ -639,8 +639,8 @@ def test_a_node_holding_more_slabs_than_the_soft_file_limit_raises_it_or_says_wh
     )
     # a coordinator reads its own slab files as its audits draw them, and keeps each open the same way
     audits_read = (
-        "from swarm.coordinator.engine import _audit_store\n"
-        f"store = _audit_store({str(shard)!r})\n"
+        "from swarm.coordinator.checks.recompute import own_store\n"
+        f"store = own_store({str(shard)!r})\n"
         "print(sum(1 for key in list(store.slabs) if key in store.slabs), 0)\n"
     )
     for code in (node_loads, audits_read):

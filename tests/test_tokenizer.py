@@ -83,9 +83,9 @@ def test_vector_file_has_every_case() -> None:
 def test_build_151k_vocab_is_fast(vocab_meta: dict[str, Any]) -> None:
     timings = []
     for _ in range(3):
-        start = time.perf_counter()
+        start = time.process_time()  # CPU time: what the build costs, whatever else the machine runs
         tok = GGUFTokenizer(vocab_meta)
-        timings.append(time.perf_counter() - start)
+        timings.append(time.process_time() - start)
     build = sorted(timings)[1]
     logging.getLogger(__name__).info("151,936-token tokenizer built in %.3f s (median of 3)", build)
     assert tok.vocab_size == 151936
