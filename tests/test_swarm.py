@@ -406,7 +406,8 @@ def test_answer_survives_a_node_leaving_mid_generation(tmp_path, how):
         after = time.perf_counter() - t0
         assert got == expect
         if how == "killed":
-            assert backend.failovers >= 1
+            # passed over by a failed call's failover or, on a busy machine, by a hedge that answered first
+            assert backend.failovers + backend.hedge_wins >= 1
         else:
             assert backend.hedge_wins >= 1 and after < 15.0, f"{after:.1f} s after the stall"
         assert victim.address not in backend.placement.addresses()
