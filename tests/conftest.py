@@ -1,7 +1,9 @@
-"""Shared test helpers: where the reference fixtures live."""
+"""Shared test helpers: where the reference fixtures live, a model's swarm of local node processes."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -24,3 +26,19 @@ def flip_bytes(path: Path, start: int, end: int | None = None, every: int = 97, 
 @pytest.fixture(scope="session")
 def fixtures_dir() -> Path:
     return FIXTURES
+
+
+@contextmanager
+def node_swarm(model: Path, tmp: Path, ranges: Sequence[str]) -> Iterator[tuple[Path, list[str]]]:
+    """The model sharded into tmp and a node process per expert range (`--experts RANGE`); (the shard
+    directory, the `--peer ADDRESS` flags that name the nodes). The nodes stop on the way out."""
+    from swarm.coordinator.cli.spawn import start_nodes, stop_nodes
+    from swarm.sharding.shard import shard_model
+
+    shard = tmp / "m.swarm"
+    shard_model(model, shard)
+    nodes = start_nodes([(shard, ["--experts", r]) for r in ranges], tmp / "nodes")
+    try:
+        yield shard, [a for n in nodes for a in ("--peer", n.address)]
+    finally:
+        stop_nodes(nodes)

@@ -322,20 +322,12 @@ def turns(c: openai.OpenAI) -> list[Any]:
 
 @pytest.mark.slow
 def test_an_agent_loop_in_process_and_through_three_nodes(server: Server, tmp_path: Any) -> None:
-    from swarm.coordinator.cli.spawn import start_nodes, stop_nodes
-    from swarm.sharding.shard import shard_model
+    from conftest import node_swarm
 
     here = turns(server.client())
-    shard = tmp_path / "m.swarm"
-    shard_model(MODEL, shard)
-    ranges = ["0-2", "3-5", "6-7"]
-    nodes = start_nodes([(shard, ["--experts", r]) for r in ranges], tmp_path / "nodes")
-    try:
-        peers = [a for n in nodes for a in ("--peer", n.address)]
+    with node_swarm(MODEL, tmp_path, ["0-2", "3-5", "6-7"]) as (shard, peers):
         s = Server(tmp_path, "--no-mdns", *peers, "--parallel", "2", "--model-id", MODEL_ID, source=shard)
         try:
             assert turns(s.client(key="-")) == here
         finally:
             assert s.stop() == 0
-    finally:
-        stop_nodes(nodes)

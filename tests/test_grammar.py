@@ -17,10 +17,9 @@ import jsonschema
 import openai
 import pytest
 import torch
-from conftest import FIXTURES
+from conftest import FIXTURES, node_swarm
 
 from swarm.coordinator.cli.launch import spawn_server
-from swarm.coordinator.cli.spawn import start_nodes, stop_nodes
 from swarm.coordinator.config import EngineConfig
 from swarm.coordinator.decode.core import DecodeCore, lookup_source
 from swarm.coordinator.decode.grammar import (
@@ -38,7 +37,6 @@ from swarm.coordinator.engine import open_engine
 from swarm.coordinator.text.tokenizer import GGUFTokenizer
 from swarm.coordinator.text.tools import Family, Reading, call_format, read_answer
 from swarm.sharding.gguf_io import open_gguf, read_metadata
-from swarm.sharding.shard import shard_model
 
 VOCAB = Path(__file__).parents[2] / "shared" / "fixtures" / "tokenizer" / "ggml-vocab-qwen35.gguf"
 MODEL = FIXTURES / "qwen35moe-tiny" / "model-f32.gguf"
@@ -244,19 +242,13 @@ NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory):
     tmp = tmp_path_factory.mktemp("grammar-serve")
-    shard = tmp / "m.swarm"
-    shard_model(MODEL, shard)
-    nodes = start_nodes([(shard, ["--experts", "0-15"]), (shard, ["--experts", "16-31"])], tmp / "nodes")
-    try:
-        peers = [a for n in nodes for a in ("--peer", n.address)]
+    with node_swarm(MODEL, tmp, ["0-15", "16-31"]) as (shard, peers):
         args = ["--no-mdns", *peers, "--parallel", "4", "--ctx-size", "1024", "--model-id", "m"]
         proc = spawn_server(shard, args, tmp).wait_ready(120)
         try:
             yield openai.OpenAI(base_url=proc.ready["url"], api_key="-", max_retries=0)
         finally:
             assert proc.stop() == 0, proc.log_tail()
-    finally:
-        stop_nodes(nodes)
 
 
 def ask(client: openai.OpenAI, seed: int, max_tokens: int = 120, **kw: object):

@@ -14,18 +14,16 @@ import numpy as np
 import openai
 import pytest
 import torch
-from conftest import FIXTURES
+from conftest import FIXTURES, node_swarm
 
 from swarm.coordinator.cli import main
 from swarm.coordinator.cli.launch import spawn_server
-from swarm.coordinator.cli.spawn import start_nodes, stop_nodes
 from swarm.coordinator.config import EngineConfig
 from swarm.coordinator.decode.core import DecodeCore, StopStrings
 from swarm.coordinator.decode.one import generate
 from swarm.coordinator.decode.sampling import Sampler, SamplingParams
 from swarm.coordinator.drafts.lookup import PromptLookup
 from swarm.coordinator.engine import open_engine
-from swarm.sharding.shard import shard_model
 
 MODEL = FIXTURES / "qwen35moe-quant" / "model-q4_k_m.gguf"
 # repeats itself, so that prompt lookup finds drafts
@@ -37,14 +35,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory: pytest.TempPathFactory):
-    tmp = tmp_path_factory.mktemp("one-core")
-    shard = tmp / "m.swarm"
-    shard_model(MODEL, shard)
-    nodes = start_nodes([(shard, ["--experts", "0-3"]), (shard, ["--experts", "4-7"])], tmp / "nodes")
-    try:
-        yield shard, [a for n in nodes for a in ("--peer", n.address)]
-    finally:
-        stop_nodes(nodes)
+    with node_swarm(MODEL, tmp_path_factory.mktemp("one-core"), ["0-3", "4-7"]) as found:
+        yield found
 
 
 @pytest.mark.parametrize("where", ["in-process", "nodes"])
@@ -151,3 +143,14 @@ def test_the_cores_hooks_a_logits_processor_and_stop_strings() -> None:
         assert stop not in tok.decode(conv.out[:-1], skip_control=True)
     finally:
         engine.close()
+
+
+def test_a_stop_string_is_found_across_the_pieces_that_bring_it() -> None:
+    class Pieces:
+        def push(self, token: int) -> str:
+            return ["ab", "cd", "e", "xyz"][token]
+
+    stop = StopStrings(Pieces(), ["bcde"])
+    assert [stop.push(t) for t in range(4)] == [False, False, True, False]
+    assert len(stop.tail) <= 3  # what a stop string could still end in, not the whole text
+    assert not StopStrings(Pieces(), []).push(0)

@@ -54,15 +54,20 @@ class StopText(Protocol):
 
 @dataclass
 class StopStrings:
-    """StopText over a detokenizer stream (text.tokenizer's `stream`: token -> text piece)."""
+    """StopText over a detokenizer stream (text.tokenizer's `stream`: token -> text piece). Only the text's
+    tail that a stop string could still end in is kept: a long answer costs each token its piece, not the
+    whole text again."""
 
     detokenizer: Any
     stops: Sequence[str]
-    text: str = ""
+    tail: str = ""
 
     def push(self, token: int) -> bool:
-        self.text += self.detokenizer.push(token)
-        return any(s and s in self.text for s in self.stops)
+        piece = self.detokenizer.push(token)
+        longest = max((len(s) for s in self.stops), default=0)
+        window = self.tail + piece
+        self.tail = window[len(window) - max(longest - 1, 0) :] if longest > 1 else ""
+        return any(s and s in window for s in self.stops)
 
 
 @dataclass(eq=False)
