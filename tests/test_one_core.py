@@ -153,4 +153,7 @@ def test_a_stop_string_is_found_across_the_pieces_that_bring_it() -> None:
     stop = StopStrings(Pieces(), ["bcde"])
     assert [stop.push(t) for t in range(4)] == [False, False, True, False]
     assert len(stop.tail) <= 3  # what a stop string could still end in, not the whole text
+    assert stop.found == "bcde"
+    first = StopStrings(Pieces(), ["de", "cd"])
+    assert [first.push(t) for t in range(3)] == [False, True, True] and first.found == "de"
     assert not StopStrings(Pieces(), []).push(0)

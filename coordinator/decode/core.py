@@ -61,13 +61,17 @@ class StopStrings:
     detokenizer: Any
     stops: Sequence[str]
     tail: str = ""
+    found: str | None = None  # the stop string that ended the text (the earliest, where several did at once)
 
     def push(self, token: int) -> bool:
         piece = self.detokenizer.push(token)
         longest = max((len(s) for s in self.stops), default=0)
         window = self.tail + piece
         self.tail = window[len(window) - max(longest - 1, 0) :] if longest > 1 else ""
-        return any(s and s in window for s in self.stops)
+        hits = [(i, s) for s in self.stops if s and (i := window.find(s)) >= 0]
+        if hits:
+            self.found = min(hits)[1]
+        return bool(hits)
 
 
 @dataclass(eq=False)

@@ -166,8 +166,8 @@ class AnthropicApi:
 
     def reason(self, finish: str, msg: Message, job: Job, req: Any) -> tuple[str, str | None]:
         calls = any(b["type"] == "tool_use" for b in msg.content)
-        said = req.stop_text.text if req is not None and req.stop_text is not None else ""
-        return stop_reason(finish, calls, job.stops, said)
+        found = req.stop_text.found if req is not None and req.stop_text is not None else None
+        return stop_reason(finish, calls, found)
 
 
 async def _after(first: Any, gen: AsyncIterator[Any]) -> AsyncIterator[Any]:

@@ -118,14 +118,13 @@ def event(name: str, data: dict[str, Any]) -> bytes:
     return f"event: {name}\ndata: {json.dumps(data)}\n\n".encode()
 
 
-def stop_reason(finish: str, calls: bool, stops: list[str], text: str) -> tuple[str, str | None]:
+def stop_reason(finish: str, calls: bool, found: str | None) -> tuple[str, str | None]:
     """(stop_reason, stop_sequence) of an answer that ended with the core's `finish` ("stop" or "length"):
-    the stop sequence is the one that appears first in the answer's whole text (the core ends at it)."""
+    `found`, the stop sequence the core ended it at (decode/core.py StopStrings), if any."""
     if finish == "length":
         return "max_tokens", None
     if calls:
         return "tool_use", None
-    found = [(i, s) for s in stops if (i := text.find(s)) >= 0]
-    if found:
-        return "stop_sequence", min(found)[1]
+    if found is not None:
+        return "stop_sequence", found
     return "end_turn", None
