@@ -6,13 +6,16 @@
 one, then `/tmp/base/.venv/bin/python -m pip install --no-deps -e /tmp/base`). Each repetition runs, for both
 trees in alternating order: `swarm demo` (wall time as a user meets it), bench/decode.py's in-process and
 4-loopback-node rows (one cold run each) and bench/serve.py's two swarm servers (1 and 8 requests at once),
-every one with `--no-write`; the figures are read back from what each bench prints. Medians per tree, and the
-median of the per-repetition ratios (this tree / base). Figures go to the `bench:two-trees` section.
+every one with `--no-write`; the figures are read back from what each bench prints. Then this tree's
+bench/_work_per_token.py in each tree: the coordinator's Python calls per token (torch's among them), counts
+that a busy machine does not blur. Medians per tree, and the median of the per-repetition ratios (this tree /
+base). Figures go to the `bench:two-trees` section.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import statistics
 import subprocess
@@ -23,6 +26,7 @@ from pathlib import Path
 from _doc import command, machine, publish
 
 HERE = Path(__file__).resolve().parent.parent
+WORK_SCRIPT = Path(__file__).resolve().parent / "_work_per_token.py"
 
 # (figure, bench, the table row it is read from, column index after the label)
 FIGURES = (
@@ -67,6 +71,8 @@ def one_tree(tree: Path, workdir: Path) -> dict[str, float]:
     }  # fmt: skip
     for name, bench, label, column in FIGURES:
         figures[name] = row_value(texts[bench], label, column)
+    for where in ("in process", "4 nodes"):  # the same script in both trees: bench/_work_per_token.py's counts
+        figures |= json.loads(run(tree, [str(WORK_SCRIPT), str(workdir), where], 900).strip().splitlines()[-1])
     return figures
 
 
@@ -79,7 +85,8 @@ def render(args: argparse.Namespace, runs: dict[str, list[dict[str, float]]], ba
         f"Machine: {machine()}.  ",
         f"Trees: this one at {head_rev}, base at {base_rev}. {args.reps} repetitions, the trees in alternating "
         "order; each bench run cold with one repetition per tree (bench/decode's in-process and swarm rows, "
-        "bench/serve's two swarm servers, `swarm demo`'s wall time). Medians; the ratio is the median of the "
+        "bench/serve's two swarm servers, `swarm demo`'s wall time; the calls per token counted by this tree's "
+        "bench/_work_per_token.py under cProfile in each tree). Medians; the ratio is the median of the "
         "per-repetition ratios.",
         "",
         "| figure | base | this tree | this / base | each repetition's ratio |",
