@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -31,14 +30,6 @@ from swarm.sharding.shard import shard_model
 MODEL = FIXTURES / "qwen35moe-quant" / "model-q4_k_m.gguf"
 MODEL_ID = "model-q4_k_m"
 KEY = "page-test-key"
-# Where the screenshots go: the README's own (docs/) only when asked, so that a test run leaves the tree as it
-# was; else beside the other files of this run.
-DOCS = (
-    Path(__file__).resolve().parent.parent / "docs"
-    if os.environ.get("SWARM_UPDATE_SCREENSHOTS") == "1"
-    else Path(tempfile.gettempdir()) / f"swarm-screenshots-{os.getpid()}"
-)
-DOCS.mkdir(parents=True, exist_ok=True)
 ANSWER_SECONDS = 180  # one answer of a few dozen tokens, on a machine busy with other tests
 
 pytestmark = pytest.mark.slow
@@ -82,6 +73,15 @@ def local(tmp_path_factory: pytest.TempPathFactory):
     assert s.stop() == 0, s.proc.log_tail()
 
 
+@pytest.fixture(scope="module")
+def shots(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the screenshots go: the README's own (docs/) only when asked, so that a test run leaves the tree
+    as it was; else pytest's temporary directory, which pytest itself prunes."""
+    if os.environ.get("SWARM_UPDATE_SCREENSHOTS") == "1":
+        return Path(__file__).resolve().parent.parent / "docs"
+    return tmp_path_factory.mktemp("screenshots")
+
+
 def open_page(d: Any, server: Server, path: str, key: str | None) -> None:
     """The page with `key` in this origin's localStorage (as the page keeps what the user typed)."""
     d.get(server.base + path)
@@ -122,7 +122,9 @@ def api_answer(server: Server, messages: list[dict[str, str]], max_tokens: int, 
     )
 
 
-def test_the_chat_streams_the_apis_answer_and_keeps_the_conversation(local: Server, browser: Any) -> None:
+def test_the_chat_streams_the_apis_answer_and_keeps_the_conversation(
+    local: Server, browser: Any, shots: Path
+) -> None:
     d = browser
     open_page(d, local, "/", KEY)
     wait_for(lambda: d.find_element(By.ID, "model").text == MODEL_ID, 60, "the page did not show the model")
@@ -149,7 +151,7 @@ def test_the_chat_streams_the_apis_answer_and_keeps_the_conversation(local: Serv
     assert (second["text"], second["reasoning"]) == (again.content, again.model_extra["reasoning_content"])
     assert second["timings"]["cache_n"] > 0
     _no_script_errors(d)
-    d.save_screenshot(str(DOCS / "page-chat.png"))
+    d.save_screenshot(str(shots / "page-chat.png"))
 
 
 def test_stop_mid_answer_frees_the_slot(local: Server, browser: Any) -> None:
@@ -265,7 +267,7 @@ def test_the_chat_over_two_nodes_streams_the_apis_answer(tmp_path: Path, browser
 
 
 def test_the_swarm_map_shows_every_node_and_a_killed_one_turns_red(
-    tmp_path: Path, browser: Any, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, browser: Any, capsys: pytest.CaptureFixture[str], shots: Path
 ) -> None:
     shard = tmp_path / "m.swarm"
     shard_model(MODEL, shard)
@@ -308,7 +310,7 @@ def test_the_swarm_map_shows_every_node_and_a_killed_one_turns_red(
             assert "experts 6-7" in d.find_element(By.ID, "orphans").text
             assert all(_state(d, row_of[n.address]) == "up" for n in nodes[:2])
             _no_script_errors(d)
-            screenshot(d, DOCS / "page-swarm.png")
+            screenshot(d, shots / "page-swarm.png")
         finally:
             assert s.stop() == 0
     finally:
