@@ -34,6 +34,7 @@ import logging
 import multiprocessing
 import platform
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -407,10 +408,15 @@ def main(argv: list[str] | None = None) -> int:
         [rng.randrange(256, vocab - 256) for _ in range(args.prompt_tokens)] for _ in range(max(CONCURRENCY))
     ]
     ctx = args.prompt_tokens + args.max_tokens + 64
-    work = Path(tempfile.mkdtemp(prefix="bench-serve-"))
-    targets, llama = make_targets(args, gguf, shard_dir, ctx, work)
-    benches = batched_benches(args)
-    runs, levels, batched = run_reps(args, gguf, prompts, targets, benches, work)
+    work = Path(tempfile.mkdtemp(prefix="bench-serve-"))  # the servers' logs: kept only when a run fails
+    try:
+        targets, llama = make_targets(args, gguf, shard_dir, ctx, work)
+        benches = batched_benches(args)
+        runs, levels, batched = run_reps(args, gguf, prompts, targets, benches, work)
+    except BaseException:
+        print(f"bench/serve: the servers' logs are kept in {work}", file=sys.stderr)
+        raise
+    shutil.rmtree(work, ignore_errors=True)
     text = render(args, [t.name for t in targets], runs, llama, levels, expert_counts(gguf), batched)
     publish(args.section, text, not args.no_write)
     return 0
