@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -42,12 +44,19 @@ FIGURES = (
 
 
 def run(tree: Path, args: list[str], timeout: float) -> str:
-    out = subprocess.run(
-        [str(tree / ".venv/bin/python"), *args], cwd=tree, capture_output=True, text=True, timeout=timeout
-    )
-    if out.returncode != 0:
-        raise SystemExit(f"{tree}: {' '.join(args)} failed ({out.returncode}):\n{out.stderr[-3000:]}")
-    return out.stdout
+    """One bench in a tree, in a session of its own: stopped with everything it started (its servers and
+    nodes) when it times out or this script is interrupted or terminated."""
+    proc = subprocess.Popen([str(tree / ".venv/bin/python"), *args], cwd=tree, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    if proc.returncode != 0:
+        raise SystemExit(f"{tree}: {' '.join(args)} failed ({proc.returncode}):\n{err[-3000:]}")
+    return out
 
 
 def row_value(text: str, label: str, column: int) -> float:
@@ -115,6 +124,7 @@ def main() -> int:
     p.add_argument("--workdir", type=Path, default=Path("/work/bench-models/decode"))
     p.add_argument("--no-write", action="store_true", help="print, do not write docs/BENCHMARKS.md")
     args = p.parse_args()
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # terminated: stop the running bench's session too
     trees = {"base": args.base.resolve(), "head": HERE}
     runs: dict[str, list[dict[str, float]]] = {"base": [], "head": []}
     for i in range(args.reps):
