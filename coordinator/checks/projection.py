@@ -1,0 +1,239 @@
+"""Every answer checked at the cost of dot products: random projections (Freivalds) of the products an
+expert makes, against vectors this coordinator keeps in place of the experts' weights.
+
+For a matrix W and a secret random vector r, rᵀ(W·x) = (Wᵀr)·x. Per expert, with r1, r2 (length F) and r3
+(length D) drawn once per coordinator from the operating system's randomness and never sent anywhere:
+- v_gu = gateᵀr1 + upᵀr2 (length D) checks a row's gate and up products g, u (the node sends them beside its
+  answer) against the row x: r1·g + r2·u = v_gu·x̂;
+- h = silu(g) ⊙ u is formed here by ggml's own swiglu (the bits the node's graph formed), and
+  v_d = downᵀr3 (length F) checks the answer y against it: r3·y = v_d·ĥ.
+x̂ and ĥ are the values the node's kernels multiplied: the rows quantized exactly as its kernel for the
+matrix's type quantizes them (Q8_K blocks for the K-quants, Q8_0, F16 / BF16 rounding, none for F32;
+swarm.compute.rowquant.kernel_values). Gate and up are checked against x on their own, so a wrong g or u
+cannot pass by a y made consistent with it: y is checked against the h of the g and u that passed.
+
+The residual of an honest answer is float32 rounding only: the node's sums in another order than the exact
+sum of the same products (the integer sums inside a quantized block are exact). For a row the node's error δ
+in its products is at most γ·Σⱼ|Wᵢⱼ||x̂ⱼ| per element, so ‖δ‖ ≤ γ·‖W‖_F·‖x̂‖, and since r is Gaussian and
+independent of δ, r·δ is a normal variable of deviation ‖δ‖. The tolerance is τ = SIGMAS·c·u·‖W‖_F·‖x̂‖ (u =
+2⁻²⁴, c the kernel class's error constant measured in docs/BENCHMARKS.md, SIGMAS standard deviations: an
+honest answer exceeds it with probability ~1e-15 per check), plus the rounding of the float32 vectors kept
+here. A change Δ of the products is missed only when |r·Δ| ≤ τ: with probability ≤ √(2/π)·τ/‖Δ‖ for each of
+the PROJECTIONS independent r (bench/trust.py reports τ as a fraction of the rows' norms).
+
+An answer that fails is not a verdict: it is recomputed exactly (swarm.coordinator.checks.audit) before a
+node is banned. Nothing here is sent to a node.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from swarm.compute.ffn import swiglu_rows
+from swarm.compute.rowquant import kernel_values, vec_dot_type
+from swarm.compute.store import ExpertStore
+from swarm.compute.values import float32_values
+from swarm.sharding.slabs import SlabKey, SlabTensor
+
+log = logging.getLogger(__name__)
+
+U = 2.0**-24  # float32's unit roundoff
+PROJECTIONS = 1  # independent r per matrix: the vectors' memory grows with it, a miss's probability falls as its power
+SIGMAS = 8.0  # standard deviations of honest noise the tolerance leaves room for
+# c per activation kind: the largest |r·δ| / (u·‖W‖_F·‖x̂‖) measured over honest answers of every fixture type
+# (tests/test_projection.py, docs/BENCHMARKS.md), rounded up; float rows sum every product in float32.
+ERROR_CONSTANT = 4.0
+
+
+@dataclass(frozen=True)
+class ExpertVectors:
+    """What this coordinator keeps of one expert to check its answers: vectors, not weights."""
+
+    gate_up: tuple[tuple[int, np.ndarray], ...]  # (weight type x̂ is made for, [P, D] float32) per term
+    down: np.ndarray  # [P, F] float32: downᵀr3
+    down_type: int
+    gate_up_norm: float  # √(‖gate‖_F² + ‖up‖_F²), over the dequantized values
+    down_norm: float
+    gate_up_bias: np.ndarray  # [P] r·bias of the products (0 without biases)
+    down_bias: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        return sum(v.nbytes for _, v in self.gate_up) + self.down.nbytes
+
+
+@dataclass(frozen=True)
+class Failed:
+    """Rows of a call whose check failed, and by how much (residual / tolerance, the largest)."""
+
+    rows: list[int]
+    worst: float
+    what: str  # "gate/up" or "down" (the first that failed)
+
+
+class Projections:
+    """The secret vectors r of this coordinator, each expert's checking vectors (made on first use, or all at
+    once by `prepare`), and the check of a call's answer."""
+
+    def __init__(self, store: ExpertStore, projections: int = PROJECTIONS, seed: int | None = None) -> None:
+        self.store = store
+        self.projections = projections
+        # a node must not be able to guess r: the operating system's randomness unless a test fixes a seed
+        self._rng = np.random.default_rng(secrets.randbits(128) if seed is None else seed)
+        self._r: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}  # (D, F) -> (r_gu, r_d)
+        self._vectors: dict[SlabKey, ExpertVectors] = {}
+        self._locks: dict[SlabKey, threading.Lock] = {}
+        self._lock = threading.Lock()
+        self.checks = 0
+        self.failures = 0
+
+    def secret(self, d: int, f: int) -> tuple[np.ndarray, np.ndarray]:
+        """(r1 | r2 as [P, 2F], r3 as [P, D]) float64, standard normal, drawn once per width."""
+        with self._lock:
+            r = self._r.get((d, f))
+            if r is None:
+                r = self._r[(d, f)] = (
+                    self._rng.standard_normal((self.projections, 2 * f)),
+                    self._rng.standard_normal((self.projections, d)),
+                )
+            return r
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of checking vectors resident."""
+        return sum(v.nbytes for v in list(self._vectors.values()))
+
+    def vectors(self, layer: int, expert: int) -> ExpertVectors:
+        key = (layer, expert)
+        v = self._vectors.get(key)
+        if v is not None:
+            return v
+        with self._lock:
+            lock = self._locks.setdefault(key, threading.Lock())
+        with lock:  # made once, whichever thread needs it first
+            v = self._vectors.get(key)
+            if v is None:
+                v = self._vectors[key] = self._make(key)
+        return v
+
+    def prepare(self) -> None:
+        """Every expert's vectors now, each slab read once (a coordinator's start, on a thread of its own)."""
+        for layer, expert in self.store.held():
+            self.vectors(layer, expert)
+
+    def _make(self, key: SlabKey) -> ExpertVectors:
+        slab = self.store.slabs[key]
+        assert slab.down is not None
+        d, f = slab.down.shape
+        r_gu, r_d = self.secret(d, f)
+        parts: list[tuple[SlabTensor, np.ndarray, SlabTensor | None]] = []
+        if slab.gate_up is not None:
+            parts.append((slab.gate_up, r_gu, slab.gate_up_bias))
+        else:
+            assert slab.gate is not None and slab.up is not None
+            parts += [(slab.gate, r_gu[:, :f], slab.gate_bias), (slab.up, r_gu[:, f:], slab.up_bias)]
+        terms: dict[int, np.ndarray] = {}  # x̂ kind -> Σ of Wᵀr over the matrices that take that x̂
+        square = 0.0
+        bias = np.zeros(self.projections)
+        for part, r, b in parts:
+            v, sq = _project(part, r)
+            kind = vec_dot_type(int(part.qtype))
+            terms[kind] = terms.get(kind, 0) + v
+            square += sq
+            if b is not None:
+                bias += r @ _values(b).reshape(-1).astype(np.float64)
+        by_type = tuple((_weight_of(parts, kind), v.astype(np.float32)) for kind, v in terms.items())
+        v_d, sq_d = _project(slab.down, r_d)
+        down_bias = r_d @ _values(slab.down_bias).reshape(-1) if slab.down_bias is not None else np.zeros(self.projections)
+        return ExpertVectors(
+            by_type, v_d.astype(np.float32), int(slab.down.qtype), float(np.sqrt(square)), float(np.sqrt(sq_d)),
+            bias, np.asarray(down_bias, np.float64),
+        )  # fmt: skip
+
+    def check(
+        self, layer: int, expert_ids: list[int], counts: list[int], rows: np.ndarray, answer: np.ndarray,
+        inner: np.ndarray, native: bool = True,
+    ) -> Failed | None:  # fmt: skip
+        """None when every row of a call's answer [N, D] and inner products [N, 2F] passes against the rows
+        sent [N, D] (float32 values as the node took them); else the rows that failed. `native`: the node
+        multiplied in the weights' types (x̂ quantized as its kernels do) rather than float32 (exact)."""
+        n = int(rows.shape[0])
+        if answer.shape != rows.shape or inner.ndim != 2 or inner.shape[0] != n:
+            return Failed(list(range(n)), float("inf"), "shape")
+        bad: list[int] = []
+        worst, what = 0.0, ""
+        start = 0
+        for expert, count in zip(expert_ids, counts, strict=True):
+            if not count:
+                continue
+            sl = slice(start, start + count)
+            start += count
+            v = self.vectors(layer, expert)
+            if inner.shape[1] != 2 * v.down.shape[1]:
+                return Failed(list(range(n)), float("inf"), "shape")
+            ratio_gu = _ratio(
+                inner[sl], self.secret(rows.shape[1], v.down.shape[1])[0], v.gate_up_bias,
+                [(_act(rows[sl], t, native), vec) for t, vec in v.gate_up], v.gate_up_norm,
+            )  # fmt: skip
+            h = swiglu_rows(np.ascontiguousarray(inner[sl], np.float32))
+            ratio_d = _ratio(
+                answer[sl], self.secret(rows.shape[1], v.down.shape[1])[1], v.down_bias,
+                [(_act(h, v.down_type, native), v.down)], v.down_norm,
+            )  # fmt: skip
+            for i, (a, b) in enumerate(zip(ratio_gu, ratio_d, strict=True)):
+                if not (a <= 1.0 and b <= 1.0):  # (NaN fails too)
+                    bad.append(sl.start + i)
+                    if not what:
+                        what = "gate/up" if not a <= 1.0 else "down"
+                    worst = max(worst, a if not a <= 1.0 else b, 0.0) if np.isfinite(max(a, b)) else float("inf")
+        with self._lock:
+            self.checks += 1
+            self.failures += bool(bad)
+        return Failed(bad, worst, what) if bad else None
+
+
+def _act(x: np.ndarray, weight_type: int, native: bool) -> np.ndarray:
+    """The values a kernel multiplies for rows x (float64)."""
+    x = np.ascontiguousarray(x, np.float32)
+    if not native:
+        return x.astype(np.float64)
+    made = kernel_values(x, weight_type)
+    if made is None:
+        raise ValueError(f"ggml type {weight_type}'s kernel adds terms a projection cannot check")
+    return made
+
+
+def _ratio(
+    products: np.ndarray, r: np.ndarray, bias: np.ndarray, terms: list[tuple[np.ndarray, np.ndarray]],
+    norm: float,
+) -> np.ndarray:  # fmt: skip
+    """Per row, the largest over the projections of |r·products - Σ v·x̂ - r·bias| / its tolerance."""
+    said = products.astype(np.float64) @ r.T  # [n, P]
+    expected = sum(x @ v.astype(np.float64).T for x, v in terms) + bias  # [n, P]
+    size = np.sqrt(sum(np.einsum("ij,ij->i", x, x) for x, _ in terms))  # ‖x̂‖ per row
+    # the vectors' own float32 rounding: |Σ (v - fl(v))·x̂| ≤ u·Σ|v||x̂|
+    kept = sum(np.abs(x) @ np.abs(v.astype(np.float64)).T for x, v in terms) * U
+    tol = SIGMAS * ERROR_CONSTANT * U * norm * size[:, None] + kept + np.finfo(np.float32).tiny
+    with np.errstate(invalid="ignore", over="ignore"):
+        out = np.abs(said - expected) / tol
+    return np.where(np.isfinite(out), out, np.inf).max(axis=1)
+
+
+def _values(part: SlabTensor) -> np.ndarray:
+    return float32_values(part.data, part.qtype, part.shape)
+
+
+def _project(part: SlabTensor, r: np.ndarray) -> tuple[np.ndarray, float]:
+    """(Wᵀr [P, cols] float64, ‖W‖_F²) of one matrix, from its dequantized values."""
+    w = _values(part).reshape(part.shape[0], -1)
+    return r @ w.astype(np.float64), float(np.einsum("ij,ij->", w, w, dtype=np.float64))
+
+
+def _weight_of(parts: list[tuple[SlabTensor, np.ndarray, SlabTensor | None]], kind: int) -> int:
+    """A weight type among parts whose kernels quantize rows to `kind`."""
+    return next(int(p.qtype) for p, _, _ in parts if vec_dot_type(int(p.qtype)) == kind)
