@@ -46,6 +46,7 @@ import torch
 from swarm.compute.ggml import one_thread
 from swarm.compute.priority import idle_priority
 from swarm.compute.store import ExpertStore
+from swarm.coordinator.checks.projection import Projections, unit_roundoff
 from swarm.coordinator.checks.recompute import Recomputer, own_store
 from swarm.coordinator.config import DEFAULT_AUDIT_RATE, EngineConfig, Verify
 from swarm.proto.numerics import Numerics
@@ -108,6 +109,9 @@ class _NodeBook:
 class AuditReport:
     audits: int = 0
     probes: int = 0
+    projected: int = 0  # answers checked by projections (every one, with --verify project)
+    alarms: int = 0  # ... that failed, and were then recomputed exactly
+    false_alarms: int = 0  # ... whose exact recompute found them honest
     banned: dict[str, str] = field(default_factory=dict)  # address -> why
     passed: Counter[str] = field(default_factory=Counter)  # address -> audits of its answers that passed
 
@@ -127,14 +131,18 @@ class Auditor(Recomputer):
         every_row: bool = False,
         classes: dict[str, str] | None = None,
         on_ban: Callable[[str], None] | None = None,
+        projections: Projections | None = None,
     ) -> None:
-        """`row_dtype`: the float type of the rows nodes are sent (probe rows are made in it); `every_row`:
+        """`projections`: every answer that carries its inner products checked by them (--verify project),
+        one that fails recomputed exactly before anything is decided; `row_dtype`: the float type of the rows
+        nodes are sent (probe rows are made in it); `every_row`:
         every answer recomputed here, whole (--verify all); `classes`: address -> a node's numerics class;
         `on_ban`: told the address of every node banned (the placement, which then never picks it)."""
         if not 0.0 <= rate <= 1.0:
             raise ValueError(f"audit rate {rate} is not between 0 and 1")
         super().__init__(store, numerics, shard_dir, classes)
         self.row_dtype, self.rate, self.every_row = row_dtype, rate, every_row
+        self.projections = projections
         self._on_ban = on_ban
         self._rng = random.Random(seed) if seed is not None else random.SystemRandom()
         self._books: dict[str, _NodeBook] = {}
@@ -175,16 +183,21 @@ class Auditor(Recomputer):
 
     def answered(
         self, address: str, layer: int, expert_ids: list[int], counts: list[int], rows: torch.Tensor,
-        answer: torch.Tensor,
+        answer: torch.Tensor, inner: Any = None,
     ) -> torch.Tensor:  # fmt: skip
-        """Book one answered call; audit it with probability `rate`. The rows to use: the answer, or the
-        coordinator's own when the audit caught the node."""
+        """Book one answered call; check it by its projections where it carries its `inner` products, audit
+        it with probability `rate`. The rows to use: the answer, or the coordinator's own when a check caught
+        the node."""
         call = _Call(layer, list(expert_ids), list(counts), rows, answer)
         with self._lock:
             book = self._books.setdefault(address, _NodeBook())
             book.last_call = call
             book.open_calls += 1
-        scope = Scope.EVERY_ROW if self.every_row else Scope.EVERY_EXPERT if self._cover else None
+        projected, own = self._project(address, call, inner)
+        if own is not None:
+            return own
+        cover = self._cover and not projected  # a prompt's answers the projections did not check
+        scope = Scope.EVERY_ROW if self.every_row else Scope.EVERY_EXPERT if cover else None
         if scope is None and self.rate > 0 and self._rng.random() < self.rate:
             scope = Scope.SAMPLE
         if scope is not None:
@@ -197,6 +210,29 @@ class Auditor(Recomputer):
             if own is not None:
                 return own
         return answer
+
+    def _project(self, address: str, call: _Call, inner: Any) -> tuple[bool, torch.Tensor | None]:
+        """(whether the projections checked the call, the coordinator's own rows where the exact recompute
+        that a failed check calls for caught the node). A check that fails decides nothing by itself."""
+        p = self.projections
+        if p is None or inner is None or not p.checkable(call.layer, call.expert_ids):
+            return False, None
+        native = self.numerics == Numerics.NATIVE
+        rows, answer = call.rows.float().numpy(), call.answer.float().numpy()
+        failed = p.check(call.layer, call.expert_ids, call.counts, rows, answer, inner, native,
+                         unit_roundoff(call.answer.dtype))  # fmt: skip
+        with self._lock:
+            self.report.projected += 1
+        if failed is None:
+            self._checked(address, call, counted=False)
+            return True, None
+        log.warning("node %s: the %s check of layer %d failed on %d rows (%.3g x its tolerance); recomputing",
+                    address, failed.what, call.layer, len(failed.rows), failed.worst)  # fmt: skip
+        own = self._audit(address, call, Scope.EVERY_ROW)
+        with self._lock:
+            self.report.alarms += 1
+            self.report.false_alarms += not self.is_banned(address)
+        return True, own
 
     def decide(
         self, address: str, layer: int, experts: list[int], rows: torch.Tensor, answer: torch.Tensor
@@ -411,5 +447,6 @@ def make_auditor(
         return None
     shard_dir = Path(path) if Path(path).is_dir() else None
     every_row = config.verify is Verify.ALL
-    return Auditor(store, config.numerics, config.wire.dtype, config.audit_rate, shard_dir, config.audit_seed,
-                   every_row=every_row, classes=classes, on_ban=on_ban)  # fmt: skip
+    projections = Projections(store) if config.verify is Verify.PROJECT else None
+    return Auditor(store, config.numerics, config.wire.dtype, config.sampled_rate, shard_dir, config.audit_seed,
+                   every_row=every_row, classes=classes, on_ban=on_ban, projections=projections)  # fmt: skip

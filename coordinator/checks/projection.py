@@ -43,11 +43,12 @@ from swarm.sharding.slabs import SlabKey, SlabTensor
 log = logging.getLogger(__name__)
 
 U = 2.0**-24  # float32's unit roundoff
+_CHECKABLE = frozenset((0, 1, 30, 8, 15))  # row types kernel_values reproduces: F32, F16, BF16, Q8_0, Q8_K
 PROJECTIONS = 1  # independent r per matrix: the vectors' memory grows with it, a miss's probability falls as its power
 SIGMAS = 8.0  # standard deviations of honest noise the tolerance leaves room for
 # c per activation kind: the largest |r·δ| / (u·‖W‖_F·‖x̂‖) measured over honest answers of every fixture type
 # (tests/test_projection.py, docs/BENCHMARKS.md), rounded up; float rows sum every product in float32.
-ERROR_CONSTANT = 4.0
+ERROR_CONSTANT = 1.0
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,18 @@ class Projections:
                 v = self._vectors[key] = self._make(key)
         return v
 
+    def checkable(self, layer: int, expert_ids: list[int]) -> bool:
+        """Whether these experts' slabs are here and every matrix's kernel multiplies rows a projection can
+        reproduce (not one pairing with Q8_1)."""
+        for e in expert_ids:
+            slab = self.store.slabs.get((layer, e)) if self.store.holds(layer, e) else None
+            if slab is None:
+                return False
+            for part in (slab.gate, slab.up, slab.gate_up, slab.down):
+                if part is not None and vec_dot_type(int(part.qtype)) not in _CHECKABLE:
+                    return False
+        return True
+
     def prepare(self) -> None:
         """Every expert's vectors now, each slab read once (a coordinator's start, on a thread of its own)."""
         for layer, expert in self.store.held():
@@ -157,11 +170,13 @@ class Projections:
 
     def check(
         self, layer: int, expert_ids: list[int], counts: list[int], rows: np.ndarray, answer: np.ndarray,
-        inner: np.ndarray, native: bool = True,
+        inner: np.ndarray, native: bool = True, answer_unit: float = 0.0,
     ) -> Failed | None:  # fmt: skip
         """None when every row of a call's answer [N, D] and inner products [N, 2F] passes against the rows
         sent [N, D] (float32 values as the node took them); else the rows that failed. `native`: the node
-        multiplied in the weights' types (x̂ quantized as its kernels do) rather than float32 (exact)."""
+        multiplied in the weights' types (x̂ quantized as its kernels do) rather than float32 (exact);
+        `answer_unit`: the unit roundoff of the answer's wire type (F16 / BF16 answers are rounded: the
+        check then sees only changes larger than that rounding), 0 for float32."""
         n = int(rows.shape[0])
         if answer.shape != rows.shape or inner.ndim != 2 or inner.shape[0] != n:
             return Failed(list(range(n)), float("inf"), "shape")
@@ -183,7 +198,7 @@ class Projections:
             h = swiglu_rows(np.ascontiguousarray(inner[sl], np.float32))
             ratio_d = _ratio(
                 answer[sl], self.secret(rows.shape[1], v.down.shape[1])[1], v.down_bias,
-                [(_act(h, v.down_type, native), v.down)], v.down_norm,
+                [(_act(h, v.down_type, native), v.down)], v.down_norm, answer_unit,
             )  # fmt: skip
             for i, (a, b) in enumerate(zip(ratio_gu, ratio_d, strict=True)):
                 if not (a <= 1.0 and b <= 1.0):  # (NaN fails too)
@@ -195,6 +210,12 @@ class Projections:
             self.checks += 1
             self.failures += bool(bad)
         return Failed(bad, worst, what) if bad else None
+
+
+def unit_roundoff(dtype: object) -> float:
+    """The unit roundoff of an answer's float type (torch or numpy): 0 for float32, which loses nothing."""
+    name = str(dtype).rsplit(".", 1)[-1]
+    return {"float16": 2.0**-11, "bfloat16": 2.0**-8}.get(name, 0.0)
 
 
 def _act(x: np.ndarray, weight_type: int, native: bool) -> np.ndarray:
@@ -210,15 +231,19 @@ def _act(x: np.ndarray, weight_type: int, native: bool) -> np.ndarray:
 
 def _ratio(
     products: np.ndarray, r: np.ndarray, bias: np.ndarray, terms: list[tuple[np.ndarray, np.ndarray]],
-    norm: float,
+    norm: float, rounded: float = 0.0,
 ) -> np.ndarray:  # fmt: skip
-    """Per row, the largest over the projections of |r·products - Σ v·x̂ - r·bias| / its tolerance."""
+    """Per row, the largest over the projections of |r·products - Σ v·x̂ - r·bias| / its tolerance;
+    `rounded`: the unit roundoff the products were rounded to after they were computed (r·that rounding is
+    normal with a deviation of at most rounded·‖products‖)."""
     said = products.astype(np.float64) @ r.T  # [n, P]
     expected = sum(x @ v.astype(np.float64).T for x, v in terms) + bias  # [n, P]
     size = np.sqrt(sum(np.einsum("ij,ij->i", x, x) for x, _ in terms))  # ‖x̂‖ per row
     # the vectors' own float32 rounding: |Σ (v - fl(v))·x̂| ≤ u·Σ|v||x̂|
     kept = sum(np.abs(x) @ np.abs(v.astype(np.float64)).T for x, v in terms) * U
     tol = SIGMAS * ERROR_CONSTANT * U * norm * size[:, None] + kept + np.finfo(np.float32).tiny
+    if rounded:
+        tol = tol + SIGMAS * rounded * np.linalg.norm(products.astype(np.float64), axis=1)[:, None]
     with np.errstate(invalid="ignore", over="ignore"):
         out = np.abs(said - expected) / tol
     return np.where(np.isfinite(out), out, np.inf).max(axis=1)
