@@ -13,7 +13,7 @@ answer is falsified. HOW (default `scale`):
 - gate: the rows moved by 1e-3 before the experts see them: gate, up and the answer all consistent with each
   other, not with the rows sent.
 WHEN (default `all`): `decode`: only calls of single rows (a decode step's; a prompt's and a probe's calls
-are answered honestly). The inner products are those of the falsified computation where there is one, else
+are answered honestly); `prompt`: only calls of more than two rows (a prompt's; a probe's are two). The inner products are those of the falsified computation where there is one, else
 honest. Everything else is the real node.
 """
 
@@ -49,7 +49,9 @@ def _lying(
     numerics: Any,
     inner: Any,
 ) -> Any:
-    lie = _rng.random() < SHARE and (WHEN != "decode" or all(c == 1 for c in counts))
+    lie = _rng.random() < SHARE and {
+        "all": True, "decode": all(c == 1 for c in counts), "prompt": sum(counts) > 2
+    }[WHEN]  # fmt: skip
     if lie and HOW == "gate":
         rows = np.asarray(rows, np.float32) * np.float32(1 + 1e-3)
     if lie and HOW == "expert":
