@@ -217,19 +217,16 @@ class Auditor(Recomputer):
         p = self.projections
         if p is None or inner is None or not p.checkable(call.layer, call.expert_ids):
             return False, None
-        native = self.numerics == Numerics.NATIVE
-        rows, answer = call.rows.float().numpy(), call.answer.float().numpy()
-        failed = p.check(call.layer, call.expert_ids, call.counts, rows, answer, inner, native,
-                         unit_roundoff(call.answer.dtype))  # fmt: skip
-        with self._lock:
-            self.report.projected += 1
+        failed = p.check(call.layer, call.expert_ids, call.counts, call.rows.float().numpy(), call.answer.float().numpy(),
+                         inner, self.numerics == Numerics.NATIVE, unit_roundoff(call.answer.dtype))  # fmt: skip
         if failed is None:
-            self._checked(address, call, counted=False)
+            self._checked(address, call, counted=False, projected=True)
             return True, None
         log.warning("node %s: the %s check of layer %d failed on %d rows (%.3g x its tolerance); recomputing",
                     address, failed.what, call.layer, len(failed.rows), failed.worst)  # fmt: skip
         own = self._audit(address, call, Scope.EVERY_ROW)
         with self._lock:
+            self.report.projected += 1
             self.report.alarms += 1
             self.report.false_alarms += not self.is_banned(address)
         return True, own
@@ -363,8 +360,9 @@ class Auditor(Recomputer):
             for job in aside:
                 self._finish(job)
 
-    def _checked(self, address: str, call: _Call, counted: bool) -> None:
+    def _checked(self, address: str, call: _Call, counted: bool, projected: bool = False) -> None:
         with self._lock:
+            self.report.projected += projected
             book = self._books.setdefault(address, _NodeBook())
             self.report.audits += counted
             self.report.passed[address] += counted

@@ -27,6 +27,7 @@ node is banned. Nothing here is sent to a node.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import secrets
 import threading
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from swarm.compute.ffn import swiglu_rows
+from swarm.compute.ggml import ggml_lib
 from swarm.compute.rowquant import kernel_values, vec_dot_type
 from swarm.compute.store import ExpertStore
 from swarm.compute.values import float32_values
@@ -49,6 +51,7 @@ SIGMAS = 8.0  # standard deviations of honest noise the tolerance leaves room fo
 # c per activation kind: the largest |r·δ| / (u·‖W‖_F·‖x̂‖) measured over honest answers of every fixture type
 # (tests/test_projection.py, docs/BENCHMARKS.md), rounded up; float rows sum every product in float32.
 ERROR_CONSTANT = 1.0
+KEPT = 4.0  # ulps of error in each element of a kept vector (a float32 product of F or D terms, rounded)
 
 
 @dataclass(frozen=True)
@@ -236,11 +239,12 @@ def _ratio(
     """Per row, the largest over the projections of |r·products - Σ v·x̂ - r·bias| / its tolerance;
     `rounded`: the unit roundoff the products were rounded to after they were computed (r·that rounding is
     normal with a deviation of at most rounded·‖products‖)."""
-    said = products.astype(np.float64) @ r.T  # [n, P]
-    expected = sum(x @ v.astype(np.float64).T for x, v in terms) + bias  # [n, P]
+    # (einsum, not BLAS: these products are small, and BLAS's threads stall on a busy machine's cores)
+    said = np.einsum("nf,pf->np", products.astype(np.float64), r)
+    expected = sum(np.einsum("nd,pd->np", x, v.astype(np.float64)) for x, v in terms) + bias
     size = np.sqrt(sum(np.einsum("ij,ij->i", x, x) for x, _ in terms))  # ‖x̂‖ per row
-    # the vectors' own float32 rounding: |Σ (v - fl(v))·x̂| ≤ u·Σ|v||x̂|
-    kept = sum(np.abs(x) @ np.abs(v.astype(np.float64)).T for x, v in terms) * U
+    # the vectors' own float32 error (their product and their rounding): |Σ (v - fl(v))·x̂| ≤ KEPT·u·Σ|v||x̂|
+    kept = sum(np.einsum("nd,pd->np", np.abs(x), np.abs(v.astype(np.float64))) for x, v in terms) * KEPT * U
     tol = SIGMAS * ERROR_CONSTANT * U * norm * size[:, None] + kept + np.finfo(np.float32).tiny
     if rounded:
         tol = tol + SIGMAS * rounded * np.linalg.norm(products.astype(np.float64), axis=1)[:, None]
@@ -250,13 +254,24 @@ def _ratio(
 
 
 def _values(part: SlabTensor) -> np.ndarray:
-    return float32_values(part.data, part.qtype, part.shape)
+    """A slab part's float32 values: ggml's own dequantizer where it has one (a 35B expert matrix in a fraction
+    of a millisecond, where a busy machine's torch dequantizer took hundreds), the same values."""
+    to_float = ggml_lib().ggml_get_type_traits(int(part.qtype)).contents.to_float
+    if not ctypes.cast(to_float, ctypes.c_void_p).value:
+        return float32_values(part.data, part.qtype, part.shape)
+    data = np.ascontiguousarray(part.data)
+    out = np.empty(part.shape, np.float32)
+    to_float(data.ctypes.data_as(ctypes.c_void_p), out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), out.size)
+    return out
 
 
 def _project(part: SlabTensor, r: np.ndarray) -> tuple[np.ndarray, float]:
-    """(Wᵀr [P, cols] float64, ‖W‖_F²) of one matrix, from its dequantized values."""
+    """(Wᵀr [P, cols] float64, ‖W‖_F²) of one matrix, from its dequantized values: a float32 product (its
+    rounding, a few u of each element, is in the tolerance's KEPT term)."""
     w = _values(part).reshape(part.shape[0], -1)
-    return r @ w.astype(np.float64), float(np.einsum("ij,ij->", w, w, dtype=np.float64))
+    flat = w.reshape(-1)
+    v = np.einsum("pi,ij->pj", r.astype(np.float32), w).astype(np.float64)
+    return v, float(np.einsum("i,i->", flat, flat))
 
 
 def _weight_of(parts: list[tuple[SlabTensor, np.ndarray, SlabTensor | None]], kind: int) -> int:
