@@ -186,8 +186,8 @@ class Auditor(Recomputer):
         answer: torch.Tensor, inner: Any = None,
     ) -> torch.Tensor:  # fmt: skip
         """Book one answered call; check it by its projections where it carries its `inner` products, audit
-        it with probability `rate`. The rows to use: the answer, or the coordinator's own when a check caught
-        the node."""
+        it with probability `rate` (at least sample's where they cannot). The rows to use: the answer, or the
+        coordinator's own when a check caught the node."""
         call = _Call(layer, list(expert_ids), list(counts), rows, answer)
         with self._lock:
             book = self._books.setdefault(address, _NodeBook())
@@ -196,9 +196,9 @@ class Auditor(Recomputer):
         projected, own = self._project(address, call, inner)
         if own is not None:
             return own
-        cover = self._cover and not projected  # a prompt's answers the projections did not check
-        scope = Scope.EVERY_ROW if self.every_row else Scope.EVERY_EXPERT if cover else None
-        if scope is None and self.rate > 0 and self._rng.random() < self.rate:
+        scope = Scope.EVERY_ROW if self.every_row else Scope.EVERY_EXPERT if self._cover and not projected else None
+        rate = self.rate if projected or self.projections is None else max(self.rate, DEFAULT_AUDIT_RATE)
+        if scope is None and rate > 0 and self._rng.random() < rate:
             scope = Scope.SAMPLE
         if scope is not None:
             if self._worker is not None:
