@@ -105,3 +105,21 @@ def _bf16(x: np.ndarray) -> np.ndarray:
     rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint32)
     rounded = np.where(np.isnan(x), (bits >> 16).astype(np.uint32) | 64, rounded)
     return (rounded << 16).astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+def kernel_steps(x: np.ndarray, weight_qtype: int) -> np.ndarray:
+    """float32 rows [N, D] -> float64 [N, D]: the step between the values a native kernel for weight_qtype can
+    round each element to (its 8-bit block's scale d, one F16 / BF16 unit of it; 0 where rows stay float32,
+    and for a type kernel_values cannot reproduce)."""
+    x = np.ascontiguousarray(x, np.float32)
+    kind = vec_dot_type(weight_qtype)
+    if kind == F16:
+        return np.spacing(np.abs(x).astype(np.float16)).astype(np.float64)
+    if kind == BF16:
+        return np.abs(_bf16(x)) * 2.0**-7
+    if kind not in ROW_TYPES:
+        return np.zeros(x.shape)
+    n, d = x.shape
+    blocks = quantize_rows(x, kind).view(GGML_BLOCK[kind]).reshape(n, d // BLOCK[kind])
+    scale = np.abs(blocks["d"].astype(np.float64))[..., None]
+    return np.broadcast_to(scale, (n, d // BLOCK[kind], BLOCK[kind])).reshape(n, d)

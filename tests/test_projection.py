@@ -181,3 +181,23 @@ def test_r_is_secret_per_coordinator():
     a, b = Projections(store), Projections(store)
     assert not np.array_equal(a.secret(256, 256)[0], b.secret(256, 256)[0])
     assert projection.PROJECTIONS >= 1
+
+
+def test_another_class_may_round_h_the_other_way_near_a_boundary():
+    """A node of another numerics class: its g and u a few ulps off ours, so its h may take the other Q8
+    step where an element lies near a boundary. Those steps are allowed for it, and only for it; a lie is
+    still caught."""
+    store = _store(QUANT)
+    checks = Projections(store, seed=8)
+    rng = np.random.default_rng(9)
+    flagged = 0
+    for layer in store.layers():
+        for trial in range(30):
+            ids, counts, x = _call(store, rng, layer, trial)
+            y, inner = store.compute_inner(layer, ids, counts, x)
+            ulps = rng.integers(-3, 4, inner.shape).astype(np.float32)
+            theirs = inner + ulps * np.spacing(np.abs(inner))  # their sums' other order
+            assert checks.check(layer, ids, counts, x, y, theirs, other_class=True) is None
+            flagged += checks.check(layer, ids, counts, x, y, theirs) is not None
+            assert checks.check(layer, ids, counts, x, y * np.float32(1 + 1e-3), theirs, other_class=True)
+    assert flagged > 0  # without the allowance, such steps would be alarms (then exact recomputes)

@@ -217,8 +217,9 @@ class Auditor(Recomputer):
         p = self.projections
         if p is None or inner is None or not p.checkable(call.layer, call.expert_ids):
             return False, None
+        native, unit = self.numerics == Numerics.NATIVE, unit_roundoff(call.answer.dtype)
         failed = p.check(call.layer, call.expert_ids, call.counts, call.rows.float().numpy(), call.answer.float().numpy(),
-                         inner, self.numerics == Numerics.NATIVE, unit_roundoff(call.answer.dtype))  # fmt: skip
+                         inner, native, unit, self.other_class(address))  # fmt: skip
         if failed is None:
             self._checked(address, call, counted=False, projected=True)
             return True, None
@@ -226,8 +227,7 @@ class Auditor(Recomputer):
                     address, failed.what, call.layer, len(failed.rows), failed.worst)  # fmt: skip
         own = self._audit(address, call, Scope.EVERY_ROW)
         with self._lock:
-            self.report.projected += 1
-            self.report.alarms += 1
+            self.report.projected, self.report.alarms = self.report.projected + 1, self.report.alarms + 1
             self.report.false_alarms += not self.is_banned(address)
         return True, own
 

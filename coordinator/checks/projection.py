@@ -37,7 +37,7 @@ import numpy as np
 
 from swarm.compute.ffn import swiglu_rows
 from swarm.compute.ggml import ggml_lib
-from swarm.compute.rowquant import kernel_values, vec_dot_type
+from swarm.compute.rowquant import kernel_steps, kernel_values, vec_dot_type
 from swarm.compute.store import ExpertStore
 from swarm.compute.values import float32_values
 from swarm.sharding.slabs import SlabKey, SlabTensor
@@ -52,6 +52,10 @@ SIGMAS = 8.0  # standard deviations of honest noise the tolerance leaves room fo
 # (tests/test_projection.py, docs/BENCHMARKS.md), rounded up; float rows sum every product in float32.
 ERROR_CONSTANT = 1.0
 KEPT = 4.0  # ulps of error in each element of a kept vector (a float32 product of F or D terms, rounded)
+# A node of another numerics class forms h from its own g and u with its own silu: an element of h this close
+# (relative to it and to its row's mean) to a rounding boundary of the down kernel's row type may take the
+# other step there, and the check allows that step (the check alone; the exact one is checks/tolerance.py).
+REACH = 2.0**-16
 
 
 @dataclass(frozen=True)
@@ -173,13 +177,14 @@ class Projections:
 
     def check(
         self, layer: int, expert_ids: list[int], counts: list[int], rows: np.ndarray, answer: np.ndarray,
-        inner: np.ndarray, native: bool = True, answer_unit: float = 0.0,
+        inner: np.ndarray, native: bool = True, answer_unit: float = 0.0, other_class: bool = False,
     ) -> Failed | None:  # fmt: skip
         """None when every row of a call's answer [N, D] and inner products [N, 2F] passes against the rows
         sent [N, D] (float32 values as the node took them); else the rows that failed. `native`: the node
         multiplied in the weights' types (x̂ quantized as its kernels do) rather than float32 (exact);
         `answer_unit`: the unit roundoff of the answer's wire type (F16 / BF16 answers are rounded: the
-        check then sees only changes larger than that rounding), 0 for float32."""
+        check then sees only changes larger than that rounding), 0 for float32; `other_class`: the node's
+        numerics class is not this coordinator's (see REACH)."""
         n = int(rows.shape[0])
         if answer.shape != rows.shape or inner.ndim != 2 or inner.shape[0] != n:
             return Failed(list(range(n)), float("inf"), "shape")
@@ -199,9 +204,11 @@ class Projections:
                 [(_act(rows[sl], t, native), vec) for t, vec in v.gate_up], v.gate_up_norm,
             )  # fmt: skip
             h = swiglu_rows(np.ascontiguousarray(inner[sl], np.float32))
+            h_act = _act(h, v.down_type, native)
+            steps = _near_steps(h, h_act, v.down_type) if other_class and native else None
             ratio_d = _ratio(
                 answer[sl], self.secret(rows.shape[1], v.down.shape[1])[1], v.down_bias,
-                [(_act(h, v.down_type, native), v.down)], v.down_norm, answer_unit,
+                [(h_act, v.down)], v.down_norm, answer_unit, steps,
             )  # fmt: skip
             for i, (a, b) in enumerate(zip(ratio_gu, ratio_d, strict=True)):
                 if not (a <= 1.0 and b <= 1.0):  # (NaN fails too)
@@ -234,11 +241,12 @@ def _act(x: np.ndarray, weight_type: int, native: bool) -> np.ndarray:
 
 def _ratio(
     products: np.ndarray, r: np.ndarray, bias: np.ndarray, terms: list[tuple[np.ndarray, np.ndarray]],
-    norm: float, rounded: float = 0.0,
+    norm: float, rounded: float = 0.0, steps: np.ndarray | None = None,
 ) -> np.ndarray:  # fmt: skip
     """Per row, the largest over the projections of |r·products - Σ v·x̂ - r·bias| / its tolerance;
     `rounded`: the unit roundoff the products were rounded to after they were computed (r·that rounding is
-    normal with a deviation of at most rounded·‖products‖)."""
+    normal with a deviation of at most rounded·‖products‖); `steps` [n, cols of the one term]: the rounding
+    steps another build may take, each allowed for in full (|v|·step)."""
     # (einsum, not BLAS: these products are small, and BLAS's threads stall on a busy machine's cores)
     said = np.einsum("nf,pf->np", products.astype(np.float64), r)
     expected = sum(np.einsum("nd,pd->np", x, v.astype(np.float64)) for x, v in terms) + bias
@@ -248,9 +256,23 @@ def _ratio(
     tol = SIGMAS * ERROR_CONSTANT * U * norm * size[:, None] + kept + np.finfo(np.float32).tiny
     if rounded:
         tol = tol + SIGMAS * rounded * np.linalg.norm(products.astype(np.float64), axis=1)[:, None]
+    if steps is not None:
+        tol = tol + np.einsum("nf,pf->np", steps, np.abs(terms[0][1].astype(np.float64)))
     with np.errstate(invalid="ignore", over="ignore"):
         out = np.abs(said - expected) / tol
     return np.where(np.isfinite(out), out, np.inf).max(axis=1)
+
+
+def _near_steps(h: np.ndarray, made: np.ndarray, weight_type: int) -> np.ndarray:
+    """[n, F] the step of each element of h that lies within REACH of a rounding boundary of the down kernel's
+    row type (it may be rounded the other way by another build), 0 elsewhere."""
+    steps = kernel_steps(h, weight_type)
+    h64 = h.astype(np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        off = np.abs(h64 - made) / steps  # where it lies between two steps: 0.5 is the boundary
+    reach = REACH * (np.abs(h64) + np.abs(h64).mean(axis=1, keepdims=True)) / np.where(steps > 0, steps, 1.0)
+    near = (steps > 0) & (np.abs(0.5 - off) <= reach)
+    return np.where(near, steps, 0.0)
 
 
 def _values(part: SlabTensor) -> np.ndarray:
