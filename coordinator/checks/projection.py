@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from swarm.compute.ffn import swiglu_rows
-from swarm.compute.ggml import ggml_lib
+from swarm.compute.ggml import ggml_lib, one_thread
 from swarm.compute.rowquant import kernel_steps, kernel_values, vec_dot_type
 from swarm.compute.store import ExpertStore
 from swarm.compute.values import float32_values
@@ -186,40 +186,57 @@ class Projections:
         check then sees only changes larger than that rounding), 0 for float32; `other_class`: the node's
         numerics class is not this coordinator's (see REACH)."""
         n = int(rows.shape[0])
-        if answer.shape != rows.shape or inner.ndim != 2 or inner.shape[0] != n:
+        if answer.shape != rows.shape or inner.ndim != 2 or inner.shape[0] != n or sum(counts) != n:
             return Failed(list(range(n)), float("inf"), "shape")
-        bad: list[int] = []
-        worst, what = 0.0, ""
-        start = 0
+        blocks, at = [], 0  # (first row, rows, its vectors) of each expert with rows
         for expert, count in zip(expert_ids, counts, strict=True):
-            if not count:
-                continue
-            sl = slice(start, start + count)
-            start += count
-            v = self.vectors(layer, expert)
-            if inner.shape[1] != 2 * v.down.shape[1]:
-                return Failed(list(range(n)), float("inf"), "shape")
-            ratio_gu = _ratio(
-                inner[sl], self.secret(rows.shape[1], v.down.shape[1])[0], v.gate_up_bias,
-                [(_act(rows[sl], t, native), vec) for t, vec in v.gate_up], v.gate_up_norm,
-            )  # fmt: skip
-            h = swiglu_rows(np.ascontiguousarray(inner[sl], np.float32))
-            h_act = _act(h, v.down_type, native)
-            steps = _near_steps(h, h_act, v.down_type) if other_class and native else None
-            ratio_d = _ratio(
-                answer[sl], self.secret(rows.shape[1], v.down.shape[1])[1], v.down_bias,
-                [(h_act, v.down)], v.down_norm, answer_unit, steps,
-            )  # fmt: skip
-            for i, (a, b) in enumerate(zip(ratio_gu, ratio_d, strict=True)):
-                if not (a <= 1.0 and b <= 1.0):  # (NaN fails too)
-                    bad.append(sl.start + i)
-                    if not what:
-                        what = "gate/up" if not a <= 1.0 else "down"
-                    worst = max(worst, a if not a <= 1.0 else b, 0.0) if np.isfinite(max(a, b)) else float("inf")
+            if count:
+                blocks.append((at, count, self.vectors(layer, expert)))
+            at += count
+        if any(inner.shape[1] != 2 * v.down.shape[1] for _, _, v in blocks):
+            return Failed(list(range(n)), float("inf"), "shape")
+        # every row of a call at once (one quantization, one swiglu graph, one product each), per group of
+        # experts stored in the same types: a prompt's call holds a node's share of a whole layer
+        groups: dict[tuple[tuple[int, ...], int], list[tuple[int, int, ExpertVectors]]] = {}
+        for b in blocks:
+            groups.setdefault((tuple(t for t, _ in b[2].gate_up), b[2].down_type), []).append(b)
+        ratio_gu, ratio_d = np.zeros(n), np.zeros(n)
+        for members in groups.values():
+            idx = np.concatenate([np.arange(a, a + c) for a, c, _ in members])
+            a, b = self._group(rows[idx], answer[idx], inner[idx], members, native, answer_unit, other_class)
+            ratio_gu[idx], ratio_d[idx] = a, b
+        bad = [int(i) for i in np.flatnonzero(~((ratio_gu <= 1.0) & (ratio_d <= 1.0)))]  # (NaN fails too)
         with self._lock:
             self.checks += 1
             self.failures += bool(bad)
-        return Failed(bad, worst, what) if bad else None
+        if not bad:
+            return None
+        first = bad[0]
+        what = "gate/up" if not ratio_gu[first] <= 1.0 else "down"
+        worst = float(np.nanmax(np.concatenate([ratio_gu[bad], ratio_d[bad]])))
+        return Failed(bad, worst, what)
+
+    def _group(
+        self, rows: np.ndarray, answer: np.ndarray, inner: np.ndarray, members: list[tuple[int, int, ExpertVectors]],
+        native: bool, answer_unit: float, other_class: bool,
+    ) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+        """(gate/up, down) residual / tolerance per row, for the rows of experts stored in the same types."""
+        counts = [c for _, c, _ in members]
+        vs = [v for _, _, v in members]
+
+        def per_row(arrays: list[np.ndarray]) -> np.ndarray:
+            return np.repeat(np.stack(arrays), counts, axis=0)
+
+        r_gu, r_d = self.secret(int(rows.shape[1]), int(vs[0].down.shape[1]))
+        terms = [(_act(rows, t, native), per_row([v.gate_up[k][1] for v in vs])) for k, (t, _) in enumerate(vs[0].gate_up)]
+        ratio_gu = _ratio(inner, r_gu, per_row([v.gate_up_bias for v in vs]), terms, per_row([v.gate_up_norm for v in vs]))
+        with one_thread():  # a few microseconds of work: a team of threads would only wait for each other
+            h = swiglu_rows(np.ascontiguousarray(inner, np.float32))
+        h_act = _act(h, vs[0].down_type, native)
+        steps = _near_steps(h, h_act, vs[0].down_type) if other_class and native else None
+        ratio_d = _ratio(answer, r_d, per_row([v.down_bias for v in vs]), [(h_act, per_row([v.down for v in vs]))],
+                         per_row([v.down_norm for v in vs]), answer_unit, steps)  # fmt: skip
+        return ratio_gu, ratio_d
 
 
 def unit_roundoff(dtype: object) -> float:
@@ -241,23 +258,27 @@ def _act(x: np.ndarray, weight_type: int, native: bool) -> np.ndarray:
 
 def _ratio(
     products: np.ndarray, r: np.ndarray, bias: np.ndarray, terms: list[tuple[np.ndarray, np.ndarray]],
-    norm: float, rounded: float = 0.0, steps: np.ndarray | None = None,
+    norm: float | np.ndarray, rounded: float = 0.0, steps: np.ndarray | None = None,
 ) -> np.ndarray:  # fmt: skip
-    """Per row, the largest over the projections of |r·products - Σ v·x̂ - r·bias| / its tolerance;
+    """Per row, the largest over the projections of |r·products - Σ v·x̂ - r·bias| / its tolerance; the
+    vectors v [P, d] (one expert's) or [n, P, d] (each row's expert's), the norms and biases likewise;
     `rounded`: the unit roundoff the products were rounded to after they were computed (r·that rounding is
     normal with a deviation of at most rounded·‖products‖); `steps` [n, cols of the one term]: the rounding
     steps another build may take, each allowed for in full (|v|·step)."""
     # (einsum, not BLAS: these products are small, and BLAS's threads stall on a busy machine's cores)
+    n = int(products.shape[0])
+    terms = [(x, np.broadcast_to(v, (n, *v.shape)) if v.ndim == 2 else v) for x, v in terms]
+    norm = np.broadcast_to(np.asarray(norm, np.float64), (n,))
     said = np.einsum("nf,pf->np", products.astype(np.float64), r)
-    expected = sum(np.einsum("nd,pd->np", x, v.astype(np.float64)) for x, v in terms) + bias
+    expected = sum(np.einsum("nd,npd->np", x, v.astype(np.float64)) for x, v in terms) + bias
     size = np.sqrt(sum(np.einsum("ij,ij->i", x, x) for x, _ in terms))  # ‖x̂‖ per row
     # the vectors' own float32 error (their product and their rounding): |Σ (v - fl(v))·x̂| ≤ KEPT·u·Σ|v||x̂|
-    kept = sum(np.einsum("nd,pd->np", np.abs(x), np.abs(v.astype(np.float64))) for x, v in terms) * KEPT * U
-    tol = SIGMAS * ERROR_CONSTANT * U * norm * size[:, None] + kept + np.finfo(np.float32).tiny
+    kept = sum(np.einsum("nd,npd->np", np.abs(x), np.abs(v.astype(np.float64))) for x, v in terms) * KEPT * U
+    tol = SIGMAS * ERROR_CONSTANT * U * norm[:, None] * size[:, None] + kept + np.finfo(np.float32).tiny
     if rounded:
         tol = tol + SIGMAS * rounded * np.linalg.norm(products.astype(np.float64), axis=1)[:, None]
     if steps is not None:
-        tol = tol + np.einsum("nf,pf->np", steps, np.abs(terms[0][1].astype(np.float64)))
+        tol = tol + np.einsum("nf,npf->np", steps, np.abs(terms[0][1].astype(np.float64)))
     with np.errstate(invalid="ignore", over="ignore"):
         out = np.abs(said - expected) / tol
     return np.where(np.isfinite(out), out, np.inf).max(axis=1)
