@@ -90,7 +90,7 @@ def bound(bench_gguf: Path | None, experts: int = 4, trials: int = 6) -> str:
         cases.append((bench_gguf, Numerics.NATIVE, 2, 3))
     for path, numerics, ex, tr in cases:
         m = _measure(path, numerics, ex, tr)
-        name = f"{path.parent.name}/{path.name}" if path.parent.name != "bench-models" else f"35B layer shape ({path.name})"
+        name = f"35B layer shape ({path.name})" if "q4k-q80" in path.name else f"{path.parent.name}/{path.name}"
         lines.append(
             f"| {name} | {numerics.value} | {m['c']:.3f} | {m['ratio']:.3f} | {m['rel']:.2e} | "
             f"{miss(m['rel'], 1e-4):.3f} | {miss(m['rel'], 1e-3):.4f} |"
