@@ -21,10 +21,9 @@ the same bits, or within the kernels' error bound from a node of another numeric
   (CAUGHT: the work since the last settled point must be done again, without that node). With `force`, it
   audits the latest call of every node that is still open (on this thread and the audit thread at once),
   so that open work never piles up. The model waits for those forced audits, so each checks one row of
-  each of the call's experts that are ready here (their repacked copy made already: up to AUDIT_EXPERTS of
-  them), or of one expert when none is, rather than copy several cold slabs while the model waits: a node
-  wrong on every answer is still caught before anything it shaped is settled, and the random audits,
-  which no node can foresee, check up to AUDIT_EXPERTS experts of a call whatever they cost.
+  each of the call's ready experts (repacked copy made: up to AUDIT_EXPERTS), or of one when none is.
+- Projections (--verify project, the default): an answer that carries its inner products is checked at once
+  (swarm.coordinator.checks.projection); one that fails is recomputed here, whole, before any verdict.
 """
 
 from __future__ import annotations
@@ -57,8 +56,7 @@ log = logging.getLogger(__name__)
 PROBE_SLABS = 4  # slabs of a new node sent known rows before it is used
 PROBE_ROWS = 2
 # Experts of one call an audit checks (one row each), drawn at random: a prompt's call holds a node's share of
-# every expert of a layer, and checking each of them (a cold one's three matrices are first copied into
-# ggml's repacked layout) made reading a prompt far slower than trusting answers (docs/BENCHMARKS.md).
+# a layer's experts, and checking each (a cold one first copied into ggml's repacked layout) is slow.
 AUDIT_EXPERTS = 8
 # Seconds a forced settle waits for an audit the audit thread is running before it does the audit itself.
 TAKE_OVER = 0.05
@@ -223,8 +221,8 @@ class Auditor(Recomputer):
         if failed is None:
             self._checked(address, call, counted=False, projected=True)
             return True, None
-        log.warning("node %s: the %s check of layer %d failed on %d rows (%.3g x its tolerance); recomputing",
-                    address, failed.what, call.layer, len(failed.rows), failed.worst)  # fmt: skip
+        log.warning("node %s: %s check failed, layer %d, %d rows (%.3g x tolerance): recomputing exactly", address,
+                    failed.what, call.layer, len(failed.rows), failed.worst)  # fmt: skip
         own = self._audit(address, call, Scope.EVERY_ROW)
         with self._lock:
             self.report.projected, self.report.alarms = self.report.projected + 1, self.report.alarms + 1
@@ -302,6 +300,8 @@ class Auditor(Recomputer):
             return not self._pending
 
     def close(self) -> None:
+        if self.projections is not None:
+            self.projections.close()  # (its vectors' thread)
         if self._worker is not None:
             self._worker.shutdown(wait=True, cancel_futures=True)
 
@@ -445,6 +445,6 @@ def make_auditor(
         return None
     shard_dir = Path(path) if Path(path).is_dir() else None
     every_row = config.verify is Verify.ALL
-    projections = Projections(store) if config.verify is Verify.PROJECT else None
+    projections = Projections.started(store) if config.verify is Verify.PROJECT else None
     return Auditor(store, config.numerics, config.wire.dtype, config.sampled_rate, shard_dir, config.audit_seed,
                    every_row=every_row, classes=classes, on_ban=on_ban, projections=projections)  # fmt: skip

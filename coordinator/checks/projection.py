@@ -37,6 +37,7 @@ import numpy as np
 
 from swarm.compute.ffn import swiglu_rows
 from swarm.compute.ggml import ggml_lib, one_thread
+from swarm.compute.priority import idle_priority
 from swarm.compute.rowquant import kernel_steps, kernel_values, vec_dot_type
 from swarm.compute.store import ExpertStore
 from swarm.compute.values import float32_values
@@ -97,6 +98,7 @@ class Projections:
         self._vectors: dict[SlabKey, ExpertVectors] = {}
         self._locks: dict[SlabKey, threading.Lock] = {}
         self._lock = threading.Lock()
+        self._stop = threading.Event()  # close(): `prepare` ends
         self.checks = 0
         self.failures = 0
 
@@ -142,9 +144,30 @@ class Projections:
         return True
 
     def prepare(self) -> None:
-        """Every expert's vectors now, each slab read once (a coordinator's start, on a thread of its own)."""
+        """Every expert's vectors now, each slab read once (a coordinator's start; `begin` runs it aside)."""
         for layer, expert in self.store.held():
+            if self._stop.is_set():
+                return
             self.vectors(layer, expert)
+
+    def begin(self) -> None:
+        """`prepare` on a thread of its own at the idle priority, from a coordinator's start: the first prompt
+        finds most vectors made (one it needs first is made on its thread, once)."""
+        def run() -> None:
+            idle_priority()
+            self.prepare()
+
+        threading.Thread(target=run, name="swarm-projections", daemon=True).start()
+
+    @classmethod
+    def started(cls, store: ExpertStore) -> Projections:
+        """Projections of this coordinator's own slabs, their vectors being made (`begin`)."""
+        p = cls(store)
+        p.begin()
+        return p
+
+    def close(self) -> None:
+        self._stop.set()
 
     def _make(self, key: SlabKey) -> ExpertVectors:
         slab = self.store.slabs[key]
