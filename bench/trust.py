@@ -9,18 +9,24 @@ Then `--verify pair` decoding 64 tokens with the files rotting after the prompt:
 in-process one.
 
 detect: a node that falsifies a share q of its answers (bench/liar_node.py) beside an honest replica,
-default settings (--audit 0.05): 64 greedy tokens per run; how often it is caught, the share that goes
+sampled exact audits (--verify sample --audit 0.05; the default --verify project checks every answer, and
+tests/test_projection_swarm.py catches each liar at its first): 64 greedy tokens per run; how often it is caught, the share that goes
 unseen, and that share as the model predicts it: (1 - q)^(4 + P) (its 4 admission probes, and every
 prompt answer checked) x
 (1 - r q)^C (r = 0.05 of its C decode answers audited) x (1 - q)^S (its latest answer checked at each of
 the S forced settles, one per 8 decode passes), with P and C counted in the run.
 
-cost: the Qwen3.6-35B-A3B layer shape (4 layers, Q4_K experts, random weights), 4 loopback nodes (two
+cost: the Qwen3.6-35B-A3B layer shape (--layers of it, Q4_K experts, random weights), 4 loopback nodes (two
 replicas of each half of the experts), a fresh coordinator per run (the repack of cold experts for the
-checks included): prompt (64 tokens) and decode tok/s with --audit 0, the default, --verify pair and
---verify all, in rotating order, medians of the repetitions and ratios to --audit 0 run by run.
+exact checks included; the projections' vectors made at its start, timed apart): prompt and decode tok/s with
+--audit 0, the default (--verify project), the exact audits (--verify sample), --verify pair and --verify
+all (--settings), in rotating order, medians of the repetitions and ratios to --audit 0 run by run; the
+vectors' resident bytes; the bytes an answer and its inner products take per decode call on the packed wire
+(--wire q8: answers in byte planes) and on the default one.
 
-    python bench/trust.py --workdir /work/bench-models/decode [--runs 20] [--only rely,detect,cost]
+bound: the projections' tolerance against honest answers of this build (bench/_trust_bound.py).
+
+    python bench/trust.py --workdir /work/bench-models/decode [--runs 20] [--only rely,detect,cost,bound]
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -42,14 +49,15 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from _doc import command, machine, publish  # noqa: E402
 from _loopback import LOOPBACK  # noqa: E402
-from _models import prepare  # noqa: E402
+from _models import prepare, prompt_tokens  # noqa: E402
 from _timing import run_engine  # noqa: E402
+from _trust_bound import bound, footprint  # noqa: E402
 from test_trust import MODEL, ROT_LAYER, other_weights, rot  # noqa: E402
 
 from swarm.compute.ggml import set_threads  # noqa: E402
 from swarm.coordinator.checks.audit import PROBE_SLABS  # noqa: E402
 from swarm.coordinator.cli.spawn import LocalNode, start_nodes, stop_nodes  # noqa: E402
-from swarm.coordinator.config import DEFAULT_AUDIT_RATE, EngineConfig, Verify  # noqa: E402
+from swarm.coordinator.config import DEFAULT_AUDIT_RATE, EngineConfig, Verify, Wire  # noqa: E402
 from swarm.coordinator.decode.one import (  # noqa: E402
     SamplingParams,
     checked_logits,
@@ -208,7 +216,7 @@ def detect(work: Path, runs: int, shares: list[float]) -> str:
         nodes = honest + liar
         try:
             for _run in range(runs):  # a fresh coordinator each run: a ban lasts one run
-                swarm = _engine(honest_dir, nodes, seed=None)
+                swarm = _engine(honest_dir, nodes, seed=None, verify=Verify.SAMPLE)
                 try:
                     it = generate(
                         swarm.model, tokens, SamplingParams(max_tokens=64), "cpu", checker=swarm.checker
@@ -252,39 +260,74 @@ def detect(work: Path, runs: int, shares: list[float]) -> str:
 
 # --- cost --------------------------------------------------------------------------------------------------
 
-SETTINGS: dict[str, dict[str, Any]] = {
-    "trust (--audit 0)": {"audit_rate": 0.0},
-    "default (sampled decode, checked prompt)": {},
-    "--verify pair": {"verify": Verify.TWINS},
-    "--verify all": {"verify": Verify.ALL},
+SETTINGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "trust": ("trust (--audit 0)", {"audit_rate": 0.0}),
+    "project": ("default (--verify project: every answer projected)", {}),
+    "sample": ("exact audits (--verify sample: 5 % of decode, every prompt answer on one row an expert)",
+               {"verify": Verify.SAMPLE}),  # fmt: skip
+    "pair": ("--verify pair", {"verify": Verify.TWINS}),
+    "all": ("--verify all", {"verify": Verify.ALL}),
 }
 
 
-def cost(workdir: Path, reps: int, n_prompt: int, n_decode: int, threads: int) -> str:
+def _open(shard_dir: Path, nodes: list[LocalNode], kw: dict[str, Any], made: dict[str, float]) -> Any:
+    """A fresh coordinator; the projections' vectors made now, as its start (timed into `made`)."""
+    engine = _engine(shard_dir, nodes, seed=None, **kw)
+    p = getattr(engine.checker, "projections", None)
+    if p is not None:
+        t0 = time.perf_counter()
+        p.prepare()
+        made["start s"] = time.perf_counter() - t0
+        made["bytes"] = p.nbytes
+    return engine
+
+
+def _wire_bytes(shard_dir: Path, nodes: list[LocalNode], n_prompt: int, n_decode: int, wire: Wire) -> str:
+    """Bytes an answer and its inner products take per decode call (the prompt's calls left out)."""
+    engine = _engine(shard_dir, nodes, seed=None, wire=wire)
+    try:
+        it = generate(engine.model, prompt_tokens(engine, n_prompt), SamplingParams(max_tokens=n_decode), "cpu",
+                      checker=engine.checker)  # fmt: skip
+        next(it)
+        e = engine.experts
+        a0, i0, c0 = (sum(c.values()) for c in (e.answer_bytes_per_node, e.inner_bytes_per_node, e.calls_per_node))
+        list(it)
+        a1, i1, c1 = (sum(c.values()) for c in (e.answer_bytes_per_node, e.inner_bytes_per_node, e.calls_per_node))
+    finally:
+        engine.close()
+    calls = max(1, c1 - c0)
+    ans, inner = (a1 - a0) / calls, (i1 - i0) / calls
+    return f"--wire {wire.value}: {ans:,.0f} B of answer and {inner:,.0f} B of inner products a decode call (+{inner / ans:.0%})"
+
+
+def cost(workdir: Path, reps: int, n_prompt: int, n_decode: int, threads: int, layers: int = 4,
+         settings: tuple[str, ...] = tuple(SETTINGS)) -> str:  # fmt: skip
     set_threads(threads)
-    _, shard_dir = prepare("qwen35moe", 4, workdir)
+    _, shard_dir = prepare("qwen35moe", layers, workdir)
     n_expert = read_manifest(shard_dir).n_expert
     halves = [format_ranges(range(0, n_expert // 2)), format_ranges(range(n_expert // 2, n_expert))]
     specs = [(shard_dir, ["--host", LOOPBACK, "--experts", halves[i % 2], "--threads", "1", "--no-verify"])
              for i in range(4)]  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         nodes = start_nodes(specs, Path(tmp) / "nodes", timeout=300.0, env={KEY_ENV: KEY_TEXT})
-        runs: dict[str, list[Any]] = {k: [] for k in SETTINGS}
+        runs: dict[str, list[Any]] = {k: [] for k in settings}
+        made: dict[str, float] = {}
         try:
-            names = list(SETTINGS)
+            names = list(settings)
             for rep in range(reps):
                 order = names[rep % len(names) :] + names[: rep % len(names)]
                 for name in order:
-                    engine = _engine(shard_dir, nodes, seed=None, **SETTINGS[name])
+                    engine = _open(shard_dir, nodes, SETTINGS[name][1], made)
                     try:
                         r = run_engine(engine, n_prompt, n_decode)
                     finally:
                         engine.close()
                     runs[name].append(r)
                     log.info("%s: prefill %.1f decode %.2f tok/s", name, r.prefill_tps, r.decode_tps)
+            wires = [_wire_bytes(shard_dir, nodes, n_prompt, min(n_decode, 8), w) for w in (Wire.Q8, Wire.F32)]
         finally:
             stop_nodes(nodes)
-    base = runs["trust (--audit 0)"]
+    base = runs["trust"]
     lines = [
         f"| setting | prompt tok/s ({n_prompt}) | ratio | decode tok/s | ratio |",
         "|---|---:|---:|---:|---:|",
@@ -293,10 +336,12 @@ def cost(workdir: Path, reps: int, n_prompt: int, n_decode: int, threads: int) -
         pr = statistics.median(r.prefill_tps / b.prefill_tps for r, b in zip(rs, base, strict=True))
         dr = statistics.median(r.decode_tps / b.decode_tps for r, b in zip(rs, base, strict=True))
         lines.append(
-            f"| {name} | {statistics.median(r.prefill_tps for r in rs):.1f} | {pr:.2f}x | "
+            f"| {SETTINGS[name][0]} | {statistics.median(r.prefill_tps for r in rs):.1f} | {pr:.2f}x | "
             f"{statistics.median(r.decode_tps for r in rs):.2f} | {dr:.2f}x |"
         )
-    return "\n".join(lines)
+    measured = {f"vectors made at a coordinator's start ({layers} layers), s": made.get("start s", 0.0),
+                "vectors resident after the runs, MiB": made.get("bytes", 0) / 2**20}  # fmt: skip
+    return "\n".join(lines) + "\n\n" + "\n".join(f"- {w}" for w in wires) + "\n\n" + footprint(measured)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -308,7 +353,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--only", default="rely,detect,cost")
+    ap.add_argument("--only", default="rely,detect,cost,bound")
+    ap.add_argument("--layers", type=int, default=4, help="layers of the 35B-shaped model the cost runs on")
+    ap.add_argument("--settings", default=",".join(SETTINGS), help=f"cost settings, of {', '.join(SETTINGS)}")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -327,9 +374,16 @@ def main(argv: list[str] | None = None) -> int:
         )
         publish("trust-detect", f"{title}\n\n{head}\n\n{detect(work, args.runs, shares)}", not args.no_write)
     if "cost" in parts:
-        text = cost(args.workdir, args.reps, args.prompt_tokens, args.decode_tokens, args.threads)
+        settings = tuple(args.settings.split(","))
+        text = cost(args.workdir, args.reps, args.prompt_tokens, args.decode_tokens, args.threads, args.layers,
+                    settings)  # fmt: skip
         title = "## What each --verify setting costs (`bench/trust.py`, cost)"
         publish("trust-cost", f"{title}\n\n{head}\n\n{text}", not args.no_write)
+    if "bound" in parts:
+        gguf = args.workdir / "qwen35moe-4l-q4k-q80.gguf"
+        title = "## The projections' bound against honest answers (`bench/trust.py`, bound)"
+        text = bound(gguf if gguf.exists() else None)
+        publish("trust-bound", f"{title}\n\n{head}\n\n{text}", not args.no_write)
     return 0
 
 

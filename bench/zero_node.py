@@ -26,6 +26,14 @@ def _zeros(self: ExpertStore, layer: int, ids: Sequence[int], counts: Sequence[i
     return torch.zeros(rows.shape, dtype=torch.float32)
 
 
+def _zeros_inner(self: ExpertStore, layer: int, ids: Sequence[int], counts: Sequence[int], rows: torch.Tensor,
+                 *_: object) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """ExpertStore.compute_inner's checks, then zeros for the answer and its gate and up products."""
+    widths = {self.ffn_width(layer, e) for e, n in zip(ids, counts, strict=True) if n}
+    return _zeros(self, layer, ids, counts, rows), torch.zeros(rows.shape[0], 2 * max(widths, default=0))
+
+
 if __name__ == "__main__":
     ExpertStore.compute = _zeros  # type: ignore[method-assign]
+    ExpertStore.compute_inner = _zeros_inner  # type: ignore[method-assign]
     sys.exit(main(sys.argv[1:]))

@@ -57,13 +57,16 @@ class FFN:
             *(id(b) if b is not None else 0 for b in bs),
         )
 
-    def add_to(self, gr: Graph, xt: object) -> object:
+    def add_to(self, gr: Graph, xt: object, inner: list[object] | None = None) -> object:
         """This FFN over the rows of graph tensor xt: its output tensor; its matrices are weight slots, in the
-        order of `matrices`."""
+        order of `matrices`. `inner`: the gate and up products are appended to it (one [n, 2F] tensor where
+        gate and up are fused, else gate then up [n, F]), what an answer check reads beside the output."""
         if self.gate_up is not None:
             h = gr.mul_mat(gr.weight_slot(self.gate_up), xt)  # [n, 2F]
             if self.gate_bias is not None:
                 h = gr.add_row(h, self.gate_bias)
+            if inner is not None:
+                inner.append(h)
             h = gr.swiglu(h)
         else:
             assert self.gate is not None and self.up is not None
@@ -73,6 +76,8 @@ class FFN:
                 gate = gr.add_row(gate, self.gate_bias)
             if self.up_bias is not None:
                 up = gr.add_row(up, self.up_bias)
+            if inner is not None:
+                inner += [gate, up]
             h = gr.swiglu(gate, up)  # [n, F]
         y = gr.mul_mat(gr.weight_slot(self.down), h)  # [n, D]
         if self.down_bias is not None:
@@ -80,8 +85,11 @@ class FFN:
         return y
 
 
-def ffn_rows(blocks: Sequence[tuple[FFN, int, int]], x: Array, out: Array) -> None:
+def ffn_rows(
+    blocks: Sequence[tuple[FFN, int, int]], x: Array, out: Array, inner: Array | None = None
+) -> None:
     """For each (ffn, start, n): out[start:start+n] = ffn(x[start:start+n]); one graph for all of them.
+    `inner` [N, 2F]: each row's gate and up products too (gate first), as the graph computed them.
 
     x, out [N, D] float32 contiguous CPU (numpy, or torch in the coordinator). This is a node's whole Compute call (every expert it was sent
     for one layer) and the coordinator's shared expert. A graph takes its matrices on each run, so a small
@@ -96,14 +104,32 @@ def ffn_rows(blocks: Sequence[tuple[FFN, int, int]], x: Array, out: Array) -> No
         scratch = sum(4 * n * (3 * f.width) + 4 * n * d + 256 for f, _, n in blocks)
         gr = Graph(scratch, 16 * len(blocks) + 2, kept)  # 3 products, their views, swiglu, in, out
         for f, _, n in blocks:
-            gr.output(f.add_to(gr, gr.input(d, n)))
+            products: list[object] | None = [] if inner is not None else None
+            gr.output(f.add_to(gr, gr.input(d, n), products))
+            for t in products or ():
+                gr.output(t)
         return gr
 
     key = None
     if sum(n for _, _, n in blocks) <= KEEP_ROWS:
-        key = ("ffn", *((f.shape, n) for f, _, n in blocks))
+        key = ("ffn", inner is not None, *((f.shape, n) for f, _, n in blocks))
     weights = [w for f, _, _ in blocks for w in f.matrices]
-    run_graph(key, build, [x[a : a + n] for _, a, n in blocks], [out[a : a + n] for _, a, n in blocks], weights)
+    outs, parts = [], []
+    for f, a, n in blocks:
+        outs.append(out[a : a + n])
+        if inner is None:
+            continue
+        if f.gate_up is not None:
+            outs.append(inner[a : a + n])  # [n, 2F] as the fused product lies
+        else:
+            halves = (empty_rows(x, (n, f.width)), empty_rows(x, (n, f.width)))
+            outs += halves
+            parts.append((a, n, f.width, halves))
+    run_graph(key, build, [x[a : a + n] for _, a, n in blocks], outs, weights)
+    for a, n, w, (gate, up) in parts:
+        assert inner is not None
+        inner[a : a + n, :w] = gate
+        inner[a : a + n, w:] = up
 
 
 def ffn(f: FFN, x: Array) -> Array:
@@ -129,15 +155,23 @@ def _moe_scratch(n: int, slots: int, d: int, f: int) -> int:
     return 4 * n * slots * (4 * f + d) + 4096
 
 
-def _moe_ops(gr: Graph, stack: ExpertStack, xt: object, it: object) -> object:
-    """Expert ids it [S, N] (int32) of rows xt [D, 1, N] -> their FFNs' outputs [D, S, N]."""
+def _moe_ops(
+    gr: Graph, stack: ExpertStack, xt: object, it: object, inner: list[object] | None = None
+) -> object:
+    """Expert ids it [S, N] (int32) of rows xt [D, 1, N] -> their FFNs' outputs [D, S, N]; the gate and up
+    products appended to `inner` as FFN.add_to does."""
     g, ctx = gr.g, gr.ctx
     if stack.gate_up is not None:
-        h = g.ggml_swiglu(ctx, g.ggml_mul_mat_id(ctx, gr.weight(stack.gate_up), xt, it))
+        gu = g.ggml_mul_mat_id(ctx, gr.weight(stack.gate_up), xt, it)  # [2F, S, N]
+        if inner is not None:
+            inner.append(gu)
+        h = g.ggml_swiglu(ctx, gu)
     else:
         assert stack.gate is not None and stack.up is not None
         gate = g.ggml_mul_mat_id(ctx, gr.weight(stack.gate), xt, it)  # [F, S, N]
         up = g.ggml_mul_mat_id(ctx, gr.weight(stack.up), xt, it)
+        if inner is not None:
+            inner += [gate, up]
         h = g.ggml_swiglu_split(ctx, gate, up)
     return g.ggml_mul_mat_id(ctx, gr.weight(stack.down), h, it)  # [D, S, N]
 
@@ -236,12 +270,13 @@ def moe_layer(
     return y
 
 
-def moe_rows(stack: ExpertStack, ids: Array, x: Array, out: Array) -> None:
+def moe_rows(stack: ExpertStack, ids: Array, x: Array, out: Array, inner: Array | None = None) -> None:
     """out[i, s] = expert ids[i, s]'s FFN of x[i] for rows x [N, D], ids [N, S] -> out [N, S, D]: one
     mul_mat_id per matrix for every expert at once (fewer, larger ops than one graph node per expert: the
     threads share all the experts' rows). A node's call is S = 1 (rows packed expert-major); in process a
     step's tokens go as they are, S = K slots each. Each (row, slot) is computed by the same per-row kernel
-    as ffn_rows, so the bits are the same either way."""
+    as ffn_rows, so the bits are the same either way. `inner` [N, 2F] (S = 1 only): each row's gate and up
+    products too, gate first."""
     n, d = int(x.shape[0]), int(x.shape[1])
     if n == 0:
         return
@@ -253,12 +288,44 @@ def moe_rows(stack: ExpertStack, ids: Array, x: Array, out: Array) -> None:
         gr = Graph(_moe_scratch(n, slots, d, f), 12, keep)
         xt = gr.input(d, 1, n)  # [D, 1, N]: every slot of a row reads the row
         it = gr.input(slots, n, qtype=gr.g.GGML_TYPE_I32)
-        gr.output(_moe_ops(gr, stack, xt, it))
+        products: list[object] | None = [] if inner is not None else None
+        gr.output(_moe_ops(gr, stack, xt, it, products))
+        for t in products or ():
+            gr.output(t)
         return gr
 
+    outs = [out]
+    halves = None
+    if inner is not None:
+        assert slots == 1, "inner products are for a node's calls (one slot a row)"
+        halves = None if stack.gate_up is not None else (empty_rows(x, (n, f)), empty_rows(x, (n, f)))
+        outs += [inner] if halves is None else list(halves)
     # the graph depends on the stack and the shape only (the experts are an input): a decode step's call
     # repeats it layer after layer
     ws = (stack.down, stack.gate, stack.up, stack.gate_up)
-    key = ("moe", n, slots, *(w.ptr if w is not None else 0 for w in ws)) if n <= KEEP_ROWS else None
-    run_graph(key, build, [x, ids], [out])
+    key = None
+    if n <= KEEP_ROWS:
+        key = ("moe", n, slots, inner is not None, *(w.ptr if w is not None else 0 for w in ws))
+    run_graph(key, build, [x, ids], outs)
+    if inner is not None and halves is not None:
+        inner[:, :f] = halves[0]
+        inner[:, f:] = halves[1]
 
+
+
+def swiglu_rows(gate_up: Array) -> Array:
+    """silu(gate) * up of rows [N, 2F] (gate first) -> [N, F], by ggml's own swiglu: the same bits as the h a
+    graph of this build forms between an expert's products (its vectorized exp is not libm's)."""
+    gate_up = f32_rows(gate_up)
+    n, f2 = int(gate_up.shape[0]), int(gate_up.shape[1])
+    h = empty_rows(gate_up, (n, f2 // 2))
+    if n == 0:
+        return h
+
+    def build(keep: bool) -> Graph:
+        gr = Graph(4 * n * f2 + 1024, 4, keep)
+        gr.output(gr.swiglu(gr.input(f2, n)))
+        return gr
+
+    run_graph(("swiglu", n, f2) if n <= KEEP_ROWS else None, build, [gate_up], [h])
+    return h

@@ -19,6 +19,7 @@ from swarm.proto.q8 import BLOCK, GGML_BLOCK, NAMES, Q8_0, Q8_K, Q8Rows, float_r
 log = logging.getLogger(__name__)
 
 ROW_TYPES = frozenset((Q8_0, Q8_K))  # the 8-bit types rows cross the wire in
+F32, F16, BF16 = 0, 1, 30  # ggml's type numbers
 
 
 def row_type(weight_qtypes: Iterable[int]) -> int | None:
@@ -68,3 +69,57 @@ def wire_rows(x: np.ndarray, qtype: int) -> Q8Rows | None:
         )
         return None
     return rows
+
+
+def vec_dot_type(weight_qtype: int) -> int:
+    """The type ggml turns a row into before multiplying it by a matrix of weight_qtype (F32 where this build
+    multiplies that type in float32 only)."""
+    if int(weight_qtype) == F32 or not probes.has_kernel(int(weight_qtype)):
+        return F32
+    return int(ggml_lib().ggml_get_type_traits_cpu(int(weight_qtype)).contents.vec_dot_type)
+
+
+def kernel_values(x: np.ndarray, weight_qtype: int) -> np.ndarray | None:
+    """float32 rows [N, D] as the values a native kernel for weight_qtype multiplies (float64, exact: an 8-bit
+    block's d * q, an F16 / BF16 rounding), or None for an activation type whose kernel adds terms that are
+    not a product of these values (Q8_1 carries a rounded sum of its block)."""
+    x = np.ascontiguousarray(x, np.float32)
+    kind = vec_dot_type(weight_qtype)
+    if kind == F32:
+        return x.astype(np.float64)
+    if kind == F16:
+        return x.astype(np.float16).astype(np.float64)  # round to nearest even, as ggml's F16C conversion
+    if kind == BF16:
+        return _bf16(x)
+    if kind not in ROW_TYPES:
+        return None
+    n, d = x.shape
+    blocks = quantize_rows(x, kind).view(GGML_BLOCK[kind]).reshape(n, d // BLOCK[kind])
+    scale = blocks["d"].astype(np.float64)[..., None]
+    return (scale * blocks["qs"].astype(np.float64)).reshape(n, d)
+
+
+def _bf16(x: np.ndarray) -> np.ndarray:
+    """float32 -> the BF16 values ggml's ggml_compute_fp32_to_bf16 makes (nearest even; a NaN stays NaN)."""
+    bits = x.view(np.uint32).astype(np.uint64)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint32)
+    rounded = np.where(np.isnan(x), (bits >> 16).astype(np.uint32) | 64, rounded)
+    return (rounded << 16).astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+def kernel_steps(x: np.ndarray, weight_qtype: int) -> np.ndarray:
+    """float32 rows [N, D] -> float64 [N, D]: the step between the values a native kernel for weight_qtype can
+    round each element to (its 8-bit block's scale d, one F16 / BF16 unit of it; 0 where rows stay float32,
+    and for a type kernel_values cannot reproduce)."""
+    x = np.ascontiguousarray(x, np.float32)
+    kind = vec_dot_type(weight_qtype)
+    if kind == F16:
+        return np.spacing(np.abs(x).astype(np.float16)).astype(np.float64)
+    if kind == BF16:
+        return np.abs(_bf16(x)) * 2.0**-7
+    if kind not in ROW_TYPES:
+        return np.zeros(x.shape)
+    n, d = x.shape
+    blocks = quantize_rows(x, kind).view(GGML_BLOCK[kind]).reshape(n, d // BLOCK[kind])
+    scale = np.abs(blocks["d"].astype(np.float64))[..., None]
+    return np.broadcast_to(scale, (n, d // BLOCK[kind], BLOCK[kind])).reshape(n, d)

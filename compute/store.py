@@ -345,7 +345,43 @@ class ExpertStore:
     ) -> Array:
         """Rows packed expert-major (counts[i] rows for expert_ids[i]) -> outputs [N, D] float32 in the same
         order, the same kind of array as `rows` (numpy on a node; torch from the coordinator)."""
+        return self._compute(layer, expert_ids, counts, rows, numerics, None)
+
+    def compute_inner(
+        self,
+        layer: int,
+        expert_ids: Sequence[int],
+        counts: Sequence[int],
+        rows: Array,
+        numerics: Numerics = Numerics.NATIVE,
+    ) -> tuple[Array, np.ndarray]:
+        """`compute`'s outputs, and each row's gate and up products [N, 2F] float32 (gate first) as the same
+        graph computed them: what a coordinator checks an answer with (swarm.coordinator.checks.projection).
+        On the CPU only (ggml's kernels: exact numerics on a GPU give no inner products)."""
+        if numerics == Numerics.EXACT and self.device != "cpu":
+            raise BadCall("inner products are computed on the CPU; ask an exact node on a GPU for none")
         self.check(layer, expert_ids, counts, rows)
+        widths = {self.ffn_width(layer, e) for e, n in zip(expert_ids, counts, strict=True) if n}
+        if len(widths) > 1:
+            raise BadCall(f"experts of layer {layer} differ in width ({sorted(widths)}); inner products need one")
+        inner = np.empty((int(rows.shape[0]), 2 * (widths.pop() if widths else 0)), np.float32)
+        return self._compute(layer, expert_ids, counts, rows, numerics, inner), inner
+
+    def ffn_width(self, layer: int, expert: int) -> int:
+        """F: the width of an expert's gate and up products."""
+        return slab_dims((layer, expert), self._parts((layer, expert)))[1]
+
+    def _compute(
+        self,
+        layer: int,
+        expert_ids: Sequence[int],
+        counts: Sequence[int],
+        rows: Array,
+        numerics: Numerics,
+        inner: np.ndarray | None,
+    ) -> Array:
+        if inner is None:
+            self.check(layer, expert_ids, counts, rows)
         if numerics not in tuple(Numerics):
             raise BadCall(f"unknown numerics {numerics!r}; use one of {', '.join(tuple(Numerics))}")
         if numerics == Numerics.EXACT and self.device != "cpu":
@@ -360,7 +396,7 @@ class ExpertStore:
         stack = self.stack(layer) if numerics == Numerics.NATIVE else None
         if stack is not None:
             ids = np.repeat(np.asarray(expert_ids, np.int32), np.asarray(counts, np.int64))
-            ffn.moe_rows(stack, ids[:, None], x, out)
+            ffn.moe_rows(stack, ids[:, None], x, out, inner)
             return as_given(out, rows)
         # in rounds whose copies fit the memory budget when the call's do not (swarm.compute.expert_copies)
         todo, start, native, copies, slabs = [], 0, numerics == Numerics.NATIVE, self._copies, self.slabs
@@ -373,7 +409,7 @@ class ExpertStore:
         with copies.split_lock if len(rounds) > 1 else contextlib.nullcontext():
             for part in rounds:
                 blocks = [(self.ffn(layer, k[1], numerics), a, n) for k, a, n in part]
-                ffn.ffn_rows(blocks, x, out)
+                ffn.ffn_rows(blocks, x, out, inner)
                 if len(rounds) > 1:
                     del blocks  # this round's copies, evicted for the next round's, are freed now
                     with self._lock:

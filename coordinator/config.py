@@ -48,6 +48,7 @@ class Wire(Enum):
 class Verify(Enum):
     """How the nodes' answers are checked (`--verify`)."""
 
+    PROJECT = "project"  # every answer checked by random projections; one that fails recomputed exactly
     SAMPLE = "sample"  # --audit's share of decode answers; every prompt answer on one row per expert
     TWINS = "pair"  # every call also sent to a second holder, the two answers compared
     ALL = "all"  # every answer recomputed here, whole
@@ -78,11 +79,21 @@ class EngineConfig:
     call_bytes: int = CALL_BYTES
     degraded: bool = False  # an expert with no live holder is left out of the sum (hivemind's k_min)
     # checking their answers
-    audit_rate: float = DEFAULT_AUDIT_RATE  # share of decode answers recomputed here (0: trust them)
+    # share of decode answers recomputed here, exactly (None: the --verify setting's own, 0.05 for sample and
+    # none for project; 0: trust every answer, unless --verify is pair or all)
+    audit_rate: float | None = None
     audit_seed: int | None = None
-    verify: Verify = Verify.SAMPLE
+    verify: Verify = Verify.PROJECT
+
+    @property
+    def sampled_rate(self) -> float:
+        """The share of decode answers audited exactly, beside what --verify checks."""
+        if self.audit_rate is not None:
+            return self.audit_rate
+        return DEFAULT_AUDIT_RATE if self.verify is Verify.SAMPLE else 0.0
 
     @property
     def checks_answers(self) -> bool:
-        """Whether the nodes' answers are checked at all (twins and all check every one whatever the rate)."""
-        return self.audit_rate > 0 or self.verify is not Verify.SAMPLE
+        """Whether the nodes' answers are checked at all: `--audit 0` trusts them under sample and project
+        (twins and all check every one whatever the rate)."""
+        return self.audit_rate != 0 or self.verify in (Verify.TWINS, Verify.ALL)

@@ -28,6 +28,7 @@ from concurrent.futures import wait as futures_wait
 from typing import Any
 
 import grpc
+import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from swarm.node.auth import AUTH_METADATA, TLS_NAME, Signer, SwarmKey, is_loopback_host
@@ -69,6 +70,8 @@ class ComputeCall:
         self._stream = stream
         self.seconds: float | None = None
         self.answer_bytes = 0  # the answer's bytes as they came (once result() has read them)
+        self.inner_bytes = 0  # ... and those of the inner products, where they were asked for
+        self.inner: np.ndarray | None = None  # [N, 2F] float32 gate and up products, where asked for
         started = time.perf_counter()
         me = weakref.ref(self)  # the future must not keep the call alive (see __del__)
 
@@ -111,6 +114,9 @@ class ComputeCall:
                 self.address, "Compute", grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {timeout} s"
             ) from None
         self.answer_bytes = len(reply.rows.data)
+        if reply.HasField("inner"):
+            self.inner_bytes = len(reply.inner.data)
+            self.inner = decode_array(reply.inner, "reply inner products")
         rows = decode_array(reply.rows, "reply rows")
         return to_torch(rows) if self._torch else rows
 
@@ -245,9 +251,11 @@ class NodeClient:
         timeout: float | None = None,
         out_dtype: object | None = None,
         numerics: Numerics = Numerics.NATIVE,
+        inner: bool = False,
     ) -> ComputeCall:
         """Start computing rows [sum(counts), D] (packed expert-major) of `layer`; outputs come in rows' dtype
-        unless `out_dtype` says otherwise. `numerics`: native (ggml on the stored quant types) or exact."""
+        unless `out_dtype` says otherwise. `numerics`: native (ggml on the stored quant types) or exact;
+        `inner`: the gate and up products come too (ComputeCall.inner, once `result()` has read the answer)."""
         request = compute_request(
             layer,
             expert_ids,
@@ -257,6 +265,7 @@ class NodeClient:
             out_dtype,
             protocol_version=PROTOCOL_VERSION,
             numerics=numerics,
+            inner=inner,
         )
         as_torch = not is_numpy(rows)
         if self._stream is None:

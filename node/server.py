@@ -208,9 +208,15 @@ class ExpertServicer(pb_grpc.ExpertNodeServicer):
                 out_dtype = F32
             else:
                 out_dtype = dtype_from_proto(request.out_dtype) if request.out_dtype else rows.dtype
-            out = self.store.compute(request.layer, expert_ids, counts, rows, numerics)  # type: ignore[arg-type]
+            inner = None
+            if request.inner:
+                out, inner = self.store.compute_inner(request.layer, expert_ids, counts, rows, numerics)  # type: ignore[arg-type]
+            else:
+                out = self.store.compute(request.layer, expert_ids, counts, rows, numerics)  # type: ignore[arg-type]
             answer = cast_rows(out, out_dtype)
             reply = pb.ComputeReply(rows=encode_planes(answer) if planes else encode_tensor(answer))
+            if inner is not None:  # float32 whatever the answer's type: the check needs the node's own bits
+                reply.inner.CopyFrom(encode_planes(inner) if planes else encode_tensor(inner))
             ok = True
             return reply
         finally:

@@ -9,7 +9,8 @@ from __future__ import annotations
 # 2: ComputeRequest.numerics (native ggml kernels vs exact float32); a node of version 1 computes float32 only.
 # 3: Fetch (a node gives out its shard files) and InfoReply.serves_files.
 # 4: rows as 8-bit blocks (DType Q8_0, Q8_K) and answers as F32_PLANES (--wire q8); a node of version 3 refuses them.
-PROTOCOL_VERSION = 4
+# 5: ComputeRequest.inner / ComputeReply.inner (the gate and up products an answer is checked with).
+PROTOCOL_VERSION = 5
 
 # The most file bytes one FileChunk of a Fetch stream carries.
 FETCH_CHUNK_BYTES = 1 << 20

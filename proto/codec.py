@@ -150,9 +150,11 @@ def compute_request(
     out_dtype: object | None = None,
     protocol_version: int = 0,
     numerics: Numerics = Numerics.NATIVE,
+    inner: bool = False,
 ) -> pb.ComputeRequest:
     """The one place a Compute request is built: rows [sum(counts), D] packed expert-major; answers in
-    `out_dtype` (a row type, or PLANES: float32 packed as swarm.proto.planes), else in the rows' own type."""
+    `out_dtype` (a row type, or PLANES: float32 packed as swarm.proto.planes), else in the rows' own type;
+    `inner`: each row's gate and up products asked for too."""
     if out_dtype is None:
         out = pb.DTYPE_UNSPECIFIED
     else:
@@ -166,6 +168,7 @@ def compute_request(
         rows=encode_tensor(rows),
         out_dtype=out,
         numerics=numerics_to_proto(numerics),
+        inner=bool(inner),
     )
 
 

@@ -24,41 +24,41 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18swarm/proto/expert.proto\x12\x08swarm.v1\"E\n\x06Tensor\x12\x1e\n\x05\x64type\x18\x01 \x01(\x0e\x32\x0f.swarm.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xdc\x01\n\x0e\x43omputeRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\x18\n\x10protocol_version\x18\x02 \x01(\r\x12\r\n\x05layer\x18\x03 \x01(\r\x12\x12\n\nexpert_ids\x18\x04 \x03(\r\x12\x0e\n\x06\x63ounts\x18\x05 \x03(\r\x12\x1e\n\x04rows\x18\x06 \x01(\x0b\x32\x10.swarm.v1.Tensor\x12\"\n\tout_dtype\x18\x07 \x01(\x0e\x32\x0f.swarm.v1.DType\x12$\n\x08numerics\x18\x08 \x01(\x0e\x32\x12.swarm.v1.Numerics\".\n\x0c\x43omputeReply\x12\x1e\n\x04rows\x18\x01 \x01(\x0b\x32\x10.swarm.v1.Tensor\"\r\n\x0bInfoRequest\"&\n\x07IdRange\x12\r\n\x05\x66irst\x18\x01 \x01(\r\x12\x0c\n\x04last\x18\x02 \x01(\r\"R\n\tSlabGroup\x12!\n\x06layers\x18\x01 \x03(\x0b\x32\x11.swarm.v1.IdRange\x12\"\n\x07\x65xperts\x18\x02 \x03(\x0b\x32\x11.swarm.v1.IdRange\"\xc9\x02\n\tInfoReply\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\x18\n\x10protocol_version\x18\x02 \x01(\r\x12!\n\x04held\x18\x03 \x03(\x0b\x32\x13.swarm.v1.SlabGroup\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x1b\n\x13memory_budget_bytes\x18\x05 \x01(\x04\x12\x19\n\x11max_message_bytes\x18\x06 \x01(\x04\x12\x0f\n\x07workers\x18\x07 \x01(\r\x12\x13\n\x0bhidden_size\x18\x08 \x01(\r\x12\x11\n\tnode_name\x18\t \x01(\t\x12\x0f\n\x07version\x18\n \x01(\t\x12\x15\n\rsource_sha256\x18\x0b \x01(\t\x12\x14\n\x0cserves_files\x18\x0c \x01(\x08\x12\x13\n\x0bstream_port\x18\r \x01(\r\x12\x16\n\x0enumerics_class\x18\x0e \x01(\t\"\x0e\n\x0cStatsRequest\"I\n\x0b\x45xpertCount\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0e\n\x06\x65xpert\x18\x02 \x01(\r\x12\r\n\x05\x63\x61lls\x18\x03 \x01(\x04\x12\x0c\n\x04rows\x18\x04 \x01(\x04\"\xa0\x02\n\nStatsReply\x12\r\n\x05\x63\x61lls\x18\x01 \x01(\x04\x12\x0c\n\x04rows\x18\x02 \x01(\x04\x12\x0e\n\x06\x65rrors\x18\x03 \x01(\x04\x12&\n\x07\x65xperts\x18\x04 \x03(\x0b\x32\x15.swarm.v1.ExpertCount\x12\x12\n\ncache_hits\x18\x05 \x01(\x04\x12\x14\n\x0c\x63\x61\x63he_misses\x18\x06 \x01(\x04\x12\x17\n\x0f\x63\x61\x63he_evictions\x18\x07 \x01(\x04\x12\x13\n\x0b\x63\x61\x63he_bytes\x18\x08 \x01(\x04\x12\x14\n\x0c\x62usy_seconds\x18\t \x01(\x01\x12\x16\n\x0euptime_seconds\x18\n \x01(\x01\x12\x11\n\tin_flight\x18\x0b \x01(\r\x12$\n\x07\x64ropped\x18\x0c \x03(\x0b\x32\x13.swarm.v1.SlabGroup\"[\n\x0c\x46\x65tchRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\x18\n\x10protocol_version\x18\x02 \x01(\r\x12\x0c\n\x04path\x18\x03 \x01(\t\x12\x0e\n\x06offset\x18\x04 \x01(\x04\"7\n\tFileChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0c\n\x04size\x18\x03 \x01(\x04*^\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x07\n\x03\x46\x33\x32\x10\x01\x12\x07\n\x03\x46\x31\x36\x10\x02\x12\x08\n\x04\x42\x46\x31\x36\x10\x03\x12\x08\n\x04Q8_0\x10\x04\x12\x08\n\x04Q8_K\x10\x05\x12\x0e\n\nF32_PLANES\x10\x06*;\n\x08Numerics\x12\x18\n\x14NUMERICS_UNSPECIFIED\x10\x00\x12\n\n\x06NATIVE\x10\x01\x12\t\n\x05\x45XACT\x10\x02\x32\xec\x01\n\nExpertNode\x12;\n\x07\x43ompute\x12\x18.swarm.v1.ComputeRequest\x1a\x16.swarm.v1.ComputeReply\x12\x32\n\x04Info\x12\x15.swarm.v1.InfoRequest\x1a\x13.swarm.v1.InfoReply\x12\x35\n\x05Stats\x12\x16.swarm.v1.StatsRequest\x1a\x14.swarm.v1.StatsReply\x12\x36\n\x05\x46\x65tch\x12\x16.swarm.v1.FetchRequest\x1a\x13.swarm.v1.FileChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18swarm/proto/expert.proto\x12\x08swarm.v1\"E\n\x06Tensor\x12\x1e\n\x05\x64type\x18\x01 \x01(\x0e\x32\x0f.swarm.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xeb\x01\n\x0e\x43omputeRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\x18\n\x10protocol_version\x18\x02 \x01(\r\x12\r\n\x05layer\x18\x03 \x01(\r\x12\x12\n\nexpert_ids\x18\x04 \x03(\r\x12\x0e\n\x06\x63ounts\x18\x05 \x03(\r\x12\x1e\n\x04rows\x18\x06 \x01(\x0b\x32\x10.swarm.v1.Tensor\x12\"\n\tout_dtype\x18\x07 \x01(\x0e\x32\x0f.swarm.v1.DType\x12$\n\x08numerics\x18\x08 \x01(\x0e\x32\x12.swarm.v1.Numerics\x12\r\n\x05inner\x18\t \x01(\x08\"O\n\x0c\x43omputeReply\x12\x1e\n\x04rows\x18\x01 \x01(\x0b\x32\x10.swarm.v1.Tensor\x12\x1f\n\x05inner\x18\x02 \x01(\x0b\x32\x10.swarm.v1.Tensor\"\r\n\x0bInfoRequest\"&\n\x07IdRange\x12\r\n\x05\x66irst\x18\x01 \x01(\r\x12\x0c\n\x04last\x18\x02 \x01(\r\"R\n\tSlabGroup\x12!\n\x06layers\x18\x01 \x03(\x0b\x32\x11.swarm.v1.IdRange\x12\"\n\x07\x65xperts\x18\x02 \x03(\x0b\x32\x11.swarm.v1.IdRange\"\xc9\x02\n\tInfoReply\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\x18\n\x10protocol_version\x18\x02 \x01(\r\x12!\n\x04held\x18\x03 \x03(\x0b\x32\x13.swarm.v1.SlabGroup\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x1b\n\x13memory_budget_bytes\x18\x05 \x01(\x04\x12\x19\n\x11max_message_bytes\x18\x06 \x01(\x04\x12\x0f\n\x07workers\x18\x07 \x01(\r\x12\x13\n\x0bhidden_size\x18\x08 \x01(\r\x12\x11\n\tnode_name\x18\t \x01(\t\x12\x0f\n\x07version\x18\n \x01(\t\x12\x15\n\rsource_sha256\x18\x0b \x01(\t\x12\x14\n\x0cserves_files\x18\x0c \x01(\x08\x12\x13\n\x0bstream_port\x18\r \x01(\r\x12\x16\n\x0enumerics_class\x18\x0e \x01(\t\"\x0e\n\x0cStatsRequest\"I\n\x0b\x45xpertCount\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0e\n\x06\x65xpert\x18\x02 \x01(\r\x12\r\n\x05\x63\x61lls\x18\x03 \x01(\x04\x12\x0c\n\x04rows\x18\x04 \x01(\x04\"\xa0\x02\n\nStatsReply\x12\r\n\x05\x63\x61lls\x18\x01 \x01(\x04\x12\x0c\n\x04rows\x18\x02 \x01(\x04\x12\x0e\n\x06\x65rrors\x18\x03 \x01(\x04\x12&\n\x07\x65xperts\x18\x04 \x03(\x0b\x32\x15.swarm.v1.ExpertCount\x12\x12\n\ncache_hits\x18\x05 \x01(\x04\x12\x14\n\x0c\x63\x61\x63he_misses\x18\x06 \x01(\x04\x12\x17\n\x0f\x63\x61\x63he_evictions\x18\x07 \x01(\x04\x12\x13\n\x0b\x63\x61\x63he_bytes\x18\x08 \x01(\x04\x12\x14\n\x0c\x62usy_seconds\x18\t \x01(\x01\x12\x16\n\x0euptime_seconds\x18\n \x01(\x01\x12\x11\n\tin_flight\x18\x0b \x01(\r\x12$\n\x07\x64ropped\x18\x0c \x03(\x0b\x32\x13.swarm.v1.SlabGroup\"[\n\x0c\x46\x65tchRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\x18\n\x10protocol_version\x18\x02 \x01(\r\x12\x0c\n\x04path\x18\x03 \x01(\t\x12\x0e\n\x06offset\x18\x04 \x01(\x04\"7\n\tFileChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0c\n\x04size\x18\x03 \x01(\x04*^\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x07\n\x03\x46\x33\x32\x10\x01\x12\x07\n\x03\x46\x31\x36\x10\x02\x12\x08\n\x04\x42\x46\x31\x36\x10\x03\x12\x08\n\x04Q8_0\x10\x04\x12\x08\n\x04Q8_K\x10\x05\x12\x0e\n\nF32_PLANES\x10\x06*;\n\x08Numerics\x12\x18\n\x14NUMERICS_UNSPECIFIED\x10\x00\x12\n\n\x06NATIVE\x10\x01\x12\t\n\x05\x45XACT\x10\x02\x32\xec\x01\n\nExpertNode\x12;\n\x07\x43ompute\x12\x18.swarm.v1.ComputeRequest\x1a\x16.swarm.v1.ComputeReply\x12\x32\n\x04Info\x12\x15.swarm.v1.InfoRequest\x1a\x13.swarm.v1.InfoReply\x12\x35\n\x05Stats\x12\x16.swarm.v1.StatsRequest\x1a\x14.swarm.v1.StatsReply\x12\x36\n\x05\x46\x65tch\x12\x16.swarm.v1.FetchRequest\x1a\x13.swarm.v1.FileChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'swarm.proto.expert_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=1383
-  _globals['_DTYPE']._serialized_end=1477
-  _globals['_NUMERICS']._serialized_start=1479
-  _globals['_NUMERICS']._serialized_end=1538
+  _globals['_DTYPE']._serialized_start=1431
+  _globals['_DTYPE']._serialized_end=1525
+  _globals['_NUMERICS']._serialized_start=1527
+  _globals['_NUMERICS']._serialized_end=1586
   _globals['_TENSOR']._serialized_start=38
   _globals['_TENSOR']._serialized_end=107
   _globals['_COMPUTEREQUEST']._serialized_start=110
-  _globals['_COMPUTEREQUEST']._serialized_end=330
-  _globals['_COMPUTEREPLY']._serialized_start=332
-  _globals['_COMPUTEREPLY']._serialized_end=378
-  _globals['_INFOREQUEST']._serialized_start=380
-  _globals['_INFOREQUEST']._serialized_end=393
-  _globals['_IDRANGE']._serialized_start=395
-  _globals['_IDRANGE']._serialized_end=433
-  _globals['_SLABGROUP']._serialized_start=435
-  _globals['_SLABGROUP']._serialized_end=517
-  _globals['_INFOREPLY']._serialized_start=520
-  _globals['_INFOREPLY']._serialized_end=849
-  _globals['_STATSREQUEST']._serialized_start=851
-  _globals['_STATSREQUEST']._serialized_end=865
-  _globals['_EXPERTCOUNT']._serialized_start=867
-  _globals['_EXPERTCOUNT']._serialized_end=940
-  _globals['_STATSREPLY']._serialized_start=943
-  _globals['_STATSREPLY']._serialized_end=1231
-  _globals['_FETCHREQUEST']._serialized_start=1233
-  _globals['_FETCHREQUEST']._serialized_end=1324
-  _globals['_FILECHUNK']._serialized_start=1326
-  _globals['_FILECHUNK']._serialized_end=1381
-  _globals['_EXPERTNODE']._serialized_start=1541
-  _globals['_EXPERTNODE']._serialized_end=1777
+  _globals['_COMPUTEREQUEST']._serialized_end=345
+  _globals['_COMPUTEREPLY']._serialized_start=347
+  _globals['_COMPUTEREPLY']._serialized_end=426
+  _globals['_INFOREQUEST']._serialized_start=428
+  _globals['_INFOREQUEST']._serialized_end=441
+  _globals['_IDRANGE']._serialized_start=443
+  _globals['_IDRANGE']._serialized_end=481
+  _globals['_SLABGROUP']._serialized_start=483
+  _globals['_SLABGROUP']._serialized_end=565
+  _globals['_INFOREPLY']._serialized_start=568
+  _globals['_INFOREPLY']._serialized_end=897
+  _globals['_STATSREQUEST']._serialized_start=899
+  _globals['_STATSREQUEST']._serialized_end=913
+  _globals['_EXPERTCOUNT']._serialized_start=915
+  _globals['_EXPERTCOUNT']._serialized_end=988
+  _globals['_STATSREPLY']._serialized_start=991
+  _globals['_STATSREPLY']._serialized_end=1279
+  _globals['_FETCHREQUEST']._serialized_start=1281
+  _globals['_FETCHREQUEST']._serialized_end=1372
+  _globals['_FILECHUNK']._serialized_start=1374
+  _globals['_FILECHUNK']._serialized_end=1429
+  _globals['_EXPERTNODE']._serialized_start=1589
+  _globals['_EXPERTNODE']._serialized_end=1825
 # @@protoc_insertion_point(module_scope)

@@ -44,7 +44,7 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ComputeRequest(_message.Message):
-    __slots__ = ("fingerprint", "protocol_version", "layer", "expert_ids", "counts", "rows", "out_dtype", "numerics")
+    __slots__ = ("fingerprint", "protocol_version", "layer", "expert_ids", "counts", "rows", "out_dtype", "numerics", "inner")
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,7 @@ class ComputeRequest(_message.Message):
     ROWS_FIELD_NUMBER: _ClassVar[int]
     OUT_DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUMERICS_FIELD_NUMBER: _ClassVar[int]
+    INNER_FIELD_NUMBER: _ClassVar[int]
     fingerprint: str
     protocol_version: int
     layer: int
@@ -61,13 +62,16 @@ class ComputeRequest(_message.Message):
     rows: Tensor
     out_dtype: DType
     numerics: Numerics
-    def __init__(self, fingerprint: _Optional[str] = ..., protocol_version: _Optional[int] = ..., layer: _Optional[int] = ..., expert_ids: _Optional[_Iterable[int]] = ..., counts: _Optional[_Iterable[int]] = ..., rows: _Optional[_Union[Tensor, _Mapping]] = ..., out_dtype: _Optional[_Union[DType, str]] = ..., numerics: _Optional[_Union[Numerics, str]] = ...) -> None: ...
+    inner: bool
+    def __init__(self, fingerprint: _Optional[str] = ..., protocol_version: _Optional[int] = ..., layer: _Optional[int] = ..., expert_ids: _Optional[_Iterable[int]] = ..., counts: _Optional[_Iterable[int]] = ..., rows: _Optional[_Union[Tensor, _Mapping]] = ..., out_dtype: _Optional[_Union[DType, str]] = ..., numerics: _Optional[_Union[Numerics, str]] = ..., inner: _Optional[bool] = ...) -> None: ...
 
 class ComputeReply(_message.Message):
-    __slots__ = ("rows",)
+    __slots__ = ("rows", "inner")
     ROWS_FIELD_NUMBER: _ClassVar[int]
+    INNER_FIELD_NUMBER: _ClassVar[int]
     rows: Tensor
-    def __init__(self, rows: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    inner: Tensor
+    def __init__(self, rows: _Optional[_Union[Tensor, _Mapping]] = ..., inner: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()

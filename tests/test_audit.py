@@ -18,7 +18,7 @@ from swarm.compute import weights
 from swarm.coordinator.checks.audit import Auditor, Verdict
 from swarm.coordinator.cli import main
 from swarm.coordinator.cli.spawn import start_nodes, stop_nodes
-from swarm.coordinator.config import DEFAULT_AUDIT_RATE, EngineConfig
+from swarm.coordinator.config import DEFAULT_AUDIT_RATE, EngineConfig, Verify
 from swarm.coordinator.decode.one import (
     GenerationStats,
     SamplingParams,
@@ -86,9 +86,12 @@ def read_in_place(layer: int) -> bool:
 
 
 def _swarm(shard_dir, rate: float, seed: int = 7, peers: tuple[str, ...] = ()):
-    """A coordinator finding the nodes by mDNS on loopback, or only at `peers` (no mDNS)."""
+    """A coordinator finding the nodes by mDNS on loopback, or only at `peers` (no mDNS), whose answers are
+    checked by the exact audits (--verify sample: what this file tests; the projections are test_projection's)."""
     where = {"peers": peers, "mdns": False} if peers else {"mdns_interfaces": LOOPBACK}
-    return open_engine(shard_dir, EngineConfig(wait=10.0, device="cpu", key=KEY, audit_rate=rate, audit_seed=seed, **where))
+    config = EngineConfig(wait=10.0, device="cpu", key=KEY, audit_rate=rate, audit_seed=seed, verify=Verify.SAMPLE,
+                          **where)  # fmt: skip
+    return open_engine(shard_dir, config)
 
 
 @pytest.mark.slow

@@ -21,10 +21,9 @@ the same bits, or within the kernels' error bound from a node of another numeric
   (CAUGHT: the work since the last settled point must be done again, without that node). With `force`, it
   audits the latest call of every node that is still open (on this thread and the audit thread at once),
   so that open work never piles up. The model waits for those forced audits, so each checks one row of
-  each of the call's experts that are ready here (their repacked copy made already: up to AUDIT_EXPERTS of
-  them), or of one expert when none is, rather than copy several cold slabs while the model waits: a node
-  wrong on every answer is still caught before anything it shaped is settled, and the random audits,
-  which no node can foresee, check up to AUDIT_EXPERTS experts of a call whatever they cost.
+  each of the call's ready experts (repacked copy made: up to AUDIT_EXPERTS), or of one when none is.
+- Projections (--verify project, the default): an answer that carries its inner products is checked at once
+  (swarm.coordinator.checks.projection); one that fails is recomputed here, whole, before any verdict.
 """
 
 from __future__ import annotations
@@ -46,6 +45,7 @@ import torch
 from swarm.compute.ggml import one_thread
 from swarm.compute.priority import idle_priority
 from swarm.compute.store import ExpertStore
+from swarm.coordinator.checks.projection import Projections, unit_roundoff
 from swarm.coordinator.checks.recompute import Recomputer, own_store
 from swarm.coordinator.config import DEFAULT_AUDIT_RATE, EngineConfig, Verify
 from swarm.proto.numerics import Numerics
@@ -56,8 +56,7 @@ log = logging.getLogger(__name__)
 PROBE_SLABS = 4  # slabs of a new node sent known rows before it is used
 PROBE_ROWS = 2
 # Experts of one call an audit checks (one row each), drawn at random: a prompt's call holds a node's share of
-# every expert of a layer, and checking each of them (a cold one's three matrices are first copied into
-# ggml's repacked layout) made reading a prompt far slower than trusting answers (docs/BENCHMARKS.md).
+# a layer's experts, and checking each (a cold one first copied into ggml's repacked layout) is slow.
 AUDIT_EXPERTS = 8
 # Seconds a forced settle waits for an audit the audit thread is running before it does the audit itself.
 TAKE_OVER = 0.05
@@ -108,6 +107,9 @@ class _NodeBook:
 class AuditReport:
     audits: int = 0
     probes: int = 0
+    projected: int = 0  # answers checked by projections (every one, with --verify project)
+    alarms: int = 0  # ... that failed, and were then recomputed exactly
+    false_alarms: int = 0  # ... whose exact recompute found them honest
     banned: dict[str, str] = field(default_factory=dict)  # address -> why
     passed: Counter[str] = field(default_factory=Counter)  # address -> audits of its answers that passed
 
@@ -127,14 +129,18 @@ class Auditor(Recomputer):
         every_row: bool = False,
         classes: dict[str, str] | None = None,
         on_ban: Callable[[str], None] | None = None,
+        projections: Projections | None = None,
     ) -> None:
-        """`row_dtype`: the float type of the rows nodes are sent (probe rows are made in it); `every_row`:
+        """`projections`: every answer that carries its inner products checked by them (--verify project),
+        one that fails recomputed exactly before anything is decided; `row_dtype`: the float type of the rows
+        nodes are sent (probe rows are made in it); `every_row`:
         every answer recomputed here, whole (--verify all); `classes`: address -> a node's numerics class;
         `on_ban`: told the address of every node banned (the placement, which then never picks it)."""
         if not 0.0 <= rate <= 1.0:
             raise ValueError(f"audit rate {rate} is not between 0 and 1")
         super().__init__(store, numerics, shard_dir, classes)
         self.row_dtype, self.rate, self.every_row = row_dtype, rate, every_row
+        self.projections = projections
         self._on_ban = on_ban
         self._rng = random.Random(seed) if seed is not None else random.SystemRandom()
         self._books: dict[str, _NodeBook] = {}
@@ -175,17 +181,22 @@ class Auditor(Recomputer):
 
     def answered(
         self, address: str, layer: int, expert_ids: list[int], counts: list[int], rows: torch.Tensor,
-        answer: torch.Tensor,
+        answer: torch.Tensor, inner: Any = None,
     ) -> torch.Tensor:  # fmt: skip
-        """Book one answered call; audit it with probability `rate`. The rows to use: the answer, or the
-        coordinator's own when the audit caught the node."""
+        """Book one answered call; check it by its projections where it carries its `inner` products, audit
+        it with probability `rate` (at least sample's where they cannot). The rows to use: the answer, or the
+        coordinator's own when a check caught the node."""
         call = _Call(layer, list(expert_ids), list(counts), rows, answer)
         with self._lock:
             book = self._books.setdefault(address, _NodeBook())
             book.last_call = call
             book.open_calls += 1
-        scope = Scope.EVERY_ROW if self.every_row else Scope.EVERY_EXPERT if self._cover else None
-        if scope is None and self.rate > 0 and self._rng.random() < self.rate:
+        projected, own = self._project(address, call, inner)
+        if own is not None:
+            return own
+        scope = Scope.EVERY_ROW if self.every_row else Scope.EVERY_EXPERT if self._cover and not projected else None
+        rate = self.rate if projected or self.projections is None else max(self.rate, DEFAULT_AUDIT_RATE)
+        if scope is None and rate > 0 and self._rng.random() < rate:
             scope = Scope.SAMPLE
         if scope is not None:
             if self._worker is not None:
@@ -197,6 +208,26 @@ class Auditor(Recomputer):
             if own is not None:
                 return own
         return answer
+
+    def _project(self, address: str, call: _Call, inner: Any) -> tuple[bool, torch.Tensor | None]:
+        """(whether the projections checked the call, the coordinator's own rows where the exact recompute
+        that a failed check calls for caught the node). A check that fails decides nothing by itself."""
+        p = self.projections
+        if p is None or inner is None or not p.checkable(call.layer, call.expert_ids):
+            return False, None
+        native, unit = self.numerics == Numerics.NATIVE, unit_roundoff(call.answer.dtype)
+        failed = p.check(call.layer, call.expert_ids, call.counts, call.rows.float().numpy(), call.answer.float().numpy(),
+                         inner, native, unit, self.other_class(address))  # fmt: skip
+        if failed is None:
+            self._checked(address, call, counted=False, projected=True)
+            return True, None
+        log.warning("node %s: %s check failed, layer %d, %d rows (%.3g x tolerance): recomputing exactly", address,
+                    failed.what, call.layer, len(failed.rows), failed.worst)  # fmt: skip
+        own = self._audit(address, call, Scope.EVERY_ROW)
+        with self._lock:
+            self.report.projected, self.report.alarms = self.report.projected + 1, self.report.alarms + 1
+            self.report.false_alarms += not self.is_banned(address)
+        return True, own
 
     def decide(
         self, address: str, layer: int, experts: list[int], rows: torch.Tensor, answer: torch.Tensor
@@ -269,6 +300,8 @@ class Auditor(Recomputer):
             return not self._pending
 
     def close(self) -> None:
+        if self.projections is not None:
+            self.projections.close()  # (its vectors' thread)
         if self._worker is not None:
             self._worker.shutdown(wait=True, cancel_futures=True)
 
@@ -327,8 +360,9 @@ class Auditor(Recomputer):
             for job in aside:
                 self._finish(job)
 
-    def _checked(self, address: str, call: _Call, counted: bool) -> None:
+    def _checked(self, address: str, call: _Call, counted: bool, projected: bool = False) -> None:
         with self._lock:
+            self.report.projected += projected
             book = self._books.setdefault(address, _NodeBook())
             self.report.audits += counted
             self.report.passed[address] += counted
@@ -411,5 +445,6 @@ def make_auditor(
         return None
     shard_dir = Path(path) if Path(path).is_dir() else None
     every_row = config.verify is Verify.ALL
-    return Auditor(store, config.numerics, config.wire.dtype, config.audit_rate, shard_dir, config.audit_seed,
-                   every_row=every_row, classes=classes, on_ban=on_ban)  # fmt: skip
+    projections = Projections.started(store) if config.verify is Verify.PROJECT else None
+    return Auditor(store, config.numerics, config.wire.dtype, config.sampled_rate, shard_dir, config.audit_seed,
+                   every_row=every_row, classes=classes, on_ban=on_ban, projections=projections)  # fmt: skip

@@ -83,6 +83,10 @@ class Recomputer:
         # address -> the numerics class a node reported (the backend's own map: nodes that join later too)
         self.classes: dict[str, str] = {} if classes is None else classes
 
+    def other_class(self, address: str) -> bool:
+        """Whether a node computes in another numerics class than this coordinator (as _agrees reads it)."""
+        return not same_class(self.classes.get(address, self.own_class), self.own_class)
+
     def holds(self, layer: int, expert_ids: list[int]) -> bool:
         """Whether every slab is here (and none failed its check against the manifest)."""
         return all(

@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from swarm.coordinator.cli.terminal import status_line
-from swarm.coordinator.config import DEFAULT_AUDIT_RATE, EngineConfig, Verify, Wire
+from swarm.coordinator.config import EngineConfig, Verify, Wire
 from swarm.node.auth import add_key_argument, swarm_key
 from swarm.proto.numerics import Numerics
 from swarm.sharding.errors import UserError
@@ -51,17 +51,20 @@ def add_swarm_args(p: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         metavar="RATE",
-        help="share of decode answers recomputed here to check them, 0-1 (default 0.05; every answer of a "
-        "prompt pass is checked on one row per expert whatever the rate); a node caught is banned and the "
-        "work its answers touched is done again. Nodes are also probed before first use. Needs the model's "
-        "expert slabs here (a GGUF, or a shard directory with its experts/); 0: trust every answer",
+        help="share of decode answers also recomputed here, exactly, 0-1 (default: none with --verify project, "
+        "0.05 with --verify sample, where every answer of a prompt pass is checked on one row per expert "
+        "whatever the rate); a node caught is banned and the work its answers touched is done again. Nodes "
+        "are also probed before first use. Needs the model's expert slabs here (a GGUF, or a shard directory "
+        "with its experts/); 0: trust every answer (checks off, unless --verify pair or all)",
     )
     g.add_argument(
         "--verify",
         choices=[v.value for v in Verify],
-        default="sample",
-        help="how answers are checked: sample (the default: --audit's share of decode answers, every prompt "
-        "answer on one row per expert), pair (every call also sent to a second holder, of the same numerics "
+        default="project",
+        help="how answers are checked: project (the default: every answer, prompt and decode, checked by "
+        "random projections against vectors kept here, a few dot products a row; one that fails is "
+        "recomputed exactly before a node is banned), sample (--audit's share of decode answers, every "
+        "prompt answer on one row per expert, recomputed), pair (every call also sent to a second holder, of the same numerics "
         "class where one exists, and the two compared: a disagreement is decided here), all (every answer "
         "recomputed here, whole: as slow as computing the experts here). See the README's table",
     )
@@ -252,7 +255,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         same_class_only=args.numerics_class == "same",
         timeout=args.timeout,
         degraded=args.degraded,
-        audit_rate=DEFAULT_AUDIT_RATE if args.audit is None else audit_rate(args.audit),
+        audit_rate=None if args.audit is None else audit_rate(args.audit),
         verify=Verify(args.verify),
     )
 

@@ -77,6 +77,9 @@ class SwarmExperts:
         self.rows_per_node: Counter[str] = Counter()
         self.row_bytes_per_node: Counter[str] = Counter()  # the rows' bytes in the calls (less framing)
         self.answer_bytes_per_node: Counter[str] = Counter()  # the answers' bytes in the replies
+        self.inner_bytes_per_node: Counter[str] = Counter()  # ... and their inner products' (--verify project)
+        # the answers carry their gate and up products where the auditor checks them by projections
+        self._inner = auditor is not None and auditor.projections is not None
         self.seconds_per_node: Counter[str] = Counter()  # waiting on answers
         self.failures_per_node: Counter[str] = Counter()
         self.failovers = 0
@@ -210,6 +213,7 @@ class SwarmExperts:
                     self.config.timeout,
                     PLANES if packed else None,
                     numerics=self.config.numerics,
+                    inner=self._inner,
                 )
                 self.calls_per_node[address] += 1
                 self.rows_per_node[address] += int(part.shape[0])
@@ -299,7 +303,9 @@ class SwarmExperts:
         if self.auditor is None:
             return answer
         ids = [major.expert_ids[p.index] for p in c.parts]
-        return self.auditor.answered(c.address, layer, ids, [p.rows for p in c.parts], c.sent, answer)
+        return self.auditor.answered(
+            c.address, layer, ids, [p.rows for p in c.parts], c.sent, answer, c.call.inner
+        )
 
     def compare_twins(self, layer: int, answers: list[TwinAnswer]) -> None:
         assert self.auditor is not None  # (twins are sent only with one)
@@ -320,6 +326,7 @@ class SwarmExperts:
         """
         result = c.call.result()
         self.answer_bytes_per_node[c.address] += c.call.answer_bytes
+        self.inner_bytes_per_node[c.address] += c.call.inner_bytes
         expect = (sum(p.rows for p in c.parts), c.width)
         if tuple(result.shape) != expect:
             raise NodeCallError(

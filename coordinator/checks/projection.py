@@ -1,0 +1,345 @@
+"""Every answer checked at the cost of dot products: random projections (Freivalds) of the products an
+expert makes, against vectors this coordinator keeps in place of the experts' weights.
+
+For a matrix W and a secret random vector r, rᵀ(W·x) = (Wᵀr)·x. Per expert, with r1, r2 (length F) and r3
+(length D) drawn once per coordinator from the operating system's randomness and never sent anywhere:
+- v_gu = gateᵀr1 + upᵀr2 (length D) checks a row's gate and up products g, u (the node sends them beside its
+  answer) against the row x: r1·g + r2·u = v_gu·x̂;
+- h = silu(g) ⊙ u is formed here by ggml's own swiglu (the bits the node's graph formed), and
+  v_d = downᵀr3 (length F) checks the answer y against it: r3·y = v_d·ĥ.
+x̂ and ĥ are the values the node's kernels multiplied: the rows quantized exactly as its kernel for the
+matrix's type quantizes them (Q8_K blocks for the K-quants, Q8_0, F16 / BF16 rounding, none for F32;
+swarm.compute.rowquant.kernel_values). Gate and up are checked against x on their own, so a wrong g or u
+cannot pass by a y made consistent with it: y is checked against the h of the g and u that passed.
+
+The residual of an honest answer is float32 rounding only: the node's sums in another order than the exact
+sum of the same products (the integer sums inside a quantized block are exact). For a row the node's error δ
+in its products is at most γ·Σⱼ|Wᵢⱼ||x̂ⱼ| per element, so ‖δ‖ ≤ γ·‖W‖_F·‖x̂‖, and since r is Gaussian and
+independent of δ, r·δ is a normal variable of deviation ‖δ‖. The tolerance is τ = SIGMAS·c·u·‖W‖_F·‖x̂‖ (u =
+2⁻²⁴, c the kernel class's error constant measured in docs/BENCHMARKS.md, SIGMAS standard deviations: an
+honest answer exceeds it with probability ~1e-15 per check), plus the rounding of the float32 vectors kept
+here. A change Δ of the products is missed only when |r·Δ| ≤ τ: with probability ≤ √(2/π)·τ/‖Δ‖ for each of
+the PROJECTIONS independent r (bench/trust.py reports τ as a fraction of the rows' norms).
+
+An answer that fails is not a verdict: it is recomputed exactly (swarm.coordinator.checks.audit) before a
+node is banned. Nothing here is sent to a node.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import secrets
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from swarm.compute.ffn import swiglu_rows
+from swarm.compute.ggml import ggml_lib, one_thread
+from swarm.compute.priority import idle_priority
+from swarm.compute.rowquant import kernel_steps, kernel_values, vec_dot_type
+from swarm.compute.store import ExpertStore
+from swarm.compute.values import float32_values
+from swarm.sharding.slabs import SlabKey, SlabTensor
+
+log = logging.getLogger(__name__)
+
+U = 2.0**-24  # float32's unit roundoff
+_CHECKABLE = frozenset((0, 1, 30, 8, 15))  # row types kernel_values reproduces: F32, F16, BF16, Q8_0, Q8_K
+PROJECTIONS = 1  # independent r per matrix: the vectors' memory grows with it, a miss's probability falls as its power
+SIGMAS = 8.0  # standard deviations of honest noise the tolerance leaves room for
+# c per activation kind: the largest |r·δ| / (u·‖W‖_F·‖x̂‖) measured over honest answers of every fixture type
+# (tests/test_projection.py, docs/BENCHMARKS.md), rounded up; float rows sum every product in float32.
+ERROR_CONSTANT = 1.0
+KEPT = 4.0  # ulps of error in each element of a kept vector (a float32 product of F or D terms, rounded)
+# A node of another numerics class forms h from its own g and u with its own silu: an element of h this close
+# (relative to it and to its row's mean) to a rounding boundary of the down kernel's row type may take the
+# other step there, and the check allows that step (the check alone; the exact one is checks/tolerance.py).
+REACH = 2.0**-16
+
+
+@dataclass(frozen=True)
+class ExpertVectors:
+    """What this coordinator keeps of one expert to check its answers: vectors, not weights."""
+
+    gate_up: tuple[tuple[int, np.ndarray], ...]  # (weight type x̂ is made for, [P, D] float32) per term
+    down: np.ndarray  # [P, F] float32: downᵀr3
+    down_type: int
+    gate_up_norm: float  # √(‖gate‖_F² + ‖up‖_F²), over the dequantized values
+    down_norm: float
+    gate_up_bias: np.ndarray  # [P] r·bias of the products (0 without biases)
+    down_bias: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        return sum(v.nbytes for _, v in self.gate_up) + self.down.nbytes
+
+
+@dataclass(frozen=True)
+class Failed:
+    """Rows of a call whose check failed, and by how much (residual / tolerance, the largest)."""
+
+    rows: list[int]
+    worst: float
+    what: str  # "gate/up" or "down" (the first that failed)
+
+
+class Projections:
+    """The secret vectors r of this coordinator, each expert's checking vectors (made on first use, or all at
+    once by `prepare`), and the check of a call's answer."""
+
+    def __init__(self, store: ExpertStore, projections: int = PROJECTIONS, seed: int | None = None) -> None:
+        self.store = store
+        self.projections = projections
+        # a node must not be able to guess r: the operating system's randomness unless a test fixes a seed
+        self._rng = np.random.default_rng(secrets.randbits(128) if seed is None else seed)
+        self._r: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}  # (D, F) -> (r_gu, r_d)
+        self._vectors: dict[SlabKey, ExpertVectors] = {}
+        self._locks: dict[SlabKey, threading.Lock] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()  # close(): `prepare` ends
+        self.checks = 0
+        self.failures = 0
+
+    def secret(self, d: int, f: int) -> tuple[np.ndarray, np.ndarray]:
+        """(r1 | r2 as [P, 2F], r3 as [P, D]) float64, standard normal, drawn once per width."""
+        with self._lock:
+            r = self._r.get((d, f))
+            if r is None:
+                r = self._r[(d, f)] = (
+                    self._rng.standard_normal((self.projections, 2 * f)),
+                    self._rng.standard_normal((self.projections, d)),
+                )
+            return r
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of checking vectors resident."""
+        return sum(v.nbytes for v in list(self._vectors.values()))
+
+    def vectors(self, layer: int, expert: int) -> ExpertVectors:
+        key = (layer, expert)
+        v = self._vectors.get(key)
+        if v is not None:
+            return v
+        with self._lock:
+            lock = self._locks.setdefault(key, threading.Lock())
+        with lock:  # made once, whichever thread needs it first
+            v = self._vectors.get(key)
+            if v is None:
+                v = self._vectors[key] = self._make(key)
+        return v
+
+    def checkable(self, layer: int, expert_ids: list[int]) -> bool:
+        """Whether these experts' slabs are here and every matrix's kernel multiplies rows a projection can
+        reproduce (not one pairing with Q8_1)."""
+        for e in expert_ids:
+            slab = self.store.slabs.get((layer, e)) if self.store.holds(layer, e) else None
+            if slab is None:
+                return False
+            for part in (slab.gate, slab.up, slab.gate_up, slab.down):
+                if part is not None and vec_dot_type(int(part.qtype)) not in _CHECKABLE:
+                    return False
+        return True
+
+    def prepare(self) -> None:
+        """Every expert's vectors now, each slab read once (a coordinator's start; `begin` runs it aside)."""
+        for layer, expert in self.store.held():
+            if self._stop.is_set():
+                return
+            self.vectors(layer, expert)
+
+    def begin(self) -> None:
+        """`prepare` on a thread of its own at the idle priority, from a coordinator's start: the first prompt
+        finds most vectors made (one it needs first is made on its thread, once)."""
+        def run() -> None:
+            idle_priority()
+            self.prepare()
+
+        threading.Thread(target=run, name="swarm-projections", daemon=True).start()
+
+    @classmethod
+    def started(cls, store: ExpertStore) -> Projections:
+        """Projections of this coordinator's own slabs, their vectors being made (`begin`)."""
+        p = cls(store)
+        p.begin()
+        return p
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _make(self, key: SlabKey) -> ExpertVectors:
+        slab = self.store.slabs[key]
+        assert slab.down is not None
+        d, f = slab.down.shape
+        r_gu, r_d = self.secret(d, f)
+        parts: list[tuple[SlabTensor, np.ndarray, SlabTensor | None]] = []
+        if slab.gate_up is not None:
+            parts.append((slab.gate_up, r_gu, slab.gate_up_bias))
+        else:
+            assert slab.gate is not None and slab.up is not None
+            parts += [(slab.gate, r_gu[:, :f], slab.gate_bias), (slab.up, r_gu[:, f:], slab.up_bias)]
+        terms: dict[int, np.ndarray] = {}  # x̂ kind -> Σ of Wᵀr over the matrices that take that x̂
+        square = 0.0
+        bias = np.zeros(self.projections)
+        for part, r, b in parts:
+            v, sq = _project(part, r)
+            kind = vec_dot_type(int(part.qtype))
+            terms[kind] = terms.get(kind, 0) + v
+            square += sq
+            if b is not None:
+                bias += r @ _values(b).reshape(-1).astype(np.float64)
+        by_type = tuple((_weight_of(parts, kind), v.astype(np.float32)) for kind, v in terms.items())
+        v_d, sq_d = _project(slab.down, r_d)
+        down_bias = r_d @ _values(slab.down_bias).reshape(-1) if slab.down_bias is not None else np.zeros(self.projections)
+        return ExpertVectors(
+            by_type, v_d.astype(np.float32), int(slab.down.qtype), float(np.sqrt(square)), float(np.sqrt(sq_d)),
+            bias, np.asarray(down_bias, np.float64),
+        )  # fmt: skip
+
+    def check(
+        self, layer: int, expert_ids: list[int], counts: list[int], rows: np.ndarray, answer: np.ndarray,
+        inner: np.ndarray, native: bool = True, answer_unit: float = 0.0, other_class: bool = False,
+    ) -> Failed | None:  # fmt: skip
+        """None when every row of a call's answer [N, D] and inner products [N, 2F] passes against the rows
+        sent [N, D] (float32 values as the node took them); else the rows that failed. `native`: the node
+        multiplied in the weights' types (x̂ quantized as its kernels do) rather than float32 (exact);
+        `answer_unit`: the unit roundoff of the answer's wire type (F16 / BF16 answers are rounded: the
+        check then sees only changes larger than that rounding), 0 for float32; `other_class`: the node's
+        numerics class is not this coordinator's (see REACH)."""
+        n = int(rows.shape[0])
+        if answer.shape != rows.shape or inner.ndim != 2 or inner.shape[0] != n or sum(counts) != n:
+            return Failed(list(range(n)), float("inf"), "shape")
+        blocks, at = [], 0  # (first row, rows, its vectors) of each expert with rows
+        for expert, count in zip(expert_ids, counts, strict=True):
+            if count:
+                blocks.append((at, count, self.vectors(layer, expert)))
+            at += count
+        if any(inner.shape[1] != 2 * v.down.shape[1] for _, _, v in blocks):
+            return Failed(list(range(n)), float("inf"), "shape")
+        # every row of a call at once (one quantization, one swiglu graph, one product each), per group of
+        # experts stored in the same types: a prompt's call holds a node's share of a whole layer
+        groups: dict[tuple[tuple[int, ...], int], list[tuple[int, int, ExpertVectors]]] = {}
+        for b in blocks:
+            groups.setdefault((tuple(t for t, _ in b[2].gate_up), b[2].down_type), []).append(b)
+        ratio_gu, ratio_d = np.zeros(n), np.zeros(n)
+        for members in groups.values():
+            idx = np.concatenate([np.arange(a, a + c) for a, c, _ in members])
+            a, b = self._group(rows[idx], answer[idx], inner[idx], members, native, answer_unit, other_class)
+            ratio_gu[idx], ratio_d[idx] = a, b
+        bad = [int(i) for i in np.flatnonzero(~((ratio_gu <= 1.0) & (ratio_d <= 1.0)))]  # (NaN fails too)
+        with self._lock:
+            self.checks += 1
+            self.failures += bool(bad)
+        if not bad:
+            return None
+        first = bad[0]
+        what = "gate/up" if not ratio_gu[first] <= 1.0 else "down"
+        worst = float(np.nanmax(np.concatenate([ratio_gu[bad], ratio_d[bad]])))
+        return Failed(bad, worst, what)
+
+    def _group(
+        self, rows: np.ndarray, answer: np.ndarray, inner: np.ndarray, members: list[tuple[int, int, ExpertVectors]],
+        native: bool, answer_unit: float, other_class: bool,
+    ) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+        """(gate/up, down) residual / tolerance per row, for the rows of experts stored in the same types."""
+        counts = [c for _, c, _ in members]
+        vs = [v for _, _, v in members]
+
+        def per_row(arrays: list[np.ndarray]) -> np.ndarray:
+            return np.repeat(np.stack(arrays), counts, axis=0)
+
+        r_gu, r_d = self.secret(int(rows.shape[1]), int(vs[0].down.shape[1]))
+        terms = [(_act(rows, t, native), per_row([v.gate_up[k][1] for v in vs])) for k, (t, _) in enumerate(vs[0].gate_up)]
+        ratio_gu = _ratio(inner, r_gu, per_row([v.gate_up_bias for v in vs]), terms, per_row([v.gate_up_norm for v in vs]))
+        with one_thread():  # a few microseconds of work: a team of threads would only wait for each other
+            h = swiglu_rows(np.ascontiguousarray(inner, np.float32))
+        h_act = _act(h, vs[0].down_type, native)
+        steps = _near_steps(h, h_act, vs[0].down_type) if other_class and native else None
+        ratio_d = _ratio(answer, r_d, per_row([v.down_bias for v in vs]), [(h_act, per_row([v.down for v in vs]))],
+                         per_row([v.down_norm for v in vs]), answer_unit, steps)  # fmt: skip
+        return ratio_gu, ratio_d
+
+
+def unit_roundoff(dtype: object) -> float:
+    """The unit roundoff of an answer's float type (torch or numpy): 0 for float32, which loses nothing."""
+    name = str(dtype).rsplit(".", 1)[-1]
+    return {"float16": 2.0**-11, "bfloat16": 2.0**-8}.get(name, 0.0)
+
+
+def _act(x: np.ndarray, weight_type: int, native: bool) -> np.ndarray:
+    """The values a kernel multiplies for rows x (float64)."""
+    x = np.ascontiguousarray(x, np.float32)
+    if not native:
+        return x.astype(np.float64)
+    made = kernel_values(x, weight_type)
+    if made is None:
+        raise ValueError(f"ggml type {weight_type}'s kernel adds terms a projection cannot check")
+    return made
+
+
+def _ratio(
+    products: np.ndarray, r: np.ndarray, bias: np.ndarray, terms: list[tuple[np.ndarray, np.ndarray]],
+    norm: float | np.ndarray, rounded: float = 0.0, steps: np.ndarray | None = None,
+) -> np.ndarray:  # fmt: skip
+    """Per row, the largest over the projections of |r·products - Σ v·x̂ - r·bias| / its tolerance; the
+    vectors v [P, d] (one expert's) or [n, P, d] (each row's expert's), the norms and biases likewise;
+    `rounded`: the unit roundoff the products were rounded to after they were computed (r·that rounding is
+    normal with a deviation of at most rounded·‖products‖); `steps` [n, cols of the one term]: the rounding
+    steps another build may take, each allowed for in full (|v|·step)."""
+    # (einsum, not BLAS: these products are small, and BLAS's threads stall on a busy machine's cores)
+    n = int(products.shape[0])
+    terms = [(x, np.broadcast_to(v, (n, *v.shape)) if v.ndim == 2 else v) for x, v in terms]
+    norm = np.broadcast_to(np.asarray(norm, np.float64), (n,))
+    said = np.einsum("nf,pf->np", products.astype(np.float64), r)
+    expected = sum(np.einsum("nd,npd->np", x, v.astype(np.float64)) for x, v in terms) + bias
+    size = np.sqrt(sum(np.einsum("ij,ij->i", x, x) for x, _ in terms))  # ‖x̂‖ per row
+    # the vectors' own float32 error (their product and their rounding): |Σ (v - fl(v))·x̂| ≤ KEPT·u·Σ|v||x̂|
+    kept = sum(np.einsum("nd,npd->np", np.abs(x), np.abs(v.astype(np.float64))) for x, v in terms) * KEPT * U
+    tol = SIGMAS * ERROR_CONSTANT * U * norm[:, None] * size[:, None] + kept + np.finfo(np.float32).tiny
+    if rounded:
+        tol = tol + SIGMAS * rounded * np.linalg.norm(products.astype(np.float64), axis=1)[:, None]
+    if steps is not None:
+        tol = tol + np.einsum("nf,npf->np", steps, np.abs(terms[0][1].astype(np.float64)))
+    with np.errstate(invalid="ignore", over="ignore"):
+        out = np.abs(said - expected) / tol
+    return np.where(np.isfinite(out), out, np.inf).max(axis=1)
+
+
+def _near_steps(h: np.ndarray, made: np.ndarray, weight_type: int) -> np.ndarray:
+    """[n, F] the step of each element of h that lies within REACH of a rounding boundary of the down kernel's
+    row type (it may be rounded the other way by another build), 0 elsewhere."""
+    steps = kernel_steps(h, weight_type)
+    h64 = h.astype(np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        off = np.abs(h64 - made) / steps  # where it lies between two steps: 0.5 is the boundary
+    reach = REACH * (np.abs(h64) + np.abs(h64).mean(axis=1, keepdims=True)) / np.where(steps > 0, steps, 1.0)
+    near = (steps > 0) & (np.abs(0.5 - off) <= reach)
+    return np.where(near, steps, 0.0)
+
+
+def _values(part: SlabTensor) -> np.ndarray:
+    """A slab part's float32 values: ggml's own dequantizer where it has one (a 35B expert matrix in a fraction
+    of a millisecond, where a busy machine's torch dequantizer took hundreds), the same values."""
+    to_float = ggml_lib().ggml_get_type_traits(int(part.qtype)).contents.to_float
+    if not ctypes.cast(to_float, ctypes.c_void_p).value:
+        return float32_values(part.data, part.qtype, part.shape)
+    data = np.ascontiguousarray(part.data)
+    out = np.empty(part.shape, np.float32)
+    to_float(data.ctypes.data_as(ctypes.c_void_p), out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), out.size)
+    return out
+
+
+def _project(part: SlabTensor, r: np.ndarray) -> tuple[np.ndarray, float]:
+    """(Wᵀr [P, cols] float64, ‖W‖_F²) of one matrix, from its dequantized values: a float32 product (its
+    rounding, a few u of each element, is in the tolerance's KEPT term)."""
+    w = _values(part).reshape(part.shape[0], -1)
+    flat = w.reshape(-1)
+    v = np.einsum("pi,ij->pj", r.astype(np.float32), w).astype(np.float64)
+    return v, float(np.einsum("i,i->", flat, flat))
+
+
+def _weight_of(parts: list[tuple[SlabTensor, np.ndarray, SlabTensor | None]], kind: int) -> int:
+    """A weight type among parts whose kernels quantize rows to `kind`."""
+    return next(int(p.qtype) for p, _, _ in parts if vec_dot_type(int(p.qtype)) == kind)
