@@ -197,9 +197,28 @@ class Device:
                         return int(line.split()[1])
         return 0
 
-    def join(self, pid: int) -> None:
-        for f in self.procs_files:
-            f.write_text(str(pid))
+    def procs(self) -> list[str]:
+        """The cgroup.procs files a process joins to run on this device (bench/_fits_groups.JOIN takes them)."""
+        return [str(f) for f in self.procs_files]
+
+    def anon(self) -> int:
+        """Anonymous memory charged to the device now (its processes' own: never evicted, there is no swap)."""
+        stat = dict(line.split() for line in (self.memory_group / "memory.stat").read_text().splitlines())
+        return int(stat.get("total_rss", stat.get("anon", 0))) + int(
+            stat.get("total_shmem", stat.get("shmem", 0))
+        )
+
+    def read_bytes(self) -> int | None:
+        """Bytes read from disk: not counted on a rig device (bench/_fits_groups' blkio groups count them)."""
+        return None
+
+    def close(self) -> None:
+        """Remove the device now (what runs in it killed); the rig's close() does this for every device left."""
+        for g in self.groups:
+            _remove_group(g)
+        if self.net is not None:
+            _rig_net.remove_link(self.net)
+            self.net = None
 
     def command(self, argv: Sequence[str]) -> list[str]:
         """argv as it runs on this device: inside its namespace where it has one."""

@@ -74,7 +74,11 @@ def test_rows_that_are_not_whole_blocks_fall_back_as_llama_quantize_does():
 
 
 def _synthesized(tmp_path: Path) -> tuple[Path, list[int]]:
-    spec = preset("qwen35moe-tiny", dense_type="Q4_K_M", experts_type="Q4_K_M", seed=3)
+    # 8 value heads (the fixture's): every row a whole 256-block, no fallback type. With the preset's 4, ssm_out's
+    # rows of 128 fall back to Q5_0, and deploy/build-llama-cpp.sh's build (AVX-512) then differs from us from the
+    # prompt's row 8 on (mean KL 2.6e-4; rows 0-7 agree to 1e-13; with F32 dense the same dims agree): a batched
+    # kernel of that type, not the mixture, as far as measured.
+    spec = preset("qwen35moe-tiny", dense_type="Q4_K_M", experts_type="Q4_K_M", ssm_v_heads=8, seed=3)
     path = synthesize(tmp_path / "q4km.gguf", spec)
     want = {t.name: t.qtype for t in tensor_plan(spec)}
     assert {t.name: t.tensor_type for t in GGUFReader(path).tensors} == want
