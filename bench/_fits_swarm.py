@@ -61,7 +61,7 @@ class SwarmRun:
 class CappedSwarm:
     """n nodes, each on a device capped at `limit`, holding disjoint expert ranges of every layer. `devices`
     (one a node) and `coordinator` (a fresh device a run) replace the memory groups with other devices that
-    have their methods (bench/_rig.py's: their own CPU too)."""
+    have their methods (bench/_rig.py's: their own CPU too); the relay runs on `relay_device` where given."""
 
     def __init__(
         self,
@@ -72,6 +72,7 @@ class CappedSwarm:
         tunables: str = "",
         devices: Sequence[Any] | None = None,
         coordinator: Callable[[], Any] | None = None,
+        relay_device: Any = None,
     ) -> None:
         self.shard_dir, self.limit, self.workdir = shard_dir, limit, workdir
         n_expert = read_manifest(shard_dir).n_expert
@@ -84,6 +85,7 @@ class CappedSwarm:
             else [Device(limit, f"node{i}", disk) for i in range(n_nodes)]
         )
         self.coordinator = coordinator or (lambda: Device(self.limit, "coordinator", disk))
+        self.relay_prefix = (sys.executable, "-c", JOIN, *relay_device.procs(), "--") if relay_device else ()
         self.nodes: list[LocalNode] = []
         try:
             for i, dev in enumerate(self.devices):
@@ -129,7 +131,7 @@ class CappedSwarm:
         grpc = [f"{RELAY_HOST}:{n.port}" for n in self.nodes]
         streams = [f"{RELAY_HOST}:{port}" for port in self.stream_ports]
         pairs = [(a, a.replace(RELAY_HOST, "127.0.0.1")) for a in grpc + streams]
-        with relay(pairs, rtt_ms) as said:
+        with relay(pairs, rtt_ms, self.relay_prefix) as said:
             run = self._run(grpc, prompt, n_decode, extra)
         carried: dict[str, int] = said.get("carried", {})  # type: ignore[assignment]
         missing = [a for a in streams if not carried.get(a)]

@@ -4,7 +4,8 @@
 
 The split (issue 48's first one): the coordinator's device pinned to --coordinator-cpus (core 0) with the cap;
 --nodes node devices sharing --node-cpus (core 1), each --node-share of it by CFS quota and --node-cap of memory,
-every node behind the delaying relay at each --rtts round trip. llama.cpp (llama-bench, `--repack 0`, mmap,
+every node behind the delaying relay at each --rtts round trip (the relay on a device of its own: all cores by
+quota, outranking other work). llama.cpp (llama-bench, `--repack 0`, mmap,
 1 thread) runs alone on the coordinator's device (same core, same cap), the file read from a loop device with a
 phone's read-ahead (--read-ahead-kb) and from this VM's own disk. The swarm runs `swarm run --audit 0
 --threads 1` on the coordinator's device. Model: bench/_models.py's (the 35B layer shape, Q4_K experts, Q8_0 dense).
@@ -71,6 +72,8 @@ def measure(args: argparse.Namespace, rig: Rig) -> tuple[list[AtCap], dict[str, 
             for _ in range(args.nodes)
         ]
 
+    # the relay stands for the network, not for a device: all the machine's cores, outranking other work
+    relay_device = rig.device(DeviceSpec("relay", cpu_share=float(os.cpu_count() or 1)))
     results = []
     load: dict[str, object] = {"before": os.getloadavg()}
     for cap in args.caps:
@@ -107,6 +110,7 @@ def measure(args: argparse.Namespace, rig: Rig) -> tuple[list[AtCap], dict[str, 
             args.workdir / "nodes",
             devices=node_devices(),
             coordinator=functools.partial(coordinator_device, cap),
+            relay_device=relay_device,
         )
         try:
             print(f"  warm-up: {swarm.run(0, prompt, args.decode_tokens, 1)}", file=sys.stderr, flush=True)
