@@ -13,8 +13,9 @@ groups, namespaces, mounts and loop devices behind: `sweep()` (or `python bench/
 the prefix and removes them, killing what still runs in a leftover group first (a group is how the rig keeps
 track of its processes: every process it starts joins one, so none can escape the sweep by forking).
 
-Every device's cpu group gets the largest cpu.shares: when other work shares the machine's cores, a device still
-gets its quota (what a real device would have), and the quota, not the weight, bounds it.
+Every device's cpu group gets a weight in proportion to its share and far above an ordinary process's (`_weight`):
+when other work shares the machine's cores, a device still gets its quota (what a real device would have), and
+the quota, not the weight, bounds it.
 """
 
 from __future__ import annotations
@@ -46,6 +47,15 @@ V1_CONTROLLERS = ("cpu", "cpuset", "memory", "blkio")
 MIN_QUOTA_US = 1000  # the kernel's smallest CFS quota (and period)
 DEFAULT_PERIOD_US = 10_000
 MAX_SHARES = 262144  # cpu.shares' upper bound (v1); cpu.weight's is 10000 (v2)
+MAX_CORES = 8  # the largest share a device's weight is scaled for
+
+
+def _weight(share: float, top: int) -> int:
+    """A device's scheduler weight: in proportion to its share, so that devices on one core split it as their
+    quotas do while all are runnable (with equal weights a quarter-core device beside a half-core one got 0.22 of
+    the core: it spent its quota at half speed and then waited on the half-core one's), and far above an
+    ordinary process's 1024 (v1) or 100 (v2), so that other work does not take a device's quota."""
+    return max(2, min(top, round(top * share / MAX_CORES)))
 
 
 @dataclass(frozen=True)
@@ -142,7 +152,7 @@ class Device:
                 (g / "cpuset.cpus").write_text(spec.cpus)
             if spec.cpu_share is not None:
                 (g / "cpu.max").write_text(f"{round(spec.cpu_share * spec.period)} {spec.period}")
-                (g / "cpu.weight").write_text("10000")
+                (g / "cpu.weight").write_text(str(_weight(spec.cpu_share, 10000)))
             if spec.memory is not None:
                 (g / "memory.max").write_text(str(spec.memory))
                 if (g / "memory.swap.max").exists():
@@ -164,7 +174,7 @@ class Device:
                         )
                     (g / "cpu.cfs_period_us").write_text(str(spec.period))
                     (g / "cpu.cfs_quota_us").write_text(str(quota))
-                    (g / "cpu.shares").write_text(str(MAX_SHARES))
+                    (g / "cpu.shares").write_text(str(_weight(spec.cpu_share, MAX_SHARES)))
                 elif c == "memory" and spec.memory is not None:
                     (g / "memory.limit_in_bytes").write_text(str(spec.memory))
                     with contextlib.suppress(OSError):  # no swap accounting: nothing to forbid
