@@ -1,6 +1,6 @@
 """bench/_rig.py, the device rig: real cgroups, namespaces and loop devices. A device gets its CPU share, its
-memory cap holds as the kernel holds it, and nothing the rig made outlives it: not after Ctrl-C, and not after
-its driver is killed outright once the sweep has run."""
+memory cap holds as the kernel holds it, its own namespace reaches the host at its link's rate, and nothing the
+rig made outlives it: not after Ctrl-C, and not after its driver is killed outright once the sweep has run."""
 
 from __future__ import annotations
 
@@ -151,3 +151,36 @@ def test_an_interrupted_run_cleans_up_by_itself(rig_mod, tmp_path, sig):
         assert not _alive(child)
     finally:
         rig_mod.sweep(prefix)
+
+
+SENDER = """
+import socket, sys
+with socket.create_connection((sys.argv[1], int(sys.argv[2]))) as s:
+    s.sendall(b"x" * (1 << 20))
+"""
+
+
+@pytest.mark.slow
+def test_a_device_with_its_own_namespace_reaches_the_host_at_its_link_rate(rig_mod):
+    """A device in its own network namespace sends 1 MiB to the host over its veth link: at 8 Mbit/s (tc tbf)
+    that takes about a second, where the unshaped link takes a small part of one."""
+    import socket
+
+    def send_time(rig, rate: str | None, name: str) -> float:
+        dev = rig.device(rig_mod.DeviceSpec(name, netns=True, rate=rate))
+        with socket.create_server((dev.net.host_ip, 0)) as server:
+            port = server.getsockname()[1]
+            sender = rig.popen(dev, [sys.executable, "-c", SENDER, dev.net.host_ip, str(port)])
+            conn, _ = server.accept()
+            t0, got = time.monotonic(), 0
+            with conn:
+                while chunk := conn.recv(1 << 16):
+                    got += len(chunk)
+            assert sender.wait(timeout=30) == 0 and got == 1 << 20
+            return time.monotonic() - t0
+
+    with rig_mod.Rig() as rig:
+        shaped = send_time(rig, "8mbit", "shaped")
+        free = send_time(rig, None, "free")
+    assert 0.8 < shaped < 5.0, shaped
+    assert free < shaped / 3, (free, shaped)
