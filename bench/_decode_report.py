@@ -11,7 +11,6 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
-from _llama import AVX2_CMAKE
 from _models import MODELS
 from _timing import Run
 
@@ -146,7 +145,7 @@ def _llama_build(args: argparse.Namespace, results: dict[str, list[Run]], llama_
     lines = [
         "",
         f"llama.cpp: {llama_ver}, built from the source vendored in the llama-cpp-python 0.3.36 sdist "
-        "(CPU backend, -march=native, OpenMP, llamafile tinyBLAS and weight repacking on, its defaults); "
+        "(CPU backend, the x86 levels this CPU has, OpenMP, llamafile tinyBLAS and weight repacking on, its defaults); "
         "llama-bench's pp test feeds "
         f"{args.prompt_tokens} tokens, its tg test decodes {args.decode_tokens} tokens from an empty context "
         "(ours decodes after the prompt, so it attends over 64 more positions; at 4 layers with 1 "
@@ -154,29 +153,16 @@ def _llama_build(args: argparse.Namespace, results: dict[str, list[Run]], llama_
         "the layers on the rpc-servers (llama.cpp splits by layer, not by expert); "
         f"each rpc-server runs `-t {args.rpc_threads}`." + (f" {args.llama_note}" if args.llama_note else ""),
         "",
-        "Building it (outside the repo; nothing of it is committed; 8 min on these 2 cores):",
-        "",
-        "```",
-        "pip download --no-binary :all: --no-deps llama-cpp-python==0.3.36 -d /work/ext && cd /work/ext",
-        "tar xzf llama_cpp_python-0.3.36.tar.gz",
-        "cmake -S llama_cpp_python-0.3.36/vendor/llama.cpp -B /work/llamacpp-build/build \\",
-        "      -DCMAKE_BUILD_TYPE=Release -DGGML_RPC=ON -DLLAMA_BUILD_SERVER=ON -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF",
-        "cmake --build /work/llamacpp-build/build -j2 --target llama-bench ggml-rpc-server llama-server llama-batched-bench",
-        "```",
-        "",
-        "Where the CPU reports AMX but the machine does not enable it (a VM: llama.cpp's native build then dies "
-        "with SIGILL at `tilezero` in ggml's AMX kernels), add "
-        '`"-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"` and the same `-DCMAKE_CXX_FLAGS` to '
-        "the configure line.",
+        "Building it (outside the repo; nothing of it is committed): `deploy/build-llama-cpp.sh`, which downloads "
+        "the sdist, configures with the RPC backend and the server and the x86 levels the CPU has, and builds the "
+        "tools the benches run.",
     ]
     if "llama.cpp-avx2" in results:
         lines += [
             "",
             "The AVX2-baseline row is the same source built for the x86 level swarm's ggml is built for "
-            "(no AVX-512 or VNNI even where the CPU has them; see the README's install), the same two "
-            "commands with `-B /work/llamacpp-avx2/build` and",
-            "",
-            f"`{AVX2_CMAKE}` added to the configure line.",
+            "(no AVX-512 or VNNI even where the CPU has them; see the README's install): "
+            "`LLAMA_AVX512=0 deploy/build-llama-cpp.sh /work/llamacpp-avx2`.",
         ]
     return lines
 

@@ -60,7 +60,7 @@ class Device:
     counts what its processes read from the disk `disk` lies on."""
 
     def __init__(self, limit: int | None, name: str, disk: Path | None = None) -> None:
-        tag = f"swarm-fits-{name}-{uuid.uuid4().hex[:8]}"
+        tag = f"swrig-fits-{name}-{uuid.uuid4().hex[:8]}"  # the rig's sweep finds a killed run's
         self.memory = MEMORY / tag
         self.memory.mkdir()
         self.limit = limit

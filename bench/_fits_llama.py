@@ -9,6 +9,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from _fits_groups import JOIN, Device, drop_page_cache
 
@@ -33,13 +34,15 @@ def llama_phase(
     repack: bool,
     warmup: bool = True,
     reps: int = 1,
+    device: Any = None,
 ) -> Phase:
     """llama-bench's pp test (n_decode 0) or tg test (n_prompt 0) in a fresh group capped at `limit`, the file
     out of the page cache first; mmap on (its default: the file's pages are page cache, which the kernel
     evicts under the cap and reads again at the next use). `reps` timed repetitions in the one process: the
-    median of their tok/s."""
+    median of their tok/s. `device`: another device with a memory group's methods (bench/_rig.py's), used
+    and closed instead of a fresh memory group."""
     drop_page_cache(gguf)
-    dev = Device(limit, "llama", gguf)
+    dev = device if device is not None else Device(limit, "llama", gguf)
     cmd = [sys.executable, "-c", JOIN, *dev.procs(), "--", str(binary), "-m", str(gguf), "-p", str(n_prompt),
            "-n", str(n_decode), "-t", str(threads), "-r", str(reps), "-o", "json", "--repack", str(int(repack)),
            *([] if warmup else ["--no-warmup"])]  # fmt: skip

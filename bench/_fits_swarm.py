@@ -8,8 +8,10 @@ import math
 import re
 import subprocess
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from _fits_groups import JOIN, Device, MiB, drop_page_cache
 from _relay import relay
@@ -57,15 +59,33 @@ class SwarmRun:
 
 
 class CappedSwarm:
-    """n nodes, each on a device capped at `limit`, holding disjoint expert ranges of every layer."""
+    """n nodes, each on a device capped at `limit`, holding disjoint expert ranges of every layer. `devices`
+    (one a node) and `coordinator` (a fresh device a run) replace the memory groups with other devices that
+    have their methods (bench/_rig.py's: their own CPU too); the relay runs on `relay_device` where given."""
 
-    def __init__(self, shard_dir: Path, limit: int, n_nodes: int, workdir: Path, tunables: str = "") -> None:
+    def __init__(
+        self,
+        shard_dir: Path,
+        limit: int,
+        n_nodes: int,
+        workdir: Path,
+        tunables: str = "",
+        devices: Sequence[Any] | None = None,
+        coordinator: Callable[[], Any] | None = None,
+        relay_device: Any = None,
+    ) -> None:
         self.shard_dir, self.limit, self.workdir = shard_dir, limit, workdir
         n_expert = read_manifest(shard_dir).n_expert
         cuts = [n_expert * i // n_nodes for i in range(n_nodes + 1)]
         drop_page_cache(shard_dir)
         disk = shard_dir / "manifest.json"
-        self.devices = [Device(limit, f"node{i}", disk) for i in range(n_nodes)]
+        self.devices = (
+            list(devices)
+            if devices is not None
+            else [Device(limit, f"node{i}", disk) for i in range(n_nodes)]
+        )
+        self.coordinator = coordinator or (lambda: Device(self.limit, "coordinator", disk))
+        self.relay_prefix = (sys.executable, "-c", JOIN, *relay_device.procs(), "--") if relay_device else ()
         self.nodes: list[LocalNode] = []
         try:
             for i, dev in enumerate(self.devices):
@@ -111,7 +131,7 @@ class CappedSwarm:
         grpc = [f"{RELAY_HOST}:{n.port}" for n in self.nodes]
         streams = [f"{RELAY_HOST}:{port}" for port in self.stream_ports]
         pairs = [(a, a.replace(RELAY_HOST, "127.0.0.1")) for a in grpc + streams]
-        with relay(pairs, rtt_ms) as said:
+        with relay(pairs, rtt_ms, self.relay_prefix) as said:
             run = self._run(grpc, prompt, n_decode, extra)
         carried: dict[str, int] = said.get("carried", {})  # type: ignore[assignment]
         missing = [a for a in streams if not carried.get(a)]
@@ -131,7 +151,7 @@ class CappedSwarm:
         # each coordinator reads the dense weights into its own group (the run before would have them
         # resident, charged to its group, for free)
         drop_page_cache(self.shard_dir / "dense.gguf", self.shard_dir / "manifest.json")
-        dev = Device(self.limit, "coordinator", self.shard_dir / "manifest.json")
+        dev = self.coordinator()
         peer_args = [a for p in peers for a in ("--peer", p)]
         cmd = [sys.executable, "-c", JOIN, *dev.procs(), "--swarm", "run", str(self.shard_dir), "--no-mdns",
                *peer_args, "--prompt", prompt, "--max-tokens", str(n_decode), *extra]  # fmt: skip

@@ -147,11 +147,14 @@ def serve(pairs: list[tuple[str, str]], rtt_ms: float) -> None:
 
 
 @contextlib.contextmanager
-def relay(pairs: Sequence[tuple[str, str]], rtt_ms: float) -> Iterator[dict[str, object]]:
+def relay(
+    pairs: Sequence[tuple[str, str]], rtt_ms: float, prefix: Sequence[str] = ()
+) -> Iterator[dict[str, object]]:
     """A relay process for (listen, target) pairs while the block runs; the dict it yields gets, once the
     block is done, "carried" (bytes through each listening address) and "late_ms" (mean and largest delay
-    past the set one of a chunk), or nothing if the relay did not say."""
-    cmd = [sys.executable, __file__, "--rtt-ms", str(rtt_ms), *(f"{a}={b}" for a, b in pairs)]
+    past the set one of a chunk), or nothing if the relay did not say. `prefix`: what runs it (a rig device's
+    join, so that other work on the machine does not make it late)."""
+    cmd = [*prefix, sys.executable, __file__, "--rtt-ms", str(rtt_ms), *(f"{a}={b}" for a, b in pairs)]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     said: dict[str, object] = {}
     try:

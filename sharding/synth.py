@@ -46,6 +46,7 @@ FILE_TYPES = {
     "Q8_0": LlamaFileType.MOSTLY_Q8_0,
     "Q4_0": LlamaFileType.MOSTLY_Q4_0,
     "Q4_K": LlamaFileType.MOSTLY_Q4_K_M,
+    "Q4_K_M": LlamaFileType.MOSTLY_Q4_K_M,
     "Q5_K": LlamaFileType.MOSTLY_Q5_K_M,
     "Q6_K": LlamaFileType.MOSTLY_Q6_K,
     "IQ4_XS": LlamaFileType.MOSTLY_IQ4_XS,

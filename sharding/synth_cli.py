@@ -59,7 +59,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--dense-type",
         choices=DENSE_TYPES,
-        help="ggml type of the other matrices (default F16; norms, routers and ssm vectors stay F32)",
+        help="ggml type of the other matrices (default F16; norms, routers and ssm vectors stay F32); Q4_K_M: "
+        "each matrix the type llama-quantize's Q4_K_M gives it (Q4_K, Q6_K in its chosen layers, Q8_0/Q5_K where "
+        "it wants them), as a real Q4_K_M file has; --experts-type Q4_K_M does the same for the experts",
     )
     p.add_argument("--vocab", type=int, help="vocabulary size (default 4096, 768 for the tiny presets)")
     p.add_argument("--mtp", type=int, help="qwen35moe: 1 adds a multi-token-prediction block (default 0)")

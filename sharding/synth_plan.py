@@ -13,6 +13,7 @@ from typing import NamedTuple
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from swarm.sharding.synth_mix import MIXES, mix_type
 from swarm.sharding.synth_spec import SynthSpec
 
 logger = logging.getLogger(__name__)
@@ -82,8 +83,13 @@ class _Planner:
 
     def __init__(self, spec: SynthSpec) -> None:
         self.spec = spec
-        self.dense, self.experts = Q[spec.dense_type], Q[spec.experts_type]
         self.plan: list[PlannedTensor] = []
+
+    def _typed(self, kind: str, name: str, shape: tuple[int, ...]) -> GGMLQuantizationType:
+        """A tensor's type from `kind` (the spec's dense or experts type): one type, or a mixture's per tensor."""
+        if kind in MIXES:
+            return mix_type(kind, name, shape, self.spec.n_blocks, self.spec.n_expert)
+        return Q[kind]
 
     def mat(
         self,
@@ -93,9 +99,9 @@ class _Planner:
         sigma: float | None = None,
     ) -> None:
         """A matrix of the dense type (unless `qtype`), drawn N(0, sigma), sigma 1/sqrt(fan_in) by default."""
-        qtype = self.dense if qtype is None else qtype
+        qtype = self._typed(self.spec.dense_type, name, shape) if qtype is None else qtype
         block = GGML_QUANT_SIZES[qtype][0]
-        if shape[0] % block:
+        if shape[0] % block:  # (a mixture's type already fell back as llama-quantize's does)
             # llama-quantize does the same: a row that is not whole blocks keeps a float type.
             logger.debug("%s: rows of %d are not whole %s blocks; writing F16", name, shape[0], qtype.name)
             qtype = Q.F16
@@ -145,11 +151,16 @@ class _Planner:
         mat(p + "ssm_out.weight", (nv * d, D))
 
     def moe(self, p: str) -> None:
-        spec, mat, vec, add, experts = self.spec, self.mat, self.vec, self.plan.append, self.experts
+        spec, mat, vec = self.spec, self.mat, self.vec
         D, E, F, Fs = spec.n_embd, spec.n_expert, spec.expert_ff, spec.shared_ff
-        add(PlannedTensor(p + "ffn_down_exps.weight", (F, D, E), experts, Init("normal", F**-0.5)))
-        add(PlannedTensor(p + "ffn_gate_exps.weight", (D, F, E), experts, Init("normal", D**-0.5)))
-        add(PlannedTensor(p + "ffn_up_exps.weight", (D, F, E), experts, Init("normal", D**-0.5)))
+
+        def experts(name: str, shape: tuple[int, int, int], fan_in: int) -> None:
+            qtype = self._typed(spec.experts_type, p + name, shape)
+            self.plan.append(PlannedTensor(p + name, shape, qtype, Init("normal", fan_in**-0.5)))
+
+        experts("ffn_down_exps.weight", (F, D, E), F)
+        experts("ffn_gate_exps.weight", (D, F, E), D)
+        experts("ffn_up_exps.weight", (D, F, E), D)
         # Router logits with std ~3 on a unit-RMS input: clearly preferred experts, not a uniform split.
         vec(p + "ffn_gate_inp.weight", (D, E), Init("normal", 3.0 / D**0.5))
         if spec.arch != "qwen3moe":

@@ -23,8 +23,22 @@ ARCHS = ("qwen35moe", "qwen3next", "qwen2moe", "qwen3moe")
 HYBRID_ARCHS = ("qwen35moe", "qwen3next")
 # Expert tensors: float types and gguf's own quantizer types are made from N(0, sigma) values; the K- and
 # I-quants (gguf-py cannot quantize them) are written as valid random blocks with scales set for sigma.
-EXPERT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ2_XS", "IQ1_M")
-DENSE_TYPES = ("F32", "F16", "BF16", "Q8_0")
+# Q4_K_M is llama-quantize's mixture (swarm.sharding.synth_mix): Q4_K with Q6_K/Q8_0/Q5_K where it gives more bits.
+EXPERT_TYPES = (
+    "F32",
+    "F16",
+    "BF16",
+    "Q8_0",
+    "Q4_0",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+    "IQ4_XS",
+    "IQ2_XS",
+    "IQ1_M",
+    "Q4_K_M",
+)
+DENSE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_K_M")
 # The vocabulary's special tokens, after the byte-level BPE pieces (synth.build_vocab): --vocab must hold both.
 SPECIAL_TOKENS = (
     ("<|endoftext|>", TokenType.CONTROL),
@@ -143,7 +157,8 @@ class SynthSpec:
             raise UserError(
                 f"vocab {self.n_vocab} is too small: the byte-level tokenizer needs at least {min_vocab}"
             )
-        block = GGML_QUANT_SIZES[Q[self.experts_type]][0]
+        base = "Q4_K" if self.experts_type == "Q4_K_M" else self.experts_type  # the mixture's rows are Q4_K's
+        block = GGML_QUANT_SIZES[Q[base]][0]
         for what, row in (("embedding width", self.n_embd), ("expert ff", self.expert_ff)):
             if row % block:
                 raise UserError(

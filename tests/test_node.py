@@ -2,7 +2,7 @@
 
 Five node processes start once for the module (in parallel):
 - `mixed`: a GGUF built here whose layer i holds the experts of a `swarm synth` model of quant type
-  EXPERT_TYPES[i] (all 11 types in one node), under a 1 MiB --memory budget (one expert resident).
+  SINGLE_TYPES[i] (all 11 types in one node), under a 1 MiB --memory budget (one expert resident).
 - the reference fixtures: qwen35moe-tiny F32 (with a swarm key) and BF16, qwen35moe-quant Q4_K_M (real
   llama.cpp Q4_K/Q6_K blocks, held slab by slab), and Q8_0 served from a `swarm shard` directory with
   one slab corrupted on purpose.
@@ -42,7 +42,11 @@ from swarm.proto.codec import compute_request
 from swarm.sharding.manifest import read_manifest
 from swarm.sharding.shard import shard_model
 from swarm.sharding.synth import synthesize
+from swarm.sharding.synth_mix import MIXES
 from swarm.sharding.synth_spec import EXPERT_TYPES, preset
+
+# one ggml type a layer (a mixture such as Q4_K_M is several)
+SINGLE_TYPES = tuple(q for q in EXPERT_TYPES if q not in MIXES)
 
 pytestmark = pytest.mark.slow  # one module-wide start of five node processes (~10 s on 2 cores)
 
@@ -58,10 +62,10 @@ Q = GGMLQuantizationType
 
 
 def build_mixed_gguf(tmp: Path) -> Path:
-    """One GGUF whose layer i has the stacked experts (bytes as synth wrote them) of quant type EXPERT_TYPES[i]."""
+    """One GGUF whose layer i has the stacked experts (bytes as synth wrote them) of quant type SINGLE_TYPES[i]."""
     out = tmp / "mixed.gguf"
     w = GGUFWriter(out, "qwen3moe")
-    for layer, qtype in enumerate(EXPERT_TYPES):
+    for layer, qtype in enumerate(SINGLE_TYPES):
         src = tmp / f"synth-{qtype}.gguf"
         synthesize(
             src, preset("qwen3moe-tiny", n_layers=1, n_expert=4, experts_type=qtype, n_vocab=300, seed=layer)
@@ -168,7 +172,7 @@ def check_call(
 CASES = [
     *[
         pytest.param("mixed", None, layer, [0, 1, 2, 3], 256, id=f"synth-{q}")
-        for layer, q in enumerate(EXPERT_TYPES)
+        for layer, q in enumerate(SINGLE_TYPES)
     ],
     pytest.param("f32", F32_GGUF, 2, [0, 5, 31], 64, id="fixture-F32"),
     pytest.param("bf16", BF16_GGUF, 1, [7, 3, 4], 64, id="fixture-BF16"),
@@ -184,14 +188,14 @@ def test_outputs_match_gguf_dequantization_in_float64(clients, models, node, pat
     path = path or models["mixed"]
     counts = [3, 1, 2, 5][: len(experts)]
     check_call(clients[node], path, layer, experts, counts, d, seed=layer)
-    f32 = node == "f32" or (node == "mixed" and EXPERT_TYPES[layer] == "F32")
+    f32 = node == "f32" or (node == "mixed" and SINGLE_TYPES[layer] == "F32")
     check_call(clients[node], path, layer, experts, counts, d, seed=layer, numerics="native",
                tol=1e-5 if f32 else 6e-2)  # fmt: skip
 
 
 def test_mixed_gguf_has_every_quant_type(models):
     types = {t.name: t.tensor_type.name for t in GGUFReader(models["mixed"]).tensors}
-    for layer, q in enumerate(EXPERT_TYPES):
+    for layer, q in enumerate(SINGLE_TYPES):
         assert types[f"blk.{layer}.ffn_gate_exps.weight"] == q
 
 
@@ -201,7 +205,7 @@ def test_half_precision_wire(clients, models, dtype, tol):
     check_call(
         clients["mixed"],
         models["mixed"],
-        EXPERT_TYPES.index("Q4_K"),
+        SINGLE_TYPES.index("Q4_K"),
         [1, 2],
         [4, 3],
         256,
@@ -224,7 +228,7 @@ def test_batching_several_experts_equals_one_by_one(clients):
 
 def test_memory_budget_smaller_than_held_set_evicts_and_stays_correct(clients, models):
     c = clients["mixed"]
-    layer = EXPERT_TYPES.index("IQ2_XS")
+    layer = SINGLE_TYPES.index("IQ2_XS")
     before = c.stats()
     _, first = check_call(c, models["mixed"], layer, [0, 1, 2, 3], [1, 2, 1, 2], 256, seed=7)
     _, second = check_call(c, models["mixed"], layer, [0, 1, 2, 3], [1, 2, 1, 2], 256, seed=7)
@@ -243,7 +247,7 @@ def test_concurrent_calls_are_all_correct(clients, models):
     rng = np.random.default_rng(3)
     calls = []
     for i in range(12):
-        layer = i % len(EXPERT_TYPES)
+        layer = i % len(SINGLE_TYPES)
         x = torch.from_numpy(rng.standard_normal((5, 256)).astype(np.float32))
         call = c.compute_async(layer, [i % 4, (i + 1) % 4], [2, 3], x, timeout=60, numerics="exact")
         calls.append((layer, x, call))

@@ -621,7 +621,9 @@ def test_synth_models_in_every_quant_type(tmp_path, qtype, like):
     out = tmp_path / "out"
     shard_model(src, out)
     check_shard_against_source(src, out)
-    assert {t.qtype for t in read_manifest(out).expert_tensors} == {qtype}
+    # a mixture (Q4_K_M) gives its experts its base type, and more bits (Q6_K) to ffn_down in its chosen layers
+    want = {"Q4_K", "Q6_K"} if qtype == "Q4_K_M" else {qtype}
+    assert {t.qtype for t in read_manifest(out).expert_tensors} == want
     assert verify_shard(out, src) == []
 
 

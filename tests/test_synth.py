@@ -15,6 +15,7 @@ from swarm.coordinator.cli import main
 from swarm.sharding.errors import UserError
 from swarm.sharding.gguf_io import expert_tensors, open_gguf, read_metadata
 from swarm.sharding.synth import build_vocab, synthesize
+from swarm.sharding.synth_mix import MIXES, mix_type
 from swarm.sharding.synth_spec import EXPERT_TYPES, SynthSpec, preset
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -24,6 +25,8 @@ CONVERTED = [
     ("qwen35moe-tiny/model-f32.gguf", "F32", "F32"),
     ("qwen35moe-tiny/model-bf16.gguf", "BF16", "BF16"),
     ("qwen35moe-quant/model-q8_0.gguf", "Q8_0", "Q8_0"),
+    # llama-quantize's Q4_K_M: every tensor's type as its mixture gives it (swarm.sharding.synth_mix)
+    ("qwen35moe-quant/model-q4_k_m.gguf", "Q4_K_M", "Q4_K_M"),
     ("qwen3next-tiny/model-f32.gguf", "F32", "F32"),
     ("qwen2moe-tiny/model-f32.gguf", "F32", "F32"),
     ("qwen3moe-tiny/model-f32.gguf", "F32", "F32"),
@@ -155,7 +158,13 @@ def test_every_expert_type_dequantizes_to_sane_values(tmp_path, qtype):
     found = expert_tensors(reader, path)
     assert {x.kind for x in found} == {"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"}
     for x in found:
-        assert x.qtype == GGMLQuantizationType[qtype]
+        # a mixture's type is its own per tensor (Q4_K_M: Q4_K, ffn_down Q6_K in its chosen layers)
+        mixed = qtype in MIXES
+        assert x.qtype == (
+            mix_type(qtype, x.name, x.tensor.shape.tolist(), 1, spec.n_expert)
+            if mixed
+            else GGMLQuantizationType[qtype]
+        )
         assert x.n_expert == spec.n_expert
         assert x.slab_bytes * x.n_expert == x.tensor.n_bytes
         raw = np.asarray(x.tensor.data).view(np.uint8).reshape(-1)
