@@ -13,6 +13,7 @@ from swarm.compute.numclass import numerics_class, same_class
 from swarm.coordinator.checks.audit import Auditor
 from swarm.coordinator.config import EngineConfig
 from swarm.coordinator.experts.remote.dispatch import SwarmExperts
+from swarm.coordinator.experts.remote.joins import JoinListener, Sources
 from swarm.coordinator.experts.remote.placement import Placement, describe_missing
 from swarm.node.auth import SwarmKey
 from swarm.node.client import NodeCallError, NodeClient, ask_peer
@@ -80,6 +81,7 @@ class _Found:
                 key=self.key,
                 tls=n.tls,
                 stream_port=n.stream_port,
+                dial=n.dial,
             )
             if self.identity.match(n.identity) is Match.HEADER:
                 self.by_header.append(n.address)
@@ -137,8 +139,19 @@ def _browse(
     return browser
 
 
+def _take(found: _Found, nodes: list[DiscoveredNode], needed: Sequence[SlabKey]) -> bool:
+    """The nodes taken; whether every needed slab has a holder now."""
+    for n in nodes:
+        found.add(n)
+    return not found.placement.missing(needed)
+
+
 def _give_up(
-    found: _Found, missing: dict[int, list[int]], browser: NodeBrowser | None, mdns: bool, source: str
+    found: _Found,
+    missing: dict[int, list[int]],
+    browser: NodeBrowser | Sources | None,
+    mdns: bool,
+    source: str,
 ) -> NoReturn:
     """Close what was opened and say which nodes to start."""
     if browser is not None:
@@ -173,7 +186,8 @@ def connect(
     make_checker: MakeChecker | None = None,
 ) -> SwarmExperts:
     """The swarm backend, complete: nodes found (`config.peers` asked one by one, then mDNS until every
-    needed slab has a holder or `config.wait` s pass) and their answers checked by what `make_checker` builds.
+    needed slab has a holder or `config.wait` s pass), with `config.listen` nodes that join too (swarm node
+    --join: coordinator/experts/remote/joins.py), and their answers checked by what `make_checker` builds.
 
     A node is taken when `identity` matches its own (the same model, started on the GGUF or on its shard
     directory: see swarm.sharding.identity; a bare fingerprint string matches exactly that fingerprint). Each
@@ -184,11 +198,19 @@ def connect(
     if isinstance(identity, str):
         identity = ModelIdentity(identity)
     found = _Found(identity, config.key, config.same_class_only)
+    joins = JoinListener(config.listen, config.key, identity) if config.listen else None
     for peer in config.peers:
         found.ask(peer, config.wait)
-    browser = None
+    browser: NodeBrowser | Sources | None = None
     if config.mdns and found.placement.missing(needed):
         browser = _browse(found, needed, config.mdns_interfaces, config.wait)
+    if joins is not None:
+        if found.placement.missing(needed):
+            log.info("swarm: waiting up to %g s for nodes to join on port %d", config.wait, joins.port)
+            joins.wait_for(lambda nodes: _take(found, nodes, needed), config.wait)
+        for n in joins.nodes():
+            found.add(n)
+        browser = Sources(browser, joins)
     missing = found.placement.missing(needed)
     if missing:
         _give_up(found, missing, browser, config.mdns, source)
