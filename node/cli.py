@@ -143,9 +143,10 @@ def _add_identity_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--join",
         default=None,
-        metavar="INVITE|HOST:PORT",
+        metavar="INVITE|FILE|HOST:PORT",
         help="dial out to the coordinator and serve it over that link (behind NAT, on a phone, where multicast "
-        "does not reach): an invite from `swarm invite`, or the coordinator's --listen HOST:PORT with "
+        "does not reach): an invite from `swarm invite` (or a file holding it, which no process listing "
+        "shows), or the coordinator's --listen HOST:PORT with "
         "--key-file. Implies --no-mdns; the link is dialed again with backoff whenever it drops",
     )
     p.add_argument(

@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from swarm.node.auth import SwarmKey, Verifier, is_loopback_host
@@ -46,9 +47,22 @@ class JoinTarget:
     secret: bytes
 
 
+def join_text(join: str) -> str:
+    """--join's value: an invite, HOST:PORT, or a file holding an invite (which, unlike a command line, no
+    process listing shows: an invite lets its holder join)."""
+    path = Path(join)
+    if not join.startswith("swarm-invite") and path.is_file():
+        try:
+            return path.read_text().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"--join {join}: cannot read the invite ({e})") from None
+    return join.strip()
+
+
 def join_target(join: str, key: SwarmKey | None, identity: ModelIdentity) -> JoinTarget:
     """What `--join` names, checked against this node's key and model (a UserError that says what to fix)."""
-    if join.strip().startswith("swarm-invite"):
+    join = join_text(join)
+    if join.startswith("swarm-invite"):
         invite: Invite = parse_invite(join)
         if key is not None and cert_pin(key) != invite.pin:
             raise UserError(
@@ -96,6 +110,7 @@ class JoinLink:
             "name": name,
             "fingerprint": identity.fingerprint,
             "source_sha256": identity.source_sha256,
+            "timeout": link_timeout,  # the coordinator pings often enough for it
         }
         self.joins = 0
         self.last_error = "no answer"  # what the last dial met
@@ -229,8 +244,8 @@ def check_join(args: argparse.Namespace) -> None:
             "--join serves the coordinator over the link this node dials: leave --host at 127.0.0.1 (the "
             "node's own gRPC server stays on loopback, nothing connects to it from outside)"
         )
-    if args.join.strip().startswith("swarm-invite"):
-        parse_invite(args.join)
+    if (text := join_text(args.join)).startswith("swarm-invite"):
+        parse_invite(text)
 
 
 def join_from_args(

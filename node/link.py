@@ -5,7 +5,7 @@ Every connection of a link is dialed by the node (NAT lets nothing in) to the co
 TLS with the coordinator as the server, showing the swarm key's certificate. Then, in messages of a u32
 length and compact JSON (at most MAX_MESSAGE bytes):
 
-    node         hello  {v, kind, node, conn, nonce, fingerprint, source_sha256, name}
+    node         hello  {v, kind, node, conn, nonce, fingerprint, source_sha256, name, timeout}
     coordinator         {nonce, proof}    proof = HMAC(join secret, "coordinator" | node nonce | its nonce | pin)
     node                {proof}           proof = HMAC(join secret, "node" | coordinator nonce | node nonce | pin)
     coordinator         {ok} or {error}
@@ -16,8 +16,8 @@ neither can be replayed or carried to another channel (Python's ssl has no RFC 5
 pinned certificate is what binds the proofs to this channel: a man in the middle would have to show it).
 Either end refuses the other with a message that says what to do.
 
-`kind` says what the connection is for once both are proven: "control" (the link itself: pings both ways, the
-coordinator's requests for more connections), "stream" (the node serves Compute frames on it,
+`kind` says what the connection is for once both are proven: "control" (the link itself: pings both ways, each
+end a quarter of the node's link timeout apart, and the coordinator's requests for more connections), "stream" (the node serves Compute frames on it,
 swarm.proto.frames, exactly as on its compute stream, the coordinator calling) or "grpc" (the bytes of one
 gRPC connection to the node's own server, relayed: Info, Stats, health).
 """

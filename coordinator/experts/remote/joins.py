@@ -243,7 +243,9 @@ class JoinListener:
             joined = self._nodes.get(node_id)
             if joined is None:
                 joined = self._nodes[node_id] = _Joined(self, node_id, name)
-            old, joined.link = joined.link, _Link(Control(control, self.link_timeout), remote)
+            timeout = hello.get("timeout")
+            timeout = min(self.link_timeout, max(1.0, timeout)) if isinstance(timeout, (int, float)) else self.link_timeout
+            old, joined.link = joined.link, _Link(Control(control, timeout), remote)
             link = joined.link
         if old is not None:
             old.close()  # the calls on it fail over; the new link takes the next ones
