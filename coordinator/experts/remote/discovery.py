@@ -119,24 +119,28 @@ class _Found:
 
 
 def _browse(
-    found: _Found, needed: Sequence[SlabKey], interfaces: Sequence[str] | None, wait: float
-) -> NodeBrowser:
-    """mDNS until every needed slab has a holder or `wait` s pass; the browser goes on after connect."""
+    found: _Found,
+    needed: Sequence[SlabKey],
+    mdns: bool,
+    interfaces: Sequence[str] | None,
+    joins: JoinListener | None,
+    wait: float,
+) -> NodeBrowser | Sources | None:
+    """mDNS (and nodes that join) until every needed slab has a holder or `wait` s pass; the sources go on
+    after connect."""
     from swarm.node.discovery import MDNS_SETTLE_SECONDS, browse
 
-    browser = browse(interfaces=interfaces, identity=found.identity, key=found.key)
-
-    def covered(nodes: list) -> bool:
-        for n in nodes:
-            found.add(n)
-        return not found.placement.missing(needed)
-
-    if browser.wait_for(covered, wait) is not None:
+    browser = browse(interfaces=interfaces, identity=found.identity, key=found.key) if mdns else None
+    sources = Sources(browser, joins)
+    if joins is not None:
+        log.info("swarm: waiting up to %g s for nodes (joining on port %d)", wait, joins.port)
+    waiter = browser if joins is None and browser is not None else sources  # (a browser wakes on news)
+    if waiter.wait_for(lambda nodes: _take(found, nodes, needed), wait) is not None and browser is not None:
         # Other nodes answer the same query (the replicas a failover will need): take them too.
         time.sleep(min(MDNS_SETTLE_SECONDS, wait))
-    for n in browser.nodes():
+    for n in sources.nodes():
         found.add(n)
-    return browser
+    return browser if joins is None else sources
 
 
 def _take(found: _Found, nodes: list[DiscoveredNode], needed: Sequence[SlabKey]) -> bool:
@@ -201,16 +205,9 @@ def connect(
     joins = JoinListener(config.listen, config.key, identity) if config.listen else None
     for peer in config.peers:
         found.ask(peer, config.wait)
-    browser: NodeBrowser | Sources | None = None
-    if config.mdns and found.placement.missing(needed):
-        browser = _browse(found, needed, config.mdns_interfaces, config.wait)
-    if joins is not None:
-        if found.placement.missing(needed):
-            log.info("swarm: waiting up to %g s for nodes to join on port %d", config.wait, joins.port)
-            joins.wait_for(lambda nodes: _take(found, nodes, needed), config.wait)
-        for n in joins.nodes():
-            found.add(n)
-        browser = Sources(browser, joins)
+    browser: NodeBrowser | Sources | None = Sources(joins) if joins is not None else None
+    if (config.mdns or joins is not None) and found.placement.missing(needed):
+        browser = _browse(found, needed, config.mdns, config.mdns_interfaces, joins, config.wait)
     missing = found.placement.missing(needed)
     if missing:
         _give_up(found, missing, browser, config.mdns, source)
