@@ -1,0 +1,150 @@
+"""Decode through joined nodes (`swarm node --join`: the node dials out, the coordinator's calls come back
+over its link) against the same node processes dialed directly (--peer), on loopback with 0 ms added and
+through the delaying relay (bench/_relay.py) at 5 ms of round trip.
+
+    .venv/bin/python bench/join.py [--layers 2] [--nodes 2] [--reps 5] [--tokens 24] [--workdir DIR]
+
+Model: `swarm synth` at qwen3-30b-a3b's layer shape (bench/_models.py), --layers layers. The nodes hold
+disjoint expert ranges and are started once per delay with --join (an invite to a listener of this
+process, through the relay at 5 ms); the same processes are also reachable at their own ports, so one
+engine takes them as --peer (through the relay at 5 ms: gRPC and compute stream) and another as joined
+nodes, both open at once; repetitions alternate which one decodes first. A joined link is TLS (the
+swarm key's identity) where the direct path on loopback is plain TCP: the joined figure pays TLS as a link
+off loopback would, the direct one does not. Figures go to the `bench:join` section of docs/BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import platform
+import socket
+import statistics
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from _doc import replace_section
+from _latency_swarm import quarters
+from _models import prepare, prompt_tokens
+from _relay import relay
+
+from swarm.coordinator.cli.spawn import spawn_node, stop_nodes
+from swarm.coordinator.config import EngineConfig
+from swarm.coordinator.decode.one import GenerationStats, SamplingParams, generate
+from swarm.coordinator.engine import Engine, open_engine
+from swarm.node.auth import SwarmKey, generate_key_text
+from swarm.node.client import NodeClient
+from swarm.node.invite import make_invite
+from swarm.sharding.identity import identity_of
+from swarm.sharding.slabs import read_manifest
+
+ROOT = Path(__file__).resolve().parent.parent
+RELAY_HOST = "127.0.0.2"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def decode_tps(engine: Engine, prompt: list[int], tokens: int) -> float:
+    stats = GenerationStats()
+    list(generate(engine.model, prompt, SamplingParams(max_tokens=tokens), engine.device, stats))
+    return stats.decode_tps
+
+
+@contextlib.contextmanager
+def swarm_at(shard: Path, args: argparse.Namespace, rtt_ms: float, work: Path) -> Iterator[tuple[Engine, Engine]]:
+    """(direct engine, joined engine) on one set of node processes, with rtt_ms of round trip added (0: none)."""
+    work.mkdir(parents=True, exist_ok=True)
+    key_text = generate_key_text()
+    key_file = work / "swarm.key"
+    key_file.write_text(key_text)
+    key = SwarmKey.from_text(key_text)
+    port = free_port()
+    dial_host = RELAY_HOST if rtt_ms else "127.0.0.1"
+    invite = work / "invite.txt"
+    invite.write_text(make_invite(key, identity_of(shard), [f"{dial_host}:{port}"]).text())
+    ranges = quarters(read_manifest(shard).n_expert, args.nodes)
+    env = {"SWARM_KEY_FILE": str(key_file)}
+    nodes = [spawn_node(shard, ["--experts", r, "--join", str(invite)], work, f"join{i}", env)
+             for i, r in enumerate(ranges)]  # fmt: skip
+    try:
+        for n in nodes:
+            n.wait_ready(600)
+        addresses = [n.address for n in nodes]
+        streams = []
+        for a in addresses:
+            with NodeClient(a, key=key) as c:
+                streams.append(f"127.0.0.1:{c.info().stream_port}")
+        pairs = [(a.replace("127.0.0.1", RELAY_HOST), a) for a in [*addresses, *streams, f"127.0.0.1:{port}"]]
+        peers = tuple(a.replace("127.0.0.1", RELAY_HOST) for a in addresses) if rtt_ms else tuple(addresses)
+        stack = relay(pairs, rtt_ms) if rtt_ms else contextlib.nullcontext({})
+        with stack:
+            base = dict(mdns=False, device="cpu", key=key, audit_rate=0.0)
+            joined = open_engine(shard, EngineConfig(listen=f"127.0.0.1:{port}", wait=120.0, **base))
+            direct = open_engine(shard, EngineConfig(peers=peers, **base))
+            try:
+                yield direct, joined
+            finally:
+                direct.close()
+                joined.close()
+    finally:
+        stop_nodes(nodes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--tokens", type=int, default=24)
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--rtts", default="0,5", help="round trips to add, ms (comma-separated)")
+    p.add_argument("--workdir", type=Path, default=None)
+    p.add_argument("--no-doc", action="store_true", help="print the figures, leave docs/BENCHMARKS.md alone")
+    args = p.parse_args(argv)
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="swarm-bench-join-"))
+    work.mkdir(parents=True, exist_ok=True)
+    _, shard = prepare("qwen3moe", args.layers, work)
+    rows = []
+    load = os.getloadavg()[0]
+    for rtt in [float(x) for x in args.rtts.split(",")]:
+        with swarm_at(shard, args, rtt, work / f"rtt{rtt:g}") as (direct, joined):
+            prompt = prompt_tokens(direct, args.prompt_tokens)
+            decode_tps(direct, prompt, 4), decode_tps(joined, prompt, 4)  # warm: slabs read, links open
+            got: dict[str, list[float]] = {"direct": [], "joined": []}
+            for rep in range(args.reps):
+                order = [("direct", direct), ("joined", joined)]
+                for name, engine in order if rep % 2 == 0 else order[::-1]:
+                    got[name].append(decode_tps(engine, prompt, args.tokens))
+            d, j = statistics.median(got["direct"]), statistics.median(got["joined"])
+            ratios = sorted(b / a for a, b in zip(got["direct"], got["joined"], strict=True))
+            rows.append((rtt, d, j, j / d, ratios[0], ratios[-1]))
+            print(f"rtt {rtt:g} ms: direct {d:.2f} tok/s, joined {j:.2f} tok/s, {j / d:.3f}x", flush=True)
+    table = [
+        "| added round trip | direct (--peer) tok/s | joined (--join) tok/s | joined / direct | per-rep ratio range |",
+        "|---|---|---|---|---|",
+        *(f"| {r:g} ms | {d:.2f} | {j:.2f} | {x:.3f}x | {lo:.2f}-{hi:.2f} |" for r, d, j, x, lo, hi in rows),
+    ]
+    text = "\n".join([
+        f"`.venv/bin/python bench/join.py --layers {args.layers} --nodes {args.nodes} --reps {args.reps} "
+        f"--tokens {args.tokens}`: qwen3-30b-a3b layer shape, {args.layers} layers, {args.nodes} node processes "
+        f"on loopback (one compute thread each), decode tok/s medians of {args.reps} alternating repetitions; "
+        f"{platform.machine()}, {os.cpu_count()} cores shared with other work (load average {load:.1f} at the "
+        "start). The joined link is TLS, the direct path on loopback plain TCP.",
+        "",
+        *table,
+    ])  # fmt: skip
+    print(text)
+    if not args.no_doc:
+        replace_section("bench:join", text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
