@@ -337,3 +337,41 @@ def test_a_link_cut_mid_generation_fails_over_and_the_node_comes_back_as_itself(
         backend.close()
         local.close()
         stop_nodes([*peer, node])
+
+
+@pytest.mark.slow
+def test_swarm_serve_lists_a_joined_node_on_its_map_metrics_and_status(tmp_path, shard):
+    """A joined node answers Stats through its link: the server's map, its metrics and `swarm status
+    --server` show it with its calls."""
+    import json
+    import urllib.request
+
+    from swarm.coordinator.cli.spawn import spawn_swarm
+
+    key_file, key = _key(tmp_path, "a")
+    port = _free_port()
+    invite = make_invite(key, identity_of(shard), [f"127.0.0.1:{port}"])
+    node = spawn_node(shard, ["--join", _invite_file(tmp_path, invite)], tmp_path, "j")
+    server = spawn_swarm(["serve", str(shard), "--key-file", str(key_file), "--listen", f"127.0.0.1:{port}",
+                          "--no-mdns", "--wait", "60"], tmp_path, "serve")  # fmt: skip
+    try:
+        url = f"http://{server.wait_ready(180).address}"
+        body = json.dumps({"model": server.ready["model_id"], "prompt": "A list", "max_tokens": 4}).encode()
+        request = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as answer:
+            assert json.load(answer)["choices"][0]["text"]
+
+        def listed() -> bool:
+            with urllib.request.urlopen(f"{url}/swarm.json", timeout=10) as answer:
+                nodes = json.load(answer)["nodes"]
+            return len(nodes) == 1 and nodes[0]["answering"] and (nodes[0]["calls"] or 0) > 0
+
+        _wait(listed, 60, "the map lists the joined node with its calls")
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as answer:
+            metrics = answer.read().decode()
+        assert "swarm_node_up{node=\"127.0.0.1:" in metrics
+        status = _swarm("status", "--server", url, timeout=60)
+        assert status.returncode == 0, status.stderr
+        assert "127.0.0.1:" in status.stdout and "0-3:0-31" in status.stdout.replace(" ", ""), status.stdout
+    finally:
+        stop_nodes([server, node])
