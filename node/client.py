@@ -194,7 +194,10 @@ class NodeClient:
             options = (*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", TLS_NAME))
             self._channel = grpc.secure_channel(address, creds, options=options)
         else:
-            self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+            # a joined node's gRPC crosses its link, which comes back within seconds of a drop: grpc's own
+            # reconnect backoff (up to two minutes) would keep Info and Stats failing long after that
+            options = (*CHANNEL_OPTIONS, ("grpc.max_reconnect_backoff_ms", 2000)) if dial else CHANNEL_OPTIONS
+            self._channel = grpc.insecure_channel(address, options=options)
         self._methods: dict[str, Any] = {}
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._calls = ThreadPoolExecutor(max_in_flight, thread_name_prefix=f"swarm-call-{address}")
