@@ -23,9 +23,11 @@ import socket
 import statistics
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 from _doc import replace_section
 from _latency_swarm import quarters
 from _models import prepare, prompt_tokens
@@ -49,6 +51,26 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def call_ms(direct: Engine, joined: Engine, calls: int) -> tuple[float, float]:
+    """Median round trip (ms) of a decode-sized Compute call (4 experts, a row each) to the same node over
+    its direct client and its joined one, the two alternating call by call so that the load of the moment
+    weighs on both alike."""
+    layer, _ = direct.experts.needed[0]
+    clients = []
+    for engine in (direct, joined):
+        swarm = engine.experts
+        holder = sorted(swarm.placement.holders()[(layer, 0)])[0]
+        clients.append(swarm.clients[holder])
+    rows = np.ones((4, clients[0].info().hidden_size), np.float32)
+    times: list[list[float]] = [[], []]
+    for i in range(calls):
+        for k in (0, 1) if i % 2 == 0 else (1, 0):
+            t0 = time.perf_counter()
+            clients[k].compute(layer, [0, 1, 2, 3], [1, 1, 1, 1], rows, timeout=30)
+            times[k].append(time.perf_counter() - t0)
+    return statistics.median(times[0]) * 1e3, statistics.median(times[1]) * 1e3
 
 
 def decode_tps(engine: Engine, prompt: list[int], tokens: int) -> float:
@@ -104,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--tokens", type=int, default=6)
     p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--calls", type=int, default=2000, help="alternating calls for the per-call round trip")
     p.add_argument("--rtts", default="0,5", help="round trips to add, ms (comma-separated)")
     p.add_argument("--workdir", type=Path, default=None)
     p.add_argument("--no-doc", action="store_true", help="print the figures, leave docs/BENCHMARKS.md alone")
@@ -126,18 +149,24 @@ def main(argv: list[str] | None = None) -> int:
             # each repetition's pair ran seconds apart: its ratio is what the load of the moment moved least
             ratios = sorted(b / a for a, b in zip(got["direct"], got["joined"], strict=True))
             q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
-            rows.append((rtt, d, j, q[1], q[0], q[2]))
-            print(f"rtt {rtt:g} ms: direct {d:.2f} tok/s, joined {j:.2f} tok/s, ratio {q[1]:.3f}x", flush=True)
+            cd, cj = call_ms(direct, joined, args.calls)
+            rows.append((rtt, d, j, q[1], q[0], q[2], cd, cj))
+            print(f"rtt {rtt:g} ms: direct {d:.2f} tok/s, joined {j:.2f} tok/s, ratio {q[1]:.3f}x; "
+                  f"a call {cd:.2f} / {cj:.2f} ms", flush=True)  # fmt: skip
     table = [
-        "| added round trip | direct (--peer) tok/s | joined (--join) tok/s | joined / direct (median of the pairs) | pairs' quartiles |",
-        "|---|---|---|---|---|",
-        *(f"| {r:g} ms | {d:.2f} | {j:.2f} | {x:.3f}x | {lo:.3f}-{hi:.3f} |" for r, d, j, x, lo, hi in rows),
+        "| added round trip | direct (--peer) tok/s | joined (--join) tok/s | joined / direct (median of the pairs) "
+        "| pairs' quartiles | a call, direct / joined (ms) | direct / joined call speed |",
+        "|---|---|---|---|---|---|---|",
+        *(f"| {r:g} ms | {d:.2f} | {j:.2f} | {x:.3f}x | {lo:.3f}-{hi:.3f} | {cd:.2f} / {cj:.2f} | {cd / cj:.3f}x |"
+          for r, d, j, x, lo, hi, cd, cj in rows),  # fmt: skip
     ]
     text = "\n".join([
         f"`.venv/bin/python bench/join.py --layers {args.layers} --nodes {args.nodes} --reps {args.reps} "
         f"--tokens {args.tokens}`: qwen3-30b-a3b layer shape, {args.layers} layers, {args.nodes} node processes "
         f"on loopback (one compute thread each), {args.reps} alternating repetitions of {args.tokens} decode "
         "tokens each way: tok/s medians, and the median and quartiles of each repetition's joined/direct ratio; "
+        f"then {args.calls} decode-sized calls (4 experts, a row each) to one node alternating between its "
+        "direct and its joined client, medians; "
         f"{platform.machine()}, {os.cpu_count()} cores shared with other work (load average {load:.1f} at the "
         "start). The joined link is TLS, the direct path on loopback plain TCP.",
         "",

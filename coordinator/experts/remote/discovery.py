@@ -203,8 +203,13 @@ def connect(
         identity = ModelIdentity(identity)
     found = _Found(identity, config.key, config.same_class_only)
     joins = JoinListener(config.listen, config.key, identity) if config.listen else None
-    for peer in config.peers:
-        found.ask(peer, config.wait)
+    try:
+        for peer in config.peers:
+            found.ask(peer, config.wait)
+    except BaseException:
+        if joins is not None:
+            joins.close()
+        raise
     browser: NodeBrowser | Sources | None = Sources(joins) if joins is not None else None
     if (config.mdns or joins is not None) and found.placement.missing(needed):
         browser = _browse(found, needed, config.mdns, config.mdns_interfaces, joins, config.wait)

@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 
 HANDSHAKES = 64  # connections proving themselves at once; more are closed unread (a flood takes no threads)
 OPEN_SECONDS = 10.0  # how long a requested connection may take to arrive
+FORGET_SECONDS = 600.0  # a node whose link has been lost this long is forgotten when another joins
 
 
 def parse_listen(listen: str) -> tuple[str, int]:
@@ -65,8 +66,11 @@ class _Link:
     remote: str  # the node's address as this end sees it (after NAT)
     socks: set[socket.socket] = field(default_factory=set)
     lost: bool = False
+    lost_at: float = 0.0
 
     def close(self) -> None:
+        if not self.lost:
+            self.lost_at = time.monotonic()
         self.lost = True
         for s in [self.control.sock, *self.socks]:
             shut(s)
@@ -240,6 +244,7 @@ class JoinListener:
         and the link kept until it is lost."""
         node_id, name = hello["node"], str(hello.get("name") or hello["node"])[:64]
         with self._cond:
+            self._forget(time.monotonic() - FORGET_SECONDS)
             joined = self._nodes.get(node_id)
             if joined is None:
                 joined = self._nodes[node_id] = _Joined(self, node_id, name)
@@ -262,6 +267,14 @@ class JoinListener:
                 self.version += 1
                 self._cond.notify_all()
         self._keep(joined, link)
+
+    def _forget(self, before: float) -> None:
+        """Drop the nodes whose link was lost before `before` (a node process that ended gives no goodbye): a
+        gateway port and a thread each otherwise. One that dials back later is a new node."""
+        for node_id, j in list(self._nodes.items()):
+            if j.link is not None and j.link.lost and j.link.lost_at < before:
+                del self._nodes[node_id]
+                j.close()
 
     def _record(self, joined: _Joined) -> DiscoveredNode:
         client = NodeClient(joined.address, key=self.key)
