@@ -131,15 +131,22 @@ class JoinLink:
         self._thread.join(timeout=5)
 
     def _dial(self, kind: str, conn: int = 0) -> tuple[ssl.SSLSocket, str]:
-        """A proven connection of `kind`: the target's addresses tried in turn (the last error raised)."""
-        error: Exception = OSError("no address")
+        """A proven connection of `kind`: the target's addresses tried in turn. LinkRefused when every address
+        refused this node (final), else OSError naming what each met (worth dialing again)."""
+        errors: list[str] = []
+        refusals: list[LinkRefused] = []
         for address in self.target.addresses:
             try:
                 hello = {**self._hello, "kind": kind, "conn": conn}
                 return dial(address, self.target.pin, self.target.secret, hello), address
+            except LinkRefused as e:
+                refusals.append(e)
+                errors.append(str(e))
             except (OSError, LinkError) as e:
-                error = OSError(f"{address}: {e}")
-        raise error
+                errors.append(f"{address}: {e}")
+        if len(refusals) == len(self.target.addresses):
+            raise refusals[0]
+        raise OSError("; ".join(errors))
 
     def _run(self) -> None:
         backoff = FIRST_BACKOFF
@@ -165,8 +172,7 @@ class JoinLink:
                 self.say(f"swarm node: the link to {address} was lost ({why}); dialing again")
 
     def _give_up(self, why: str) -> None:
-        self.failure = why
-        self.say(f"swarm node: {why}")
+        self.failure = why  # the daemon says it, as its error, and stops
         self.changed.set()
 
     def _keep(self, ctl: ssl.SSLSocket) -> str:
