@@ -71,6 +71,7 @@ class EngineConfig:
     peers: tuple[str, ...] = ()
     mdns: bool = True
     mdns_interfaces: Sequence[str] | None = None
+    listen: str | None = None  # "host:port" where nodes that dial out join (swarm node --join); None: none
     wait: float = 3.0  # seconds to wait for nodes to cover every expert
     key: SwarmKey | None = None
     same_class_only: bool = False  # --numerics-class same: nodes of another numerics class passed over

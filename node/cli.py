@@ -141,6 +141,30 @@ def _add_identity_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--no-mdns", action="store_true", help="do not advertise by mDNS (static --peer use only)")
     p.add_argument(
+        "--join",
+        default=None,
+        metavar="INVITE|FILE|HOST:PORT",
+        help="dial out to the coordinator and serve it over that link (behind NAT, on a phone, where multicast "
+        "does not reach): an invite from `swarm invite` (or a file holding it, which no process listing "
+        "shows), or the coordinator's --listen HOST:PORT with "
+        "--key-file. Implies --no-mdns; the link is dialed again with backoff whenever it drops",
+    )
+    p.add_argument(
+        "--join-wait",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="give up when no coordinator answers the first --join within this long (default 60)",
+    )
+    p.add_argument(
+        "--link-timeout",
+        type=float,
+        default=20.0,
+        metavar="SECONDS",
+        help="a --join link that brings nothing (not even a ping) for this long is taken as lost and dialed "
+        "again (default 20)",
+    )
+    p.add_argument(
         "--metrics-port",
         type=int,
         default=None,

@@ -19,9 +19,10 @@ DEADLINE_EXCEEDED, ...) and the node's message.
 from __future__ import annotations
 
 import logging
+import socket
 import time
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, CancelledError, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from concurrent.futures import wait as futures_wait
@@ -172,7 +173,7 @@ class NodeClient:
     calls travel over the node's compute stream instead of gRPC (see swarm.node.streams), but for those the
     stream cannot take: while no connection to it can be made, they go over gRPC, and the first answer there
     says that the stream is out of reach (when gRPC does not answer either, the node is down, and its callers'
-    failover says so). Every other call is gRPC.
+    failover says so). Every other call is gRPC. `dial` (a joined node's) gives stream connections instead.
     """
 
     def __init__(
@@ -183,6 +184,7 @@ class NodeClient:
         max_in_flight: int = 8,
         tls: bool | None = None,
         stream_port: int = 0,
+        dial: Callable[[float | None], socket.socket] | None = None,
     ) -> None:
         self.address = address
         self.fingerprint = fingerprint or ""
@@ -198,13 +200,20 @@ class NodeClient:
             options = (*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", TLS_NAME))
             self._channel = grpc.secure_channel(address, creds, options=options)
         else:
-            self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+            # a joined node's gRPC crosses its link, which comes back within seconds of a drop: grpc's own
+            # reconnect backoff (up to two minutes) would keep Info and Stats failing long after that
+            options = (*CHANNEL_OPTIONS, ("grpc.max_reconnect_backoff_ms", 2000)) if dial else CHANNEL_OPTIONS
+            self._channel = grpc.insecure_channel(address, options=options)
         self._methods: dict[str, Any] = {}
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._calls = ThreadPoolExecutor(max_in_flight, thread_name_prefix=f"swarm-call-{address}")
         self._key, self._max_in_flight = key, max_in_flight
         self._stream: StreamPool | None = None
         self._stream_down: str | None = None  # why the stream could not be reached, until gRPC answers
+        if dial is not None:  # a joined node (swarm.node.join): its stream connections come over its link
+            self._stream = StreamPool(
+                address, "", 0, self._sign_compute, self._stream_unreachable, None, max_in_flight, dial
+            )
         self.use_stream(stream_port)
 
     def use_stream(self, port: int) -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from swarm.node.announce import Announcement
 from swarm.node.auth import swarm_key
 from swarm.node.holding import make_store, open_store, planned_model, report_problems, requested_slabs
 from swarm.node.slab_files import shard_files, start_first_use, start_self_check, verified_manifest
@@ -55,6 +56,10 @@ def run_node(args: argparse.Namespace) -> int:
         set_threads(args.threads)
     key = swarm_key(args, "node")
     tls = _tls(args.tls, key is not None, args.host)
+    if args.join:
+        from swarm.node.join import check_join
+
+        check_join(args)
 
     checked_from = None  # slabs are hashed before their first use (swarm.node.first_use)
     fetch = None
@@ -149,12 +154,19 @@ def _serve(
     freeze_startup()
     node.write_ready()
     node.first_use = start_first_use(args, store, files, manifest, check, checked, checked_from is None)
-    advertiser = _Announcement(node).start() if not args.no_mdns else None
+    advertiser = Announcement(node).start() if not (args.no_mdns or args.join) else None
+    link = None
     if fetch is not None:
         _start_fetch(node, fetch, check, stop, grown)
     try:
-        _keep_announced(node, stop, parent, advertiser, grown, checked)
+        if args.join:
+            from swarm.node.join import join_from_args
+
+            link = join_from_args(args, node.loaded, node.server, node.key, stop)
+        _keep_announced(node, stop, parent, advertiser, grown, checked, link)
     finally:
+        if link is not None:
+            link.close()
         node.first_use.close()
         _shut_down(node, stop, check, advertiser, metrics_server)
     print("swarm node: stopped", flush=True)
@@ -297,67 +309,6 @@ def _say_started(node: _Serving) -> None:
         )
 
 
-def _advertise(node: _Serving) -> Any:
-    """The node's mDNS advertiser, started; None (and a warning) when advertising fails."""
-    from swarm.node.discovery import Advertiser, default_mdns_interfaces
-
-    args = node.args
-    interfaces = args.mdns_interface if args.mdns_interface else default_mdns_interfaces(args.host)
-    try:
-        return Advertiser(node.server.port, args.host, node.properties(), interfaces, args.name).start()
-    except OSError as e:
-        print(
-            f"swarm node: warning: mDNS advertising failed ({e}); reach this node by --peer", file=sys.stderr
-        )
-        return None
-
-
-class _Announcement:
-    """The node's mDNS record, registered on a thread of its own: zeroconf probes for the name and announces
-    it for about half a second, through which the node already serves (--peer reaches it, and its ready
-    file says so)."""
-
-    def __init__(self, node: _Serving) -> None:
-        self.node = node
-        self._advertiser: Any = None
-        self._lock = threading.Lock()
-        self._stale = False  # properties changed while it registered
-        self._closed = False
-        self._thread = threading.Thread(target=self._register, name="swarm-mdns-register", daemon=True)
-
-    def start(self) -> _Announcement:
-        self._thread.start()
-        return self
-
-    def _register(self) -> None:
-        advertiser = _advertise(self.node)
-        with self._lock:
-            if self._closed or advertiser is None:
-                if advertiser is not None:
-                    advertiser.close()
-                return
-            self._advertiser, stale = advertiser, self._stale
-        if stale:
-            advertiser.update(self.node.properties())
-
-    def update(self) -> None:
-        """Announce the node's properties as they are now."""
-        with self._lock:
-            advertiser = self._advertiser
-            if advertiser is None:
-                self._stale = True
-                return
-        advertiser.update(self.node.properties())
-
-    def close(self) -> None:
-        self._thread.join(10.0)
-        with self._lock:
-            self._closed = True
-            advertiser, self._advertiser = self._advertiser, None
-        if advertiser is not None:
-            advertiser.close()
-
-
 def _start_fetch(
     node: _Serving,
     fetch: NodeFetch,
@@ -391,10 +342,14 @@ def _keep_announced(
     advertiser: Any,
     grown: threading.Event,
     checked: threading.Event,
+    link: Any = None,
 ) -> None:
-    """Until `stop` (or the parent is gone): announce the node again whenever its slabs change, and say so."""
+    """Until `stop` (or the parent is gone, or the coordinator refused a --join link): announce the node again
+    whenever its slabs change, and say so."""
     fetch = node.fetch
     while not stop.wait(0.5):
+        if link is not None and link.failure:
+            raise UserError(link.failure)
         if parent is not None and os.getppid() != parent:
             print("swarm node: the process that started this node is gone; stopping", file=sys.stderr)
             break

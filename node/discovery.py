@@ -25,7 +25,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgpack
 from zeroconf import IPVersion, ServiceBrowser, ServiceInfo, ServiceStateChange, Zeroconf
@@ -96,6 +96,9 @@ class DiscoveredNode:
     serves_files: bool = False  # it gives out manifest.json and its held slabs' files (Fetch)
     stream_port: int = 0  # its compute stream's port (swarm.node.streams); 0: none
     numerics_class: str = ""  # its ggml build's numerics class (swarm.compute.numclass); "": not said
+    # A joined node's compute stream connections, asked of it over its link (swarm.node.join): dial(timeout)
+    # gives a connected socket; None: the stream is reached at host:stream_port
+    dial: Callable[[float | None], socket.socket] | None = field(default=None, compare=False, repr=False)
 
     @property
     def identity(self) -> ModelIdentity:
@@ -104,6 +107,26 @@ class DiscoveredNode:
     @property
     def address(self) -> str:
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+def wait_for_nodes(
+    cond: threading.Condition,
+    nodes: Callable[[], list[DiscoveredNode]],
+    predicate: Callable[[list[DiscoveredNode]], bool],
+    timeout: float,
+) -> list[DiscoveredNode] | None:
+    """Block until predicate(nodes()) holds, woken through `cond` (notified on every change); the nodes
+    then, or None after `timeout` seconds. A browser's wait, and the join listener's."""
+    deadline = time.monotonic() + timeout
+    with cond:
+        while True:
+            found = nodes()
+            if predicate(found):
+                return found
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            cond.wait(left)
 
 
 class AnySwarm:
@@ -370,16 +393,7 @@ class NodeBrowser:
         self, predicate: Callable[[list[DiscoveredNode]], bool], timeout: float
     ) -> list[DiscoveredNode] | None:
         """Block until predicate(nodes()) holds; the nodes then, or None after `timeout` seconds."""
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while True:
-                nodes = self.nodes()
-                if predicate(nodes):
-                    return nodes
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return None
-                self._cond.wait(left)
+        return wait_for_nodes(self._cond, self.nodes, predicate, timeout)
 
     def close(self) -> None:
         self._browser.cancel()

@@ -387,6 +387,7 @@ class NodeServer:
         )
         self.health = health.HealthServicer()
         verifier = Verifier(key) if key is not None else None  # one replay window for both transports
+        self.verifier = verifier  # (a joined node's stream connections check with it too: swarm.node.join)
         interceptors = [GateInterceptor(verifier)]
         self._server = grpc.server(
             ThreadPoolExecutor(max_workers=workers, thread_name_prefix="swarm-node"),

@@ -94,8 +94,10 @@ class StreamPool:
         unreachable: Unreachable,
         tls: ssl.SSLContext | None = None,
         size: int = 8,
+        dial: Callable[[float | None], socket.socket] | None = None,
     ) -> None:
         self.address, self.host, self.port = address, host.strip("[]"), port
+        self.dial = dial  # a joined node's connections, asked of it (its stream has no port to reach)
         self.sign, self.unreachable, self.tls, self.size = sign, unreachable, tls, size
         self._lock = threading.Lock()
         self._idle: list[_Conn] = []
@@ -152,6 +154,11 @@ class StreamPool:
             raise StreamUnreachable("unreachable a moment ago", fresh=False)
         limit = job.remaining()
         limit = CONNECT_SECONDS if limit is None else min(CONNECT_SECONDS, max(limit, 0.05))
+        if self.dial is not None:
+            # no gRPC to fall back to that would fare better: a failure is the call's, which fails over
+            sock = self.dial(limit)
+            sock.settimeout(None)
+            return sock
         try:
             sock = socket.create_connection((self.host, self.port), timeout=limit)
             set_nodelay(sock)

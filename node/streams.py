@@ -139,19 +139,26 @@ class StreamServer:
             if self.tls is not None:
                 conn.settimeout(CONNECT_SECONDS)
                 sock = self.tls.wrap_socket(conn, server_side=True)
-            sock.settimeout(self.idle_seconds)
-            while True:
-                token, body = read_call(sock)
-                refused = self.verifier.check(COMPUTE_METHOD, token or None, body) if self.verifier else ""
-                code, payload = (
-                    (grpc.StatusCode.UNAUTHENTICATED, refused.encode()) if refused else self.answer(body)
-                )
-                send_reply(sock, code, payload)
-        except EOFError:
-            pass  # the client closed between calls
-        except (FrameError, OSError) as e:  # ssl.SSLError is an OSError
+            serve_frames(sock, self.answer, self.verifier, self.idle_seconds)
+        except OSError as e:  # ssl.SSLError is an OSError
             log.debug("compute stream connection ended: %s", e)
         finally:
             with self._lock:
                 self._conns.discard(conn)
             sock.close()
+
+
+def serve_frames(sock: socket.socket, answer: Answer, verifier: Verifier | None, idle_seconds: float) -> None:
+    """Answer Compute frames on one connection until the caller closes it or breaks the framing (the node's
+    compute stream, and a joined node's stream connections, swarm.node.join)."""
+    sock.settimeout(idle_seconds)
+    try:
+        while True:
+            token, body = read_call(sock)
+            refused = verifier.check(COMPUTE_METHOD, token or None, body) if verifier else ""
+            code, payload = (grpc.StatusCode.UNAUTHENTICATED, refused.encode()) if refused else answer(body)
+            send_reply(sock, code, payload)
+    except EOFError:
+        pass  # the client closed between calls
+    except (FrameError, OSError) as e:  # ssl.SSLError is an OSError
+        log.debug("compute stream connection ended: %s", e)

@@ -132,7 +132,7 @@ def test_a_running_coordinator_takes_in_slabs_a_node_announces_later() -> None:
 
     def announced(address: str, held: list, version: int = PROTOCOL_VERSION) -> SimpleNamespace:
         return SimpleNamespace(address=address, identity=SimpleNamespace(fingerprint="f"), tls=False, held=held,
-                               stream_port=0, numerics_class="", protocol_version=version)  # fmt: skip
+                               stream_port=0, dial=None, numerics_class="", protocol_version=version)  # fmt: skip
 
     node = announced("127.0.0.1:1", [(0, 0)])
     older = announced("127.0.0.1:2", [(0, 1)], PROTOCOL_VERSION - 1)  # refuses this coordinator's calls

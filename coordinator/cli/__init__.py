@@ -27,6 +27,7 @@ COMMAND_MODULES: dict[str, tuple[str, ...]] = {
     "swarm.coordinator.cli.commands": ("run", "logits", "perplexity", "demo"),
     "swarm.coordinator.cli.status": ("status",),
     "swarm.coordinator.cli.serve": ("serve",),
+    "swarm.coordinator.cli.invite": ("invite",),
 }
 
 

@@ -37,6 +37,13 @@ def add_swarm_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--local", action="store_true", help="compute the experts in this process (no nodes)")
     add_discovery_args(g, 3.0, "seconds to wait for nodes to cover every expert")
     g.add_argument(
+        "--listen",
+        default=None,
+        metavar="HOST:PORT",
+        help="take nodes that dial out to this coordinator (`swarm node --join`, from behind NAT or where "
+        "multicast does not reach, e.g. 0.0.0.0:7470; `swarm invite` prints what they need); needs --key-file",
+    )
+    g.add_argument(
         "--wire",
         choices=[w.value for w in Wire],
         default="f32",
@@ -250,6 +257,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         peers=tuple(args.peer),
         mdns=not args.no_mdns,
         mdns_interfaces=args.mdns_interface,
+        listen=args.listen,
         wait=args.wait,
         key=swarm_key(args, args.command),
         same_class_only=args.numerics_class == "same",

@@ -43,8 +43,36 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model", nargs="?", default=None, help="a GGUF or `swarm shard` directory (optional)")
     p.add_argument("--no-probe", action="store_true", help="do not probe the nodes' answers")
     p.add_argument("--json", action="store_true", help="the nodes and the coverage map as JSON (for scripts)")
+    p.add_argument(
+        "--server",
+        metavar="URL",
+        default=None,
+        help="ask a running `swarm serve` at URL (its /swarm.json) for the nodes it uses instead, nodes that "
+        "joined it with `swarm node --join` included (no one else can reach those)",
+    )
     add_discovery_args(p, 2.0, "seconds to listen for nodes")
     p.set_defaults(func=cmd_status)
+
+
+def _from_server(url: str, as_json: bool) -> int:
+    """The server's own view of its swarm; 0 when every expert has a live holder, 1 when not."""
+    import urllib.error
+    import urllib.request
+
+    where = url.rstrip("/") + "/swarm.json"
+    try:
+        with urllib.request.urlopen(where, timeout=10) as answer:
+            report = json.load(answer)
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        raise UserError(f"no swarm map at {where} ({e}); is `swarm serve` running there?") from None
+    if as_json:
+        print(json.dumps(report, indent=1))
+    else:
+        _print_nodes(report["nodes"])
+        print("\ncoverage (slabs with 0 / 1 / 2+ live holders):")
+        for line in _coverage_lines(report["coverage"]):
+            print(f"  {line}")
+    return 1 if any(row["none"] for row in report["coverage"]) else 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -52,6 +80,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     from swarm.node.client import NodeCallError, NodeClient
     from swarm.node.discovery import browse
 
+    if args.server:
+        return _from_server(args.server, args.json)
     identity, needed = model_identity(args.model) if args.model else (None, [])
     key = swarm_key(args, "status")
     addresses: list[str] = list(dict.fromkeys(args.peer))

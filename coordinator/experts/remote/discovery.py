@@ -13,6 +13,7 @@ from swarm.compute.numclass import numerics_class, same_class
 from swarm.coordinator.checks.audit import Auditor
 from swarm.coordinator.config import EngineConfig
 from swarm.coordinator.experts.remote.dispatch import SwarmExperts
+from swarm.coordinator.experts.remote.joins import JoinListener, Sources
 from swarm.coordinator.experts.remote.placement import Placement, describe_missing
 from swarm.node.auth import SwarmKey
 from swarm.node.client import NodeCallError, NodeClient, ask_peer
@@ -80,6 +81,7 @@ class _Found:
                 key=self.key,
                 tls=n.tls,
                 stream_port=n.stream_port,
+                dial=n.dial,
             )
             if self.identity.match(n.identity) is Match.HEADER:
                 self.by_header.append(n.address)
@@ -117,28 +119,43 @@ class _Found:
 
 
 def _browse(
-    found: _Found, needed: Sequence[SlabKey], interfaces: Sequence[str] | None, wait: float
-) -> NodeBrowser:
-    """mDNS until every needed slab has a holder or `wait` s pass; the browser goes on after connect."""
+    found: _Found,
+    needed: Sequence[SlabKey],
+    mdns: bool,
+    interfaces: Sequence[str] | None,
+    joins: JoinListener | None,
+    wait: float,
+) -> NodeBrowser | Sources | None:
+    """mDNS (and nodes that join) until every needed slab has a holder or `wait` s pass; the sources go on
+    after connect."""
     from swarm.node.discovery import MDNS_SETTLE_SECONDS, browse
 
-    browser = browse(interfaces=interfaces, identity=found.identity, key=found.key)
-
-    def covered(nodes: list) -> bool:
-        for n in nodes:
-            found.add(n)
-        return not found.placement.missing(needed)
-
-    if browser.wait_for(covered, wait) is not None:
+    browser = browse(interfaces=interfaces, identity=found.identity, key=found.key) if mdns else None
+    sources = Sources(browser, joins)
+    if joins is not None:
+        log.info("swarm: waiting up to %g s for nodes (joining on port %d)", wait, joins.port)
+    waiter = browser if joins is None and browser is not None else sources  # (a browser wakes on news)
+    if waiter.wait_for(lambda nodes: _take(found, nodes, needed), wait) is not None and browser is not None:
         # Other nodes answer the same query (the replicas a failover will need): take them too.
         time.sleep(min(MDNS_SETTLE_SECONDS, wait))
-    for n in browser.nodes():
+    for n in sources.nodes():
         found.add(n)
-    return browser
+    return browser if joins is None else sources
+
+
+def _take(found: _Found, nodes: list[DiscoveredNode], needed: Sequence[SlabKey]) -> bool:
+    """The nodes taken; whether every needed slab has a holder now."""
+    for n in nodes:
+        found.add(n)
+    return not found.placement.missing(needed)
 
 
 def _give_up(
-    found: _Found, missing: dict[int, list[int]], browser: NodeBrowser | None, mdns: bool, source: str
+    found: _Found,
+    missing: dict[int, list[int]],
+    browser: NodeBrowser | Sources | None,
+    mdns: bool,
+    source: str,
 ) -> NoReturn:
     """Close what was opened and say which nodes to start."""
     if browser is not None:
@@ -173,7 +190,8 @@ def connect(
     make_checker: MakeChecker | None = None,
 ) -> SwarmExperts:
     """The swarm backend, complete: nodes found (`config.peers` asked one by one, then mDNS until every
-    needed slab has a holder or `config.wait` s pass) and their answers checked by what `make_checker` builds.
+    needed slab has a holder or `config.wait` s pass), with `config.listen` nodes that join too (swarm node
+    --join: coordinator/experts/remote/joins.py), and their answers checked by what `make_checker` builds.
 
     A node is taken when `identity` matches its own (the same model, started on the GGUF or on its shard
     directory: see swarm.sharding.identity; a bare fingerprint string matches exactly that fingerprint). Each
@@ -184,11 +202,17 @@ def connect(
     if isinstance(identity, str):
         identity = ModelIdentity(identity)
     found = _Found(identity, config.key, config.same_class_only)
-    for peer in config.peers:
-        found.ask(peer, config.wait)
-    browser = None
-    if config.mdns and found.placement.missing(needed):
-        browser = _browse(found, needed, config.mdns_interfaces, config.wait)
+    joins = JoinListener(config.listen, config.key, identity) if config.listen else None
+    try:
+        for peer in config.peers:
+            found.ask(peer, config.wait)
+    except BaseException:
+        if joins is not None:
+            joins.close()
+        raise
+    browser: NodeBrowser | Sources | None = Sources(joins) if joins is not None else None
+    if (config.mdns or joins is not None) and found.placement.missing(needed):
+        browser = _browse(found, needed, config.mdns, config.mdns_interfaces, joins, config.wait)
     missing = found.placement.missing(needed)
     if missing:
         _give_up(found, missing, browser, config.mdns, source)

@@ -1,6 +1,6 @@
 """The swarm expert backend: each layer's calls sent to the holders of its experts, the nodes admitted
 (probed) before their first call, a failed node's experts sent to another holder, a stalled one hedged, and
-the nodes mDNS finds or loses followed between layers. Built complete by `discovery.connect`."""
+the nodes mDNS finds or loses (and those that join or lose their link) followed between layers. Built complete by `discovery.connect`."""
 
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ from swarm.sharding.errors import UserError
 from swarm.sharding.slabs import SlabKey
 
 if TYPE_CHECKING:
+    from swarm.coordinator.experts.remote.joins import Sources
     from swarm.node.discovery import NodeBrowser
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,7 @@ class SwarmExperts:
         source: str,
         config: EngineConfig,
         needed: Sequence[SlabKey] = (),
-        browser: NodeBrowser | None = None,
+        browser: NodeBrowser | Sources | None = None,
         classes: dict[str, str] | None = None,
         auditor: Auditor | None = None,
     ) -> None:
@@ -258,6 +259,7 @@ class SwarmExperts:
                     key=self.key,
                     tls=n.tls,
                     stream_port=n.stream_port,
+                    dial=n.dial,
                 )
                 log.info("node joined: %s (%d slabs)", address, len(n.held))
             held = set(n.held)
