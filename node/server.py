@@ -208,11 +208,9 @@ class ExpertServicer(pb_grpc.ExpertNodeServicer):
                 out_dtype = F32
             else:
                 out_dtype = dtype_from_proto(request.out_dtype) if request.out_dtype else rows.dtype
-            inner = None
-            if request.inner:
-                out, inner = self.store.compute_inner(request.layer, expert_ids, counts, rows, numerics)  # type: ignore[arg-type]
-            else:
-                out = self.store.compute(request.layer, expert_ids, counts, rows, numerics)  # type: ignore[arg-type]
+            compute = self.store.compute_inner if request.inner else self.store.compute
+            done = compute(request.layer, expert_ids, counts, rows, numerics)  # type: ignore[operator]
+            out, inner = done if request.inner else (done, None)  # (answers, their gate and up products)
             answer = cast_rows(out, out_dtype)
             reply = pb.ComputeReply(rows=encode_planes(answer) if planes else encode_tensor(answer))
             if inner is not None:  # float32 whatever the answer's type: the check needs the node's own bits
