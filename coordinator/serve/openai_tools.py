@@ -302,19 +302,26 @@ class ChunkStream:
     def events(self, text: str) -> list[bytes]:
         if self.deltas is None:
             return [self.answer.event(text, None)] if text else []
-        return [self._chunk(d) for d in self.deltas.push(text)]
+        return self._chunks(self.deltas.push(text))
 
     def end(self, reason: str) -> tuple[list[bytes], str]:
         """The events the answer's end releases, and its finish_reason."""
         if self.deltas is None:
             return [], reason
         deltas, reason = self.deltas.finish(reason)
-        return [self._chunk(d) for d in deltas], reason
+        return self._chunks(deltas), reason
 
-    def _chunk(self, delta: dict[str, Any]) -> bytes:
+    def _chunks(self, deltas: list[dict[str, Any]]) -> list[bytes]:
+        """The chunks of a push's deltas; the first carries the logprobs of the tokens come since the last chunk
+        (those whose text a delta holds back go with the chunk that lets it out)."""
         a = self.answer
-        choice = {"index": 0, "delta": delta, "finish_reason": None}
-        return sse_data({**a.identity(a.chunk_object), "choices": [choice]})
+        out = []
+        for i, delta in enumerate(deltas):
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": None}
+            if a.stream_logprobs is not None:
+                choice["logprobs"] = a.stream_logprobs() if i == 0 else {"content": [], "refusal": None}
+            out.append(sse_data({**a.identity(a.chunk_object), "choices": [choice]}))
+        return out
 
 
 def whole_chat(obj: dict[str, Any], text: str, tools: ToolRequest | None) -> dict[str, Any]:
