@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 import gguf
 import pytest
@@ -32,44 +33,9 @@ def fixture_template() -> str:
     return reader.fields["tokenizer.chat_template"].contents()
 
 
-# Qwen3 / Qwen3-Next's way of writing calls (JSON inside <tool_call>), in a template of our own: the assistant
-# turn, the tools' system block and tool results as those models' templates write them.
-QWEN3_STYLE = """{%- if tools %}<|im_start|>system
-# Tools
-
-<tools>{% for tool in tools %}
-{{ tool | tojson }}{% endfor %}
-</tools>
-
-For each function call, return a json object within <tool_call></tool_call> XML tags:
-<tool_call>
-{"name": <function-name>, "arguments": <args-json-object>}
-</tool_call><|im_end|>
-{% endif %}
-{%- for message in messages %}
-{%- if message.role == "assistant" %}<|im_start|>assistant
-{% if message.reasoning_content %}<think>
-{{ message.reasoning_content }}
-</think>
-
-{% endif %}{{ message.content }}
-{%- for tc in message.tool_calls or [] %}{% set tc = tc.function %}
-{%- if loop.first and message.content or not loop.first %}{{ '\\n' }}{% endif %}<tool_call>
-{"name": "{{ tc.name }}", "arguments": {{ tc.arguments | tojson }}}
-</tool_call>{% endfor %}<|im_end|>
-{% elif message.role == "tool" %}<|im_start|>user
-<tool_response>
-{{ message.content }}
-</tool_response><|im_end|>
-{% else %}<|im_start|>{{ message.role }}
-{{ message.content }}<|im_end|>
-{% endif %}{% endfor %}
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% if enable_thinking is defined and not enable_thinking %}<think>
-
-</think>
-
-{% endif %}{% endif %}"""
+# Qwen3 / Qwen3-Next's own template (the JSON form of calls, in <tool_call>), as Qwen3-0.6B carries it: the fixture
+# GGUFs all carry Qwen3.5's.
+QWEN3_STYLE = (Path(__file__).parent / "fixtures" / "templates" / "qwen3.jinja").read_text()
 
 TOOLS = {
     "get_weather": {
