@@ -1,8 +1,9 @@
 """What an OpenAI request asks of how its tokens are picked, beyond SamplingParams: the form of its answer
 (`response_format` json_object / json_schema, the call a `tool_choice` "required" or a named function asks
-for: a grammar, decode/grammar.py), penalties (`presence_penalty`, `frequency_penalty`, `repetition_penalty`,
-decode/penalties.py) and `logprobs` / `top_logprobs` (decode/logprobs.py), checked (a 400 naming the field)
-and turned into the decode core's hooks: logits processors, forced drafts, a record of each token's row."""
+for, or llama-server's `grammar`: a grammar, decode/grammar.py), penalties (`presence_penalty`,
+`frequency_penalty`, `repetition_penalty`, decode/penalties.py) and `logprobs` / `top_logprobs`
+(decode/logprobs.py), checked (a 400 naming the field) and turned into the decode core's hooks: logits
+processors, forced drafts, a record of each token's row."""
 
 from __future__ import annotations
 
