@@ -71,9 +71,11 @@ def test_tool_call_deltas_accumulate_in_the_openai_clients_stream_state() -> Non
         + call_text(Family.QWEN_XML, "now", {})
     )
     answer = Answer("chatcmpl-1", 0, True, "m", False, 0.0)
-    for step in (1, 7, len(text)):
+    cuts = [[text[i : i + 1] for i in range(len(text))], [text[i : i + 7] for i in range(0, len(text), 7)]]
+    cuts += [[text[:i], text[i:]] for i in range(len(text) + 1)]  # split in two at every character
+    for parts in cuts:
         chunks = ChunkStream(answer, _request(reading))
-        events = [e for i in range(0, len(text), step) for e in chunks.events(text[i : i + step])]
+        events = [e for part in parts for e in chunks.events(part)]
         last, reason = chunks.end("stop")
         assert reason == "tool_calls"
         state = ChatCompletionStreamState(input_tools=TOOLS)
@@ -86,6 +88,11 @@ def test_tool_call_deltas_accumulate_in_the_openai_clients_stream_state() -> Non
         calls = [(c.function.name, json.loads(c.function.arguments)) for c in final.message.tool_calls]
         assert calls == [("get_weather", {"city": "Paris", "days": 2}), ("now", {})]
         assert len({c.id for c in final.message.tool_calls}) == 2
+        if len(parts) == len(text):  # one character at a time: the arguments come in pieces as written
+            bodies = [json.loads(e[len(b"data: ") :])["choices"][0]["delta"] for e in events]
+            pieces = [d["tool_calls"][0]["function"]["arguments"] for d in bodies if "tool_calls" in d]
+            assert pieces[0] == "" and len(pieces) > 6
+            assert "".join(pieces) == '{"city": "Paris", "days": 2}{}'
 
 
 def _request(reading: Reading) -> Any:
@@ -229,7 +236,7 @@ def test_a_call_read_back_as_the_client_sends_it_again() -> None:
     got = read_answer(text, Reading(Family.QWEN_XML, {"get_weather": TOOLS[0]["function"]["parameters"]}))
     assert got.calls == [ToolCall("get_weather", {"city": "Paris", "days": 2})]
     sent = {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
-        "name": "get_weather", "arguments": "".join(got.calls[0].json_pieces())}}]}  # fmt: skip
+        "name": "get_weather", "arguments": json.dumps(got.calls[0].arguments)}}]}  # fmt: skip
     template = ChatTemplate(read_metadata(open_gguf(MODEL))["tokenizer.chat_template"])
     prompt = template.render(
         template_messages([*ASK, sent, {**RESULT, "tool_call_id": "call_1"}]), tools=TOOLS

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import random
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jsonschema
@@ -118,6 +119,26 @@ def test_a_grammar_with_no_way_on_ends_with_its_own_reason(big: GrammarVocab) ->
     # an answer that left the grammar (a prefix it never allowed) gets EOS alone, and the same reason
     row = grammar(torch.zeros(tok.vocab_size), 2, tok.encode("zz"))
     assert torch.nonzero(torch.isfinite(row)).flatten().tolist() == [min(tok.eos_ids)]
+
+
+def test_after_an_eos_draft_a_rollback_gives_the_mask_of_the_tokens_given(big: GrammarVocab) -> None:
+    """A checking window whose EOS draft was taken has a row after the EOS; the answer's end then asks about the
+    answer without it, and a redo about every earlier prefix. The matcher must be where the tokens say each time
+    (llguidance keeps no rollback entry for an EOS consumed alone: it must take one only beside the tokens
+    before it), from one token behind the window and from several."""
+    tok = big.tokenizer
+    src = big.compile(json_grammar({"type": "object"}))
+    answer, eos = tok.encode('{"a": [1, 2]}'), min(tok.eos_ids)
+    row = torch.zeros(tok.vocab_size)
+    for behind in (1, 3):
+        grammar = Grammar(big, src, start=0)
+        grammar(row, len(answer) - behind, answer[:-behind])
+        only = grammar(row, len(answer) + 2, [*answer, eos, eos])  # the row after the EOS
+        assert torch.nonzero(torch.isfinite(only)).flatten().tolist() == [eos]
+        assert grammar.ended_by([*answer, eos]) is None  # ended by EOS where the grammar was complete: "stop"
+        for i in reversed(range(len(answer) + 1)):  # a redo, back to the start
+            want = Grammar(big, src, start=0)(row, i, answer[:i]).clone()
+            assert torch.equal(grammar(row, i, answer[:i]), want), (behind, i)
 
 
 @pytest.mark.parametrize(
@@ -286,6 +307,30 @@ def test_through_nodes_every_answer_fits_its_schema_and_every_call_its_tool(serv
         for call in r.choices[0].message.tool_calls:
             assert choice == "required" or call.function.name == "get_weather"
             jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+
+
+def test_fifty_seeds_through_nodes_each_answer_fits_its_schema_and_each_call_its_tool(served: openai.OpenAI) -> None:
+    """50 seeds under a json_schema and 50 under a forced call (required and the named function in turn), four
+    at a time (the server's slots share passes): each answer validates (jsonschema), and the seeds sample."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    with ThreadPoolExecutor(4) as pool:
+        values = list(pool.map(lambda seed: ask(served, seed, response_format=fmt), range(50)))
+        calls = list(pool.map(
+            lambda seed: ask(served, seed, tools=TOOLS, tool_choice="required" if seed % 2 else named,
+                             parallel_tool_calls=False), range(50),
+        ))  # fmt: skip
+    for seed, r in enumerate(values):
+        assert r.choices[0].finish_reason == "stop", (seed, r.choices[0])
+        jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+    assert len({r.choices[0].message.content for r in values}) > 40, "the seeds sample"
+    for seed, r in enumerate(calls):
+        assert r.choices[0].finish_reason == "tool_calls", (seed, r.choices[0])
+        (call,) = r.choices[0].message.tool_calls
+        assert seed % 2 or call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    assert len({r.choices[0].message.tool_calls[0].function.arguments for r in calls}) > 20
 
 
 def test_a_schema_the_engine_cannot_compile_is_a_400_naming_response_format(served: openai.OpenAI) -> None:

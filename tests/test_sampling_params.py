@@ -118,6 +118,28 @@ def test_streamed_logprobs_add_up_to_the_whole_answers(client: openai.OpenAI) ->
     assert got == chat.choices[0].logprobs.content and len(got) > 1
 
 
+def test_each_streamed_chat_chunk_carries_its_own_tokens_logprobs(client: openai.OpenAI) -> None:
+    """As OpenAI streams them: a chunk's logprobs are those of the tokens whose text it carries, not all with the
+    last chunk (thinking off and left in content, so the content is the tokens' text as it is)."""
+    chunks = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": PROMPT}], max_tokens=12, temperature=0, logprobs=True,
+        stream=True, extra_body={"chat_template_kwargs": {"enable_thinking": False}, "reasoning_format": "none"},
+    )  # fmt: skip
+    text, tokens, carrying = "", b"", 0  # bytes: a token may hold part of a character
+    for c in chunks:
+        if not c.choices:
+            continue
+        lp = c.choices[0].logprobs
+        tokens += b"".join(bytes(e.bytes or []) for e in lp.content) if lp else b""
+        text += c.choices[0].delta.content or ""
+        carrying += bool(lp and lp.content)
+        # no chunk's text comes before its tokens' logprobs (bytes that are no UTF-8 are U+FFFD in the text)
+        assert tokens.decode(errors="replace").startswith(text), (tokens, text)
+        if c.choices[0].delta.content:
+            assert lp is not None and lp.content  # a chunk with text carries its tokens'
+    assert tokens.decode(errors="replace") == text and carrying > 2
+
+
 def test_min_p_of_one_leaves_only_the_likeliest_token(client: openai.OpenAI) -> None:
     greedy = client.completions.create(model="m", prompt=PROMPT, max_tokens=10, temperature=0)
     hot = client.completions.create(

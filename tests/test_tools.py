@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 import gguf
 import pytest
 from conftest import FIXTURES
 
+from swarm.coordinator.text.call_stream import typed_value
 from swarm.coordinator.text.chat import CHATML_TEMPLATE, ChatTemplate
 from swarm.coordinator.text.tools import (
     AnswerReader,
@@ -22,7 +24,6 @@ from swarm.coordinator.text.tools import (
     collect,
     read_answer,
     thinking_opened,
-    typed_value,
 )
 
 
@@ -32,44 +33,9 @@ def fixture_template() -> str:
     return reader.fields["tokenizer.chat_template"].contents()
 
 
-# Qwen3 / Qwen3-Next's way of writing calls (JSON inside <tool_call>), in a template of our own: the assistant
-# turn, the tools' system block and tool results as those models' templates write them.
-QWEN3_STYLE = """{%- if tools %}<|im_start|>system
-# Tools
-
-<tools>{% for tool in tools %}
-{{ tool | tojson }}{% endfor %}
-</tools>
-
-For each function call, return a json object within <tool_call></tool_call> XML tags:
-<tool_call>
-{"name": <function-name>, "arguments": <args-json-object>}
-</tool_call><|im_end|>
-{% endif %}
-{%- for message in messages %}
-{%- if message.role == "assistant" %}<|im_start|>assistant
-{% if message.reasoning_content %}<think>
-{{ message.reasoning_content }}
-</think>
-
-{% endif %}{{ message.content }}
-{%- for tc in message.tool_calls or [] %}{% set tc = tc.function %}
-{%- if loop.first and message.content or not loop.first %}{{ '\\n' }}{% endif %}<tool_call>
-{"name": "{{ tc.name }}", "arguments": {{ tc.arguments | tojson }}}
-</tool_call>{% endfor %}<|im_end|>
-{% elif message.role == "tool" %}<|im_start|>user
-<tool_response>
-{{ message.content }}
-</tool_response><|im_end|>
-{% else %}<|im_start|>{{ message.role }}
-{{ message.content }}<|im_end|>
-{% endif %}{% endfor %}
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% if enable_thinking is defined and not enable_thinking %}<think>
-
-</think>
-
-{% endif %}{% endif %}"""
+# Qwen3 / Qwen3-Next's own template (the JSON form of calls, in <tool_call>), as Qwen3-0.6B carries it: the fixture
+# GGUFs all carry Qwen3.5's.
+QWEN3_STYLE = (Path(__file__).parent / "fixtures" / "templates" / "qwen3.jinja").read_text()
 
 TOOLS = {
     "get_weather": {
@@ -213,9 +179,13 @@ def test_streaming_holds_back_only_a_possible_tag() -> None:
     assert [p.text for p in r.push("Hello <b")] == ["Hello <b"]
     assert [p.text for p in r.push("> and <tool")] == ["> and"]  # " <tool" may start a call
     assert [p.text for p in r.push("box>")] == [" <toolbox>"]
-    assert r.push(" <tool_call>\n<function=get_weather>\n<parameter=city>\nX\n") == []
-    pieces = r.push("</parameter>\n</function>\n</tool_call>")
-    assert [p.call for p in pieces] == [ToolCall("get_weather", {"city": "X"})]
+    # a call: its name once its head is read, then its arguments as they come (the value's last newline held:
+    # the template writes one before </parameter>)
+    assert r.push(" <tool_call>\n<function=get_weather>\n") == []
+    got = r.push("<parameter=city>\nX\n")
+    assert [(p.kind, p.text) for p in got] == [("call", "get_weather"), ("arguments", '{"city": "X')]
+    got = r.push("</parameter>\n</function>\n</tool_call>")
+    assert [(p.kind, p.text) for p in got] == [("arguments", '"}')]
     assert r.finish() == []
     # reasoning streams as it comes; only what may be </think> waits
     r = AnswerReader(Reading(Family.QWEN_XML, TOOLS, thinks=True, opened="<think>\n"))
@@ -251,14 +221,11 @@ def test_thinking_the_model_opens_and_reasoning_format_none() -> None:
 @pytest.mark.parametrize(
     ("family", "block"),
     [
-        (
-            Family.QWEN_XML,
-            "<tool_call>\n<function=get_weather>\n<parameter=city>\nA\n</function>\n</tool_call>",
-        ),
         (Family.QWEN_XML, "<tool_call>\njust words\n</tool_call>"),
         (Family.QWEN_XML, "<tool_call>\n<function=rm_rf>\n</function>\n</tool_call>"),  # a tool not offered
         (Family.QWEN_XML, "<tool_call>\n<function=get_weather>\nstray\n</function>\n</tool_call>"),
-        (Family.JSON, '<tool_call>\n{"name": "get_weather", "arguments": {"city": \n</tool_call>'),
+        (Family.JSON, '<tool_call>\n{"name": "get_weather", "arguments": []}\n</tool_call>'),
+        (Family.JSON, '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>'),
         (Family.JSON, '<tool_call>\n{"arguments": {}}\n</tool_call>'),
         (Family.JSON, '<tool_call>\n{"name": "get_weather", "arguments": [1]}\n</tool_call>'),
     ],
@@ -266,6 +233,7 @@ def test_thinking_the_model_opens_and_reasoning_format_none() -> None:
 def test_a_malformed_call_stays_text_and_is_logged(
     family: Family, block: str, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """A call whose head (an offered tool's name, its arguments begun) never comes is text."""
     reading = Reading(family, TOOLS)
     good = call_text(family, "write_file", {"path": "p", "text": "t"})
     text = f"Try: {block}\n{good}"
@@ -306,9 +274,81 @@ def test_parameter_text_becomes_the_schemas_type() -> None:
     assert typed_value("1", {"enum": ["1", "2"]}) == "1"
 
 
-def test_json_pieces_join_to_the_arguments() -> None:
-    for args in ({}, {"a": 1}, ARGS, WRITE):
-        pieces = ToolCall("f", args).json_pieces()
-        assert (
-            json.loads("".join(pieces)) == args and len(pieces) == len(args) + 1 if args else pieces == ["{}"]
-        )
+@pytest.mark.parametrize(
+    ("family", "block", "args"),
+    [
+        # an unclosed parameter ends at its function's end
+        (Family.QWEN_XML, "<function=get_weather>\n<parameter=city>\nA\n</function>", {"city": "A"}),
+        # a value cut off by the call's end
+        (Family.QWEN_XML, "<tool_call>\n<function=get_weather>\n<parameter=city>\nPa</tool_call>", {"city": "Pa"}),
+        # a value cut off: the keys whose values had begun
+        (Family.JSON, '{"name": "get_weather", "arguments": {"days": 2, "city": \n', {"days": 2}),
+        (Family.JSON, '{"name": "get_weather", "arguments": {"city": "Pa', {"city": "Pa\n"}),
+        (Family.JSON, '{"name": "get_weather", "arguments": {"hours": [1, 2, oops]}}', {"hours": [1, 2]}),
+        (Family.JSON, '{"name": "get_weather", "arguments": {"days": 2}, "x": 1}', {"days": 2}),
+    ],
+)
+def test_a_call_broken_after_its_head_keeps_the_arguments_read(
+    family: Family, block: str, args: dict, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Once its head is read a call is a call (its arguments have streamed to the client): text after that which
+    stops fitting the form ends its arguments where they were, closed so that they are still JSON, and is
+    logged."""
+    reading = Reading(family, TOOLS)
+    text = f"<tool_call>\n{block}\n</tool_call>" if family is Family.JSON else block
+    with caplog.at_level(logging.WARNING, logger="swarm.coordinator.text.tools"):
+        got = read_answer(text, reading)
+    assert got.calls == [ToolCall("get_weather", args)] and got.content == ""
+    assert all(g == got for g in every_split(text, reading))
+    if family is Family.JSON:
+        assert any("stops fitting" in r.message for r in caplog.records)
+
+
+def streamed_arguments(text: str, reading: Reading, step: int = 1) -> tuple[list[str], list[str]]:
+    """Each call's arguments as the reader gives them while `text` comes `step` characters at a time, and the
+    text that had come when each piece was given."""
+    r, pieces, seen = AnswerReader(reading), [], []
+    for i in range(0, len(text), step):
+        for p in r.push(text[i : i + step]):
+            if p.kind == "arguments":
+                pieces.append(p.text)
+                seen.append(text[: i + step])
+    pieces += [p.text for p in r.finish() if p.kind == "arguments"]
+    return pieces, seen
+
+
+@pytest.mark.parametrize("family", [Family.QWEN_XML, Family.JSON])
+def test_arguments_stream_as_the_model_writes_them(family: Family) -> None:
+    """A long string argument (a file) streams while the model writes it, not when the call ends; joined, the
+    pieces are json.dumps of the arguments whatever the split."""
+    body = "".join(f"line {i} </parameter> <b>\u00e9 \\ \"q\"\n" for i in range(40))
+    args = {"path": "a.txt", "text": body}
+    text = call_text(family, "write_file", args)
+    reading = Reading(family, TOOLS)
+    for step in (1, 2, 5, 17, len(text)):
+        pieces, seen = streamed_arguments(text, reading, step)
+        assert "".join(pieces) == json.dumps(args, ensure_ascii=False)
+    pieces, seen = streamed_arguments(text, reading)
+    joined = ""
+    for piece, so_far in zip(pieces, seen, strict=False):
+        joined += piece
+        if "line 20" in joined:  # half the file is out while the call is far from its end
+            assert "</tool_call>" not in so_far and "line 39" not in so_far
+            break
+    else:
+        raise AssertionError("the file's text did not stream")
+
+
+def test_json_arguments_are_written_canonically_as_they_come() -> None:
+    """The JSON family's arguments as the model may write them (escapes, surrogate pairs, exponents, nesting,
+    no spaces) come out as json.dumps of what they mean, however they are split."""
+    raw = (
+        '{"a":1e2,"b" : [true,false,null,{"c":-0.5}],"d":"\\u00e9\\ud83d\\ude00\\n\\t\\"\\\\","e":{},"f":[],'
+        '"g":"caf\u00e9 \ud83d\ude00"}'
+    )
+    text = f'<tool_call>\n{{"name": "write_file", "arguments": {raw}}}\n</tool_call>'
+    reading = Reading(Family.JSON, TOOLS)
+    want = json.dumps(json.loads(raw), ensure_ascii=False)
+    for step in (1, 3, len(text)):
+        assert "".join(streamed_arguments(text, reading, step)[0]) == want
+    assert all(g.calls == [ToolCall("write_file", json.loads(raw))] for g in every_split(text, reading))

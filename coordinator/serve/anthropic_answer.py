@@ -14,7 +14,7 @@ from typing import Any
 from swarm.coordinator.text.tools import Piece
 
 # the block each kind of piece goes into
-BLOCKS = {"reasoning": "thinking", "content": "text", "call": "tool_use"}
+BLOCKS = {"reasoning": "thinking", "content": "text", "call": "tool_use", "arguments": "tool_use"}
 
 
 @dataclass
@@ -27,6 +27,7 @@ class Message:
     message_id: str = field(default_factory=lambda: "msg_" + secrets.token_hex(12))
     content: list[dict[str, Any]] = field(default_factory=list)
     open_kind: str | None = None  # the kind of the streamed block still open
+    inputs: dict[int, str] = field(default_factory=dict)  # each tool_use block's input, as JSON text
 
     def usage(self, output_tokens: int) -> dict[str, Any]:
         return {"input_tokens": self.input_tokens - self.cached, "output_tokens": output_tokens,
@@ -39,11 +40,17 @@ class Message:
 
     def _add(self, piece: Piece) -> None:
         kind = BLOCKS[piece.kind]
-        if piece.call is not None:
-            self.content.append(
-                {"type": kind, "id": "toolu_" + secrets.token_hex(12), "name": piece.call.name,
-                 "input": piece.call.arguments}
-            )  # fmt: skip
+        if piece.kind == "call":
+            self.content.append({"type": kind, "id": "toolu_" + secrets.token_hex(12), "name": piece.text,
+                                 "input": {}})  # fmt: skip
+            self.inputs[len(self.content) - 1] = ""
+        elif piece.kind == "arguments":
+            at = len(self.content) - 1
+            self.inputs[at] += piece.text
+            try:  # whole once the call's last piece has come
+                self.content[at]["input"] = json.loads(self.inputs[at])
+            except json.JSONDecodeError:
+                pass
         elif self.content and self.content[-1]["type"] == kind:
             self.content[-1][kind] += piece.text
         else:
@@ -78,8 +85,11 @@ class Message:
     def _events(self, piece: Piece) -> Iterator[bytes]:
         """The events of one piece: a new block where its kind differs from the open one (each call its own)."""
         kind = BLOCKS[piece.kind]
-        if kind == self.open_kind and piece.call is None:
-            delta = {"type": f"{kind}_delta", kind: piece.text}
+        if kind == self.open_kind and piece.kind != "call":
+            if piece.kind == "arguments":
+                delta = {"type": "input_json_delta", "partial_json": piece.text}
+            else:
+                delta = {"type": f"{kind}_delta", kind: piece.text}
             yield event("content_block_delta", {"type": "content_block_delta", "index": len(self.content) - 1,
                                                 "delta": delta})  # fmt: skip
             self._add(piece)
@@ -87,16 +97,13 @@ class Message:
         yield from self.close_events()
         self._add(piece)
         index, block = len(self.content) - 1, dict(self.content[-1])
-        if piece.call is not None:
-            block["input"] = {}
-            deltas = [{"type": "input_json_delta", "partial_json": j} for j in piece.call.json_pieces()]
-        else:
+        if piece.kind != "call":
             block[kind] = ""
-            deltas = [{"type": f"{kind}_delta", kind: piece.text}]
         yield event(
             "content_block_start", {"type": "content_block_start", "index": index, "content_block": block}
         )
-        for delta in deltas:
+        if piece.kind != "call":
+            delta = {"type": f"{kind}_delta", kind: piece.text}
             yield event(
                 "content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}
             )

@@ -94,8 +94,8 @@ class Answer:
         else:
             choice = {"index": 0, "text": piece or "", "finish_reason": reason, "logprobs": None}
         if self.stream_logprobs is not None:
-            # the tokens' come since the last chunk (a chat's content chunks are openai_tools' own: a chat's
-            # come with its last chunk, which the client's stream helpers add up all the same)
+            # the tokens' come since the last chunk (a chat's deltas go out as openai_tools.ChunkStream's chunks,
+            # each with its tokens'; this last chunk has those of the tokens no delta carried, EOS left out)
             choice["logprobs"] = self.stream_logprobs()
         return sse_data({**self.identity(self.chunk_object), "choices": [choice], **(extra or {})})
 

@@ -1,14 +1,17 @@
 """What an OpenAI request asks of how its tokens are picked, beyond SamplingParams: the form of its answer
 (`response_format` json_object / json_schema, the call a `tool_choice` "required" or a named function asks
-for: a grammar, decode/grammar.py), penalties (`presence_penalty`, `frequency_penalty`, `repetition_penalty`,
-decode/penalties.py) and `logprobs` / `top_logprobs` (decode/logprobs.py), checked (a 400 naming the field)
-and turned into the decode core's hooks: logits processors, forced drafts, a record of each token's row."""
+for, or llama-server's `grammar`: a grammar, decode/grammar.py), penalties (`presence_penalty`,
+`frequency_penalty`, `repetition_penalty`, decode/penalties.py) and `logprobs` / `top_logprobs`
+(decode/logprobs.py), checked (a 400 naming the field) and turned into the decode core's hooks: logits
+processors, forced drafts, a record of each token's row."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
 
 from swarm.coordinator.decode.grammar import (
     DEAD_END,
@@ -146,6 +149,8 @@ def decoding(
 def _grammar(
     body: Mapping[str, Any], tokenizer: GGUFTokenizer, start: int, tools: Any, thinking: bool
 ) -> Any:
+    if body.get("grammar") is not None:
+        return _own_grammar(body, tokenizer, start, tools)
     value = _response_format(body.get("response_format"))
     calls = None
     if tools is not None and tools.offered and (tools.choice != "auto" or value is not None):
@@ -170,6 +175,25 @@ def _grammar(
     except GrammarError as e:
         what = "the schema" if param == "response_format" else "a tool's parameters schema"
         raise ApiError(400, f"{param}: {what} cannot be used: {e}", param=param) from None
+
+
+def _own_grammar(body: Mapping[str, Any], tokenizer: GGUFTokenizer, start: int, tools: Any) -> Grammar:
+    """llama-server's `grammar`: the whole answer held to a grammar the client wrote (GBNF, or Lark as llguidance
+    reads it), thinking included where the prompt opened a thinking block."""
+    given = body["grammar"]
+    if not isinstance(given, str) or not given.strip():
+        raise ApiError(400, "'grammar' must be a grammar's text (GBNF or Lark)", param="grammar")
+    forced = tools is not None and tools.choice in ("required", "function")
+    if forced or body.get("response_format") not in (None, {"type": "text"}):
+        raise ApiError(
+            400, "'grammar' holds the whole answer: it goes with no response_format and no forced tool_choice",
+            param="grammar",
+        )  # fmt: skip
+    vocab = GrammarVocab.of(tokenizer)
+    try:
+        return Grammar(vocab, vocab.compile(any_to_lark(given)), start)
+    except (GrammarError, GbnfToLarkError) as e:
+        raise ApiError(400, f"grammar: {e}", param="grammar") from None
 
 
 def _response_format(given: Any) -> str | None:

@@ -243,7 +243,7 @@ def message(text: str, reason: str, reading: Reading) -> tuple[dict[str, Any], s
             {
                 "id": call_id(),
                 "type": "function",
-                "function": {"name": c.name, "arguments": "".join(c.json_pieces())},
+                "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)},
             }
             for c in got.calls
         ]
@@ -253,7 +253,8 @@ def message(text: str, reason: str, reading: Reading) -> tuple[dict[str, Any], s
 
 class DeltaStream:
     """A streamed chat answer's text turned into the deltas of its chunks: content, reasoning_content, and each
-    tool call as OpenAI streams one (its index, id, type and name with empty arguments, then the arguments)."""
+    tool call as OpenAI streams one (its index, id, type and name with empty arguments, then the arguments in
+    pieces as the model writes them)."""
 
     def __init__(self, reading: Reading) -> None:
         self.reader = AnswerReader(reading)
@@ -270,19 +271,23 @@ class DeltaStream:
     def _deltas(self, pieces: list[Piece]) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         for p in pieces:
-            if p.call is None:
-                key = "reasoning_content" if p.kind == "reasoning" else "content"
-                if out and list(out[-1]) == [key]:
-                    out[-1][key] += p.text
-                else:
-                    out.append({key: p.text})
+            if p.kind == "call":
+                head = {"index": self.calls, "id": call_id(), "type": "function"}
+                out.append({"tool_calls": [{**head, "function": {"name": p.text, "arguments": ""}}]})
+                self.calls += 1
                 continue
-            index, self.calls = self.calls, self.calls + 1
-            head = {"index": index, "id": call_id(), "type": "function"}
-            out.append({"tool_calls": [{**head, "function": {"name": p.call.name, "arguments": ""}}]})
-            out += [
-                {"tool_calls": [{"index": index, "function": {"arguments": a}}]} for a in p.call.json_pieces()
-            ]
+            if p.kind == "arguments":
+                last = out[-1]["tool_calls"][0]["function"] if out and "tool_calls" in out[-1] else None
+                if last is not None and "name" not in last:
+                    last["arguments"] += p.text  # one delta per push: the pieces of one push together
+                else:
+                    out.append({"tool_calls": [{"index": self.calls - 1, "function": {"arguments": p.text}}]})
+                continue
+            key = "reasoning_content" if p.kind == "reasoning" else "content"
+            if out and list(out[-1]) == [key]:
+                out[-1][key] += p.text
+            else:
+                out.append({key: p.text})
         return out
 
 
@@ -297,19 +302,26 @@ class ChunkStream:
     def events(self, text: str) -> list[bytes]:
         if self.deltas is None:
             return [self.answer.event(text, None)] if text else []
-        return [self._chunk(d) for d in self.deltas.push(text)]
+        return self._chunks(self.deltas.push(text))
 
     def end(self, reason: str) -> tuple[list[bytes], str]:
         """The events the answer's end releases, and its finish_reason."""
         if self.deltas is None:
             return [], reason
         deltas, reason = self.deltas.finish(reason)
-        return [self._chunk(d) for d in deltas], reason
+        return self._chunks(deltas), reason
 
-    def _chunk(self, delta: dict[str, Any]) -> bytes:
+    def _chunks(self, deltas: list[dict[str, Any]]) -> list[bytes]:
+        """The chunks of a push's deltas; the first carries the logprobs of the tokens come since the last chunk
+        (those whose text a delta holds back go with the chunk that lets it out)."""
         a = self.answer
-        choice = {"index": 0, "delta": delta, "finish_reason": None}
-        return sse_data({**a.identity(a.chunk_object), "choices": [choice]})
+        out = []
+        for i, delta in enumerate(deltas):
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": None}
+            if a.stream_logprobs is not None:
+                choice["logprobs"] = a.stream_logprobs() if i == 0 else {"content": [], "refusal": None}
+            out.append(sse_data({**a.identity(a.chunk_object), "choices": [choice]}))
+        return out
 
 
 def whole_chat(obj: dict[str, Any], text: str, tools: ToolRequest | None) -> dict[str, Any]:

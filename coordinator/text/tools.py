@@ -26,12 +26,22 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from swarm.coordinator.text.call_stream import (
+    FUNCTION_END,
+    FUNCTION_START,
+    PARAMETER_END,
+    PARAMETER_START,
+    JsonArgs,
+    XmlArgs,
+    held,
+    json_call,
+    xml_call,
+)
+
 log = logging.getLogger(__name__)
 
 THINK_START, THINK_END = "<think>", "</think>"
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
-FUNCTION_START, FUNCTION_END = "<function=", "</function>"
-PARAMETER_START, PARAMETER_END = "<parameter=", "</parameter>"
 
 
 class Family(enum.Enum):
@@ -123,21 +133,14 @@ class ToolCall:
     name: str
     arguments: dict[str, Any]
 
-    def json_pieces(self) -> list[str]:
-        """The arguments' JSON text in pieces, one per argument, as a stream sends them; joined: valid JSON."""
-        items = [json.dumps({k: v}, ensure_ascii=False)[1:-1] for k, v in self.arguments.items()]
-        if not items:
-            return ["{}"]
-        return ["{" + items[0]] + [", " + s for s in items[1:]] + ["}"]
-
 
 @dataclass(frozen=True)
 class Piece:
-    """A piece of an answer: text of its content or reasoning, or one whole tool call."""
+    """A piece of an answer: text of its content or reasoning, a tool call begun (`text` its tool's name), or a
+    piece of that call's arguments (their JSON text; a call's pieces joined are one JSON object)."""
 
-    kind: str  # "content", "reasoning" or "call"
+    kind: str  # "content", "reasoning", "call" or "arguments"
     text: str = ""
-    call: ToolCall | None = None
 
 
 @dataclass
@@ -157,31 +160,30 @@ def read_answer(text: str, reading: Reading) -> ReadAnswer:
 
 def collect(pieces: Sequence[Piece]) -> ReadAnswer:
     out = ReadAnswer()
+    calls: list[tuple[str, list[str]]] = []
     for p in pieces:
         if p.kind == "content":
             out.content += p.text
         elif p.kind == "reasoning":
             out.reasoning += p.text
-        elif p.call is not None:
-            out.calls.append(p.call)
+        elif p.kind == "call":
+            calls.append((p.text, []))
+        else:
+            calls[-1][1].append(p.text)
+    out.calls = [ToolCall(name, json.loads("".join(args))) for name, args in calls]
     return out
 
 
-def _held(text: str, tags: Sequence[str]) -> int:
-    """How many characters at the end of `text` could still be the start of one of `tags`."""
-    best = 0
-    for tag in tags:
-        for k in range(min(len(tag) - 1, len(text)), best, -1):
-            if text.endswith(tag[:k]):
-                best = k
-                break
-    return best
+# A call's head, once read, makes it a call: the name of an offered tool and the start of its arguments.
+_JSON_HEAD = re.compile(r'<tool_call>\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=\{)')
+_XML_HEAD = re.compile(r"(?:<tool_call>)?\s*<function=([^>\n]+)>\s*(?=<parameter=|</function>)")
 
 
 class AnswerReader:
-    """Reads an answer's text as it streams into pieces: reasoning, content and whole tool calls. Holds back only
-    what could still be the start of a tag (and, where calls are looked for, content's trailing whitespace, which
-    a call that follows drops). Every split of the same text gives the same pieces, joined."""
+    """Reads an answer's text as it streams into pieces: reasoning, content and tool calls, each call's arguments
+    as the model writes them once its head is read (text/call_stream.py). Holds back only what could still be the
+    start of a tag (and, where calls are looked for, content's trailing whitespace, which a call that follows
+    drops). Every split of the same text gives the same pieces, joined."""
 
     def __init__(self, reading: Reading) -> None:
         self.reading = reading
@@ -195,6 +197,9 @@ class AnswerReader:
         self.lead = True  # reasoning's leading whitespace is dropped
         self.call_tag = ""  # the tag the call being read started with
         self.before = ""  # the whitespace before it
+        self.args: JsonArgs | XmlArgs | None = None  # the arguments of the call being read, once its head is
+        self.fed = 0  # how much of the call's text they were given
+        self.keep = True  # whether the call being read is kept (parallel_tool_calls false keeps the first)
         self.starts = (
             []
             if reading.family is Family.NONE
@@ -250,7 +255,7 @@ class AnswerReader:
     def _think(self, final: bool) -> bool:
         end = self.buf.find(THINK_END)
         if end < 0:
-            keep = 0 if final else _held(self.buf, [THINK_END])
+            keep = 0 if final else held(self.buf, (THINK_END,))
             self._reason(self.buf[: len(self.buf) - keep])
             self.buf = self.buf[len(self.buf) - keep :]
             return False
@@ -284,7 +289,7 @@ class AnswerReader:
             self.before, self.space = self.space, ""  # put back if the call does not parse
             self.buf, self.state, self.call_tag = self.buf[at:], "call", tag
             return True
-        keep = 0 if final else _held(self.buf, self.starts)
+        keep = 0 if final else held(self.buf, tuple(self.starts))
         self._content(self.buf[: len(self.buf) - keep])
         self.buf = self.buf[len(self.buf) - keep :]
         return False
@@ -301,26 +306,88 @@ class AnswerReader:
             self.out.append(Piece("content", text))
 
     def _call(self, final: bool) -> bool:
+        """A call, its arguments written as they come once its head is read (_head); before that, read whole
+        at its end, and left as text where it does not parse."""
         end_tag = CALL_END if self.call_tag == CALL_START else FUNCTION_END
         end = self.buf.find(end_tag)
-        if end < 0 and not final:
-            return False
-        block = self.buf if end < 0 else self.buf[: end + len(end_tag)]
+        over = end >= 0 or final
+        block = self.buf[:end] if end >= 0 else self.buf
+        if not over:
+            block = block[: len(block) - held(block, (end_tag,))]
+        if self.args is None and not self._head(block):
+            if not over:
+                return False
+            self._whole_call(self.buf if end < 0 else self.buf[: end + len(end_tag)])
+        elif self.args is not None:
+            self._feed(block[self.fed :], over)
+            self.fed = len(block)
+            if not over:
+                return False
+            self.args = None
+            self.fresh, self.space = True, ""
         self.buf = "" if end < 0 else self.buf[end + len(end_tag) :]
-        call = parse_call(block, self.reading)
         self.state = "text"
+        return True
+
+    def _head(self, block: str) -> bool:
+        """Whether `block` begins with the head of a call of an offered tool; if so the call is begun."""
+        if self.reading.family is Family.JSON:
+            m = _JSON_HEAD.match(block)
+            name = json.loads(m.group(1)) if m else None
+        else:
+            m = _XML_HEAD.match(block)
+            name = m.group(1).strip() if m else None
+        if m is None or name not in self.reading.tools:
+            return False
+        if self.reading.family is Family.JSON:
+            self.args = JsonArgs()
+        else:
+            properties = self.reading.tools[name].get("properties") or {}
+            self.args = XmlArgs(properties if isinstance(properties, Mapping) else {})
+        self.keep = not self.calls or self.reading.parallel
+        if not self.keep:
+            log.info("parallel_tool_calls is false: a further call (%s) is dropped", name)
+        self.calls += 1
+        self.fed = m.end()
+        self._emit(Piece("call", name))
+        return True
+
+    def _feed(self, text: str, over: bool) -> None:
+        args = self.args
+        assert args is not None
+        if isinstance(args, XmlArgs):
+            args.feed(text, over)
+        else:
+            args.feed(text)
+        self._emit(Piece("arguments", args.take()))
+        if not over:
+            return
+        self._emit(Piece("arguments", args.close()))
+        tail = args.rest.strip() if isinstance(args, JsonArgs) else args.buf.strip()
+        if args.broken or (isinstance(args, JsonArgs) and tail != "}"):
+            log.warning(
+                "a tool call's text stops fitting its form (%s): its arguments are those read before",
+                args.broken or f"{tail[:80]!r} after the arguments",
+            )
+
+    def _emit(self, piece: Piece) -> None:
+        if self.keep and (piece.text or piece.kind == "call"):
+            self.out.append(piece)
+
+    def _whole_call(self, block: str) -> None:
+        call = parse_call(block, self.reading)
         if call is None:
             log.warning("a tool call that does not parse stays text: %r", block[:200])
             self.space = self.before
             self._content(block)
-            return True
+            return
         if self.calls and not self.reading.parallel:
             log.info("parallel_tool_calls is false: a further call (%s) is dropped", call.name)
         else:
-            self.out.append(Piece("call", call=call))
+            self.out.append(Piece("call", call.name))
+            self.out.append(Piece("arguments", json.dumps(call.arguments, ensure_ascii=False)))
         self.calls += 1
         self.fresh, self.space = True, ""
-        return True
 
 
 # ---- one call ----
@@ -336,9 +403,9 @@ def parse_call(block: str, reading: Reading) -> ToolCall | None:
     inner = inner.strip()
     try:
         if reading.family is Family.QWEN_XML:
-            name, arguments = _xml_call(inner, reading.tools)
+            name, arguments = xml_call(inner, reading.tools)
         else:
-            name, arguments = _json_call(inner)
+            name, arguments = json_call(inner)
     except ValueError as e:
         log.debug("tool call not read: %s", e)
         return None
@@ -346,95 +413,3 @@ def parse_call(block: str, reading: Reading) -> ToolCall | None:
         log.warning("the model called %r, a tool it was not offered", name)
         return None
     return ToolCall(name, arguments)
-
-
-_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>)?\s*", re.S)
-# A value ends at the `</parameter>` before the next parameter or the function's end, so one holding the tag
-# itself (a file of XML) still reads whole.
-_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>\s*(?=<parameter=|$)", re.S)
-
-
-def _xml_call(inner: str, tools: Mapping[str, Mapping[str, Any]]) -> tuple[str, dict[str, Any]]:
-    m = _FUNCTION.fullmatch(inner)
-    if m is None:
-        raise ValueError("no <function=NAME> … </function>")
-    name, body = m.group(1).strip(), m.group(2).strip()
-    properties = (tools.get(name) or {}).get("properties") or {}
-    arguments: dict[str, Any] = {}
-    at = 0
-    for p in _PARAMETER.finditer(body):
-        if p.start() != at:
-            raise ValueError(f"text between parameters: {body[at : p.start()]!r}")
-        at = p.end()
-        value = p.group(2)
-        value = value[1:] if value.startswith("\n") else value
-        value = value[:-1] if value.endswith("\n") else value
-        key = p.group(1).strip()
-        arguments[key] = typed_value(value, properties.get(key) if isinstance(properties, Mapping) else None)
-    if at != len(body):
-        raise ValueError(f"not a parameter: {body[at:]!r}")
-    return name, arguments
-
-
-def _json_call(inner: str) -> tuple[str, dict[str, Any]]:
-    try:
-        obj = json.loads(inner)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"not JSON: {e}") from None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        raise ValueError("not an object with a 'name'")
-    arguments = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            raise ValueError("'arguments' is text that is not JSON") from None
-    if not isinstance(arguments, dict):
-        raise ValueError("'arguments' is not an object")
-    return obj["name"], arguments
-
-
-def _types(schema: Mapping[str, Any]) -> set[str]:
-    t = schema.get("type")
-    found = (
-        {t} if isinstance(t, str) else {x for x in t if isinstance(x, str)} if isinstance(t, list) else set()
-    )
-    for key in ("anyOf", "oneOf"):
-        for sub in schema.get(key) or []:
-            if isinstance(sub, Mapping):
-                found |= _types(sub)
-    if not found and isinstance(schema.get("enum"), list):
-        found = {"string" if isinstance(v, str) else "json" for v in schema["enum"]}
-    return found
-
-
-def typed_value(text: str, schema: Mapping[str, Any] | None) -> Any:
-    """A parameter's text as the type its JSON schema declares: a string parameter's text as is; a number, a
-    boolean (the template writes Python's True/False), null, an object or an array from its text. Text that is
-    not what the schema says stays a string (the tool reports it, as it would a wrong value)."""
-    types = _types(schema) if isinstance(schema, Mapping) else set()
-    if not types or types == {"string"}:
-        return text
-    s = text.strip()
-    if "null" in types and s in ("null", "None"):
-        return None
-    if "boolean" in types and s.lower() in ("true", "false"):
-        return s.lower() == "true"
-    if "integer" in types and re.fullmatch(r"-?\d+", s):
-        return int(s)
-    if "number" in types:
-        try:
-            v = float(s)
-        except ValueError:
-            pass
-        else:
-            return int(v) if v.is_integer() and re.fullmatch(r"-?\d+", s) else v
-    if types - {"string"}:
-        try:
-            v = json.loads(s)
-        except json.JSONDecodeError:
-            pass
-        else:
-            if not isinstance(v, str):
-                return v
-    return text
