@@ -214,9 +214,10 @@ def _auditor(model: str) -> Any:
         )
         return None
     from swarm.coordinator.checks.audit import make_auditor
-    from swarm.coordinator.config import EngineConfig
+    from swarm.coordinator.config import EngineConfig, Verify
 
-    return make_auditor(model, EngineConfig(audit_rate=1.0))
+    # the probe recomputes its answers exactly: no projection vectors to make (they would read every slab)
+    return make_auditor(model, EngineConfig(audit_rate=1.0, verify=Verify.SAMPLE))
 
 
 STATUS_PROBE_SLABS = 32  # a status check has time to look further than a coordinator's admission probe
