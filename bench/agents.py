@@ -34,7 +34,7 @@ from _models import prepare, prompt_tokens
 
 from swarm.coordinator.config import EngineConfig
 from swarm.coordinator.decode.core import DecodeCore
-from swarm.coordinator.decode.grammar import Grammar, GrammarVocab, _Wrapped, json_grammar
+from swarm.coordinator.decode.grammar import Grammar, GrammarVocab, TokenizerSource, json_grammar
 from swarm.coordinator.decode.sampling import SamplingParams
 from swarm.coordinator.engine import open_engine
 from swarm.coordinator.text.tokenizer import GGUFTokenizer
@@ -77,7 +77,7 @@ class WiderVocab(GrammarVocab):
     (seeded, none twice, no control token). Forced bytes are still tokenized by the GGUF's own tokenizer."""
 
     def __init__(self, tokenizer: GGUFTokenizer, size: int) -> None:
-        wrapped = _Wrapped(tokenizer)
+        wrapped = TokenizerSource(tokenizer)
         have = set(wrapped.tokens)
         pool = [t for i, t in enumerate(wrapped.tokens) if t and i not in tokenizer.control_ids]
         rng = random.Random(0)

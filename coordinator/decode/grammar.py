@@ -62,7 +62,7 @@ class GrammarVocab:
             raise GrammarError(
                 "the model's vocabulary declares no end-of-generation token: no grammar can end"
             )
-        self.ll = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Wrapped(tokenizer)), eos_token=self.eos)
+        self.ll = llguidance.LLTokenizer(llguidance.TokenizerWrapper(TokenizerSource(tokenizer)), eos_token=self.eos)
 
     @classmethod
     def of(cls, tokenizer: GGUFTokenizer) -> GrammarVocab:
@@ -82,8 +82,8 @@ class GrammarVocab:
         return grammar
 
 
-class _Wrapped:
-    """What llguidance.TokenizerWrapper reads off a tokenizer."""
+class TokenizerSource:
+    """What llguidance.TokenizerWrapper reads off a tokenizer (bench/agents.py grows its tokens)."""
 
     def __init__(self, tokenizer: GGUFTokenizer) -> None:
         self.tokenizer = tokenizer
