@@ -28,11 +28,19 @@ PROMPT = (
 )
 
 
-def prepare(model: str, layers: int, workdir: Path) -> tuple[Path, Path]:
-    """The synthesized GGUF and its shard directory (reused when already in workdir: synth is deterministic)."""
-    spec = preset(MODELS[model]["preset"], n_layers=layers, experts_type="Q4_K", dense_type="Q8_0")
-    gguf = workdir / f"{model}-{layers}l-q4k-q80.gguf"
-    shard_dir = workdir / f"{model}-{layers}l-q4k-q80.swarm"
+def prepare(
+    model: str, layers: int, workdir: Path, experts: int | None = None, vocab: int | None = None
+) -> tuple[Path, Path]:
+    """The synthesized GGUF and its shard directory (reused when already in workdir: synth is deterministic).
+    `experts` / `vocab`: fewer experts a layer than the real model (where disk and memory do not hold all of
+    them at the real depth) and the real vocabulary's size (the output head is part of the dense cost)."""
+    spec = preset(
+        MODELS[model]["preset"], n_layers=layers, experts_type="Q4_K", dense_type="Q8_0", n_expert=experts,
+        n_vocab=vocab,
+    )  # fmt: skip
+    tag = f"{model}-{layers}l" + (f"-{experts}e" if experts else "") + (f"-v{vocab}" if vocab else "")
+    gguf = workdir / f"{tag}-q4k-q80.gguf"
+    shard_dir = workdir / f"{tag}-q4k-q80.swarm"
     if not gguf.exists():
         log.info("synthesizing %s ...", gguf.name)
         synthesize(gguf, spec)

@@ -301,9 +301,10 @@ def _wire_bytes(shard_dir: Path, nodes: list[LocalNode], n_prompt: int, n_decode
 
 
 def cost(workdir: Path, reps: int, n_prompt: int, n_decode: int, threads: int, layers: int = 4,
-         settings: tuple[str, ...] = tuple(SETTINGS)) -> str:  # fmt: skip
+         settings: tuple[str, ...] = tuple(SETTINGS), experts: int | None = None,
+         vocab: int | None = None) -> str:  # fmt: skip
     set_threads(threads)
-    _, shard_dir = prepare("qwen35moe", layers, workdir)
+    _, shard_dir = prepare("qwen35moe", layers, workdir, experts, vocab)
     n_expert = read_manifest(shard_dir).n_expert
     halves = [format_ranges(range(0, n_expert // 2)), format_ranges(range(n_expert // 2, n_expert))]
     specs = [(shard_dir, ["--host", LOOPBACK, "--experts", halves[i % 2], "--threads", "1", "--no-verify"])
@@ -355,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--only", default="rely,detect,cost,bound")
     ap.add_argument("--layers", type=int, default=4, help="layers of the 35B-shaped model the cost runs on")
+    ap.add_argument("--experts", type=int, default=None, help="experts a layer (default: the real 256)")
+    ap.add_argument("--vocab", type=int, default=None, help="vocabulary size (default: the synth's small one)")
     ap.add_argument("--settings", default=",".join(SETTINGS), help=f"cost settings, of {', '.join(SETTINGS)}")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args(argv)
@@ -376,9 +379,11 @@ def main(argv: list[str] | None = None) -> int:
     if "cost" in parts:
         settings = tuple(args.settings.split(","))
         text = cost(args.workdir, args.reps, args.prompt_tokens, args.decode_tokens, args.threads, args.layers,
-                    settings)  # fmt: skip
-        title = "## What each --verify setting costs (`bench/trust.py`, cost)"
-        publish("trust-cost", f"{title}\n\n{head}\n\n{text}", not args.no_write)
+                    settings, args.experts, args.vocab)  # fmt: skip
+        depth = "" if args.layers == 4 else f", {args.layers} layers"
+        title = f"## What each --verify setting costs (`bench/trust.py`, cost{depth})"
+        section = "trust-cost" if args.layers == 4 else f"trust-cost-{args.layers}l"
+        publish(section, f"{title}\n\n{head}\n\n{text}", not args.no_write)
     if "bound" in parts:
         gguf = args.workdir / "qwen35moe-4l-q4k-q80.gguf"
         title = "## The projections' bound against honest answers (`bench/trust.py`, bound)"
