@@ -5,7 +5,7 @@ step or a whole prompt.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,25 +135,43 @@ def _rule_op(
     return gm.ggml_gated_delta_net(ctx, tokens(q), tokens(k), tokens(v), gi, bi, state, 1)
 
 
+def result_size(t: int, hv: int, s: int) -> int:
+    """Floats of one sequence's gated_delta_net result for t tokens: T*Hv*S outputs, then the Hv*S*S state."""
+    return t * hv * s + hv * s * s
+
+
+def own_buffer(state: torch.Tensor, n: int) -> torch.Tensor | None:
+    """The whole n-float result buffer `state` lies at the end of (the one before came from a call of the same
+    T: a decode step after a decode step), else None."""
+    fits = (
+        state.dtype == torch.float32
+        and state.is_contiguous()
+        and state.storage_offset() == n - state.numel()
+        and state.untyped_storage().nbytes() == 4 * n
+    )
+    return state.as_strided((n,), (1,), 0) if fits else None
+
+
+# Where a sequence's result may be written: (its index in the call, the result's size in floats) -> an
+# n-float buffer, or None for a new one.
+Buffers = Callable[[int, int], torch.Tensor | None]
+
+
 def _rule_results(
-    states: Sequence[torch.Tensor], lengths: Sequence[int], hv: int, s: int
+    states: Sequence[torch.Tensor], lengths: Sequence[int], hv: int, s: int, buffers: Buffers | None = None
 ) -> list[torch.Tensor]:
-    """Where each sequence's gated_delta_net result goes: [T*Hv*S outputs, then the new Hv*S*S state]. A state
-    that lies at the end of such a buffer of this T (the one before came from a call of the same shape: a
-    decode step after a decode step) is updated where it lies: ggml's op copies each head's state into its
-    output and updates it there, reading nothing else of the input state, so the copy is onto itself. A new
-    buffer each step would be megabytes a sequence per layer at a real model's shape, every page of it zeroed
-    by the kernel first. Whoever keeps an older state keeps a copy (DeltaNetState.checkpoint)."""
+    """Where each sequence's gated_delta_net result goes: [T*Hv*S outputs, then the new Hv*S*S state].
+    ggml's op copies each head's state into its output and updates it there, reading nothing else of the
+    input state, so a state may be updated where it lies, at the end of its own buffer. A new buffer each
+    step would be megabytes a sequence per layer at a real model's shape, every page of it zeroed by the
+    kernel first. Without `buffers` a state is updated where it lies whenever it can be (whoever keeps an
+    older state keeps a copy); with them, the caller says where (models/deltanet.py keeps checkpoints that
+    share a state's buffer, and gives another one while a checkpoint refers to it)."""
     out = []
-    for st, t in zip(states, lengths, strict=True):
-        n_attn, n = t * hv * s, t * hv * s + hv * s * s
-        fits = (
-            st.dtype == torch.float32
-            and st.is_contiguous()
-            and st.storage_offset() == n_attn
-            and st.untyped_storage().nbytes() == 4 * n
-        )
-        out.append(st.as_strided((n,), (1,), 0) if fits else torch.empty(n))  # (the whole buffer st ends)
+    for i, (st, t) in enumerate(zip(states, lengths, strict=True)):
+        n = result_size(t, hv, s)
+        buf = own_buffer(st, n) if buffers is None else buffers(i, n)
+        out.append(buf if buf is not None and buf.numel() == n else torch.empty(n))
     return out
 
 
@@ -168,6 +186,7 @@ def delta_net_step(
     beta: torch.Tensor,
     states: Sequence[torch.Tensor],
     rule: DeltaRule,
+    buffers: Buffers | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     """T steps of Gated DeltaNet for each of B sequences, all in one ggml graph (llama.cpp's ops): the
     depthwise conv over each sequence's past and new inputs, SiLU, L2-normed q and k, the gated delta rule.
@@ -176,7 +195,8 @@ def delta_net_step(
     g (log decay), beta [B, T, Hv]; states: B x [Hv, S, S] in ggml's layout: row j of a head's block holds
     column j of the state S (state[h, j, i] = S[i, j]).
     -> (o: B x [T, Hv, S], the new convs, the new states), each sequence's its own tensors: a state is read
-    where it lies and the new one is a view of that sequence's output, so no state is copied on the way.
+    where it lies and the new one is a view of that sequence's output, so no state is copied on the way
+    (`buffers`: where each result goes, see _rule_results).
 
     Each sequence has its own ops, and every op computes a token's values from that token's row alone (the
     conv from its window, the rule step by step), so a sequence read T tokens at a time, one at a time
@@ -190,7 +210,7 @@ def delta_net_step(
     ins = (
         [f32_rows(a) for a in (mixed, g, beta)] + [f32_rows(x) for x in convs] + [f32_rows(x) for x in states]
     )
-    outs = _rule_results(states, [t] * b, hv, s) + [torch.empty(c, kc - 1) for _ in range(b)]
+    outs = _rule_results(states, [t] * b, hv, s, buffers) + [torch.empty(c, kc - 1) for _ in range(b)]
     w = f32_rows(rule.conv_weight)
 
     def build(keep: bool) -> Graph:
@@ -225,6 +245,7 @@ def delta_net_layer(
     out_norm: Norm,
     out: Weight,
     marks: Sequence[Sequence[int]] = (),
+    buffers: Buffers | None = None,
 ) -> tuple[
     torch.Tensor, list[torch.Tensor], list[torch.Tensor], list[list[tuple[torch.Tensor, torch.Tensor]]]
 ]:
@@ -250,7 +271,7 @@ def delta_net_layer(
     ins = [x] + [f32_rows(t) for t in convs] + [f32_rows(t) for t in states]
     marks = tuple(tuple(int(m) for m in ms) for ms in marks) if any(marks) else ()
     tails = [t - (ms[-1] if ms else 0) for t, ms in zip(lengths, marks or [()] * len(lengths), strict=True)]
-    results = _rule_results(states, tails, hv, s)
+    results = _rule_results(states, tails, hv, s, buffers)
     new_convs = [torch.empty(c, kc - 1) for _ in lengths]
     marked = [[(torch.empty(c, kc - 1), torch.empty(hv, s, s)) for _ in ms] for ms in marks]
     y = torch.empty(n, d)

@@ -158,19 +158,40 @@ def test_decode_steps_update_the_recurrent_state_where_it_lies_and_checkpoints_k
     f32_model: tuple[DecoderModel, Any],
 ) -> None:
     """After the first decode step, each linear-attention layer's state is updated in its own buffer (no new
-    one per step); a checkpoint taken between steps is a copy, so going back to it gives the same logits."""
+    one per step). A checkpoint copies nothing: it refers to the state where it lies, the steps after it
+    write elsewhere, so going back to it gives the same logits; and with a checkpoint after every step
+    (every answer checked, every pass settled) two buffers a layer take turns, none allocated again."""
     model, ref = f32_model
     state = model.new_state()
     model.run(tokens(ref, 0), state)
     model.run([7], state)
     ssm = [layer for layer in state.layers if isinstance(layer, DeltaNetState)]
-    where = [s.ssm.data_ptr() for s in ssm]  # type: ignore[union-attr]
+
+    def where() -> list[int]:
+        return [s.ssm.untyped_storage().data_ptr() for s in ssm]  # type: ignore[union-attr]
+
+    before = where()
+    model.run([9], state)
+    assert where() == before  # no checkpoint: in place
     cp = state.checkpoint()
+    kept = [layer[1].clone() for layer in cp.layers if isinstance(layer, tuple) and layer[1] is not None]
+    assert [layer[1].untyped_storage().data_ptr() for layer in cp.layers if isinstance(layer, tuple)] == before
     first = torch.stack([model.run([t], state)[0] for t in (11, 13, 17)])
-    assert [s.ssm.data_ptr() for s in ssm] == where  # type: ignore[union-attr]
+    moved = where()
+    assert all(a != b for a, b in zip(moved, before, strict=True))  # not over the checkpoint's state
+    got = [layer[1] for layer in cp.layers if isinstance(layer, tuple) and layer[1] is not None]
+    assert all(torch.equal(a, b) for a, b in zip(got, kept, strict=True))
     state.restore(cp)
     again = torch.stack([model.run([t], state)[0] for t in (11, 13, 17)])
     assert torch.equal(first, again)
+    seen: list[set[int]] = [set() for _ in ssm]
+    for t in range(8):
+        cp = state.checkpoint()  # (the one before is forgotten here)
+        model.run([20 + t], state)
+        if t >= 2:  # (the first steps leave the restored copy, which is no step's buffer)
+            for found, at in zip(seen, where(), strict=True):
+                found.add(at)
+    assert all(len(found) == 2 for found in seen), seen
 
 
 def test_one_graph_layers_give_the_op_by_op_bits(monkeypatch: pytest.MonkeyPatch) -> None:

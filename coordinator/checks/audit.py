@@ -22,8 +22,12 @@ the same bits, or within the kernels' error bound from a node of another numeric
   audits the latest call of every node that is still open (on this thread and the audit thread at once),
   so that open work never piles up. The model waits for those forced audits, so each checks one row of
   each of the call's ready experts (repacked copy made: up to AUDIT_EXPERTS), or of one when none is.
-- Projections (--verify project, the default): an answer that carries its inner products is checked at once
-  (swarm.coordinator.checks.projection); one that fails is recomputed here, whole, before any verdict.
+- Projections (--verify project, the default): an answer that carries its inner products is checked by them
+  (swarm.coordinator.checks.projection): a prompt's call of many rows when it arrives, a decode step's at the
+  next settle, with every other answer since the last one, in one batch (a pass's calls of every layer: a few
+  dozen array operations for them all, where each call alone took about as many); one that fails is
+  recomputed here, whole, before any verdict, and a caught answer checked at arrival is replaced by the
+  coordinator's. The pass a wrong answer shaped is done again (CAUGHT), as after a failed audit.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ import torch
 from swarm.compute.ggml import one_thread
 from swarm.compute.priority import idle_priority
 from swarm.compute.store import ExpertStore
-from swarm.coordinator.checks.projection import Projections, unit_roundoff
+from swarm.coordinator.checks.projection import Answered, Projections, unit_roundoff
 from swarm.coordinator.checks.recompute import Recomputer, own_store
 from swarm.coordinator.config import DEFAULT_AUDIT_RATE, EngineConfig, Verify
 from swarm.proto.numerics import Numerics
@@ -58,6 +62,10 @@ PROBE_ROWS = 2
 # Experts of one call an audit checks (one row each), drawn at random: a prompt's call holds a node's share of
 # a layer's experts, and checking each (a cold one first copied into ggml's repacked layout) is slow.
 AUDIT_EXPERTS = 8
+# A call of this many rows or more (a prompt's) is checked by the projections when it arrives, while the model
+# waits for the layer's other answers; smaller ones (decode steps') wait for the settle and are checked with the
+# pass's others in one batch, a pass's array operations costing what one call's did.
+AT_ONCE_ROWS = 64
 # Seconds a forced settle waits for an audit the audit thread is running before it does the audit itself.
 TAKE_OVER = 0.05
 
@@ -101,6 +109,7 @@ class _Job:
 class _NodeBook:
     last_call: _Call | None = None
     open_calls: int = 0  # calls answered since this node's last passed audit
+    calls: int = 0  # calls answered in all
 
 
 @dataclass
@@ -112,6 +121,8 @@ class AuditReport:
     false_alarms: int = 0  # ... whose exact recompute found them honest
     banned: dict[str, str] = field(default_factory=dict)  # address -> why
     passed: Counter[str] = field(default_factory=Counter)  # address -> audits of its answers that passed
+    # address -> the node's answered calls when it was banned (its answer that was caught is among them)
+    calls_at_ban: dict[str, int] = field(default_factory=dict)
 
 
 class Auditor(Recomputer):
@@ -153,6 +164,7 @@ class Auditor(Recomputer):
             else None
         )
         self._pending: list[_Job] = []  # audits handed to the audit thread, not yet taken in
+        self._projected: list[tuple[str, _Call, Any]] = []  # answers for the projections, not yet checked
         self._cover = False  # the pass under way reads a prompt: each of its calls is checked (cover())
 
     # --- probes and audits ------------------------------------------------------------------------------
@@ -191,9 +203,15 @@ class Auditor(Recomputer):
             book = self._books.setdefault(address, _NodeBook())
             book.last_call = call
             book.open_calls += 1
-        projected, own = self._project(address, call, inner)
-        if own is not None:
-            return own
+            book.calls += 1
+        projected = self._projectable(call, inner)
+        if projected and int(call.rows.shape[0]) >= AT_ONCE_ROWS:
+            own = self._project(address, call, inner)
+            if own is not None:
+                return own
+        elif projected:
+            with self._lock:
+                self._projected.append((address, call, inner))  # checked at the settle, with the pass's others
         scope = Scope.EVERY_ROW if self.every_row else Scope.EVERY_EXPERT if self._cover and not projected else None
         rate = self.rate if projected or self.projections is None else max(self.rate, DEFAULT_AUDIT_RATE)
         if scope is None and rate > 0 and self._rng.random() < rate:
@@ -209,25 +227,50 @@ class Auditor(Recomputer):
                 return own
         return answer
 
-    def _project(self, address: str, call: _Call, inner: Any) -> tuple[bool, torch.Tensor | None]:
-        """(whether the projections checked the call, the coordinator's own rows where the exact recompute
-        that a failed check calls for caught the node). A check that fails decides nothing by itself."""
+    def _projectable(self, call: _Call, inner: Any) -> bool:
         p = self.projections
-        if p is None or inner is None or not p.checkable(call.layer, call.expert_ids):
-            return False, None
-        native, unit = self.numerics == Numerics.NATIVE, unit_roundoff(call.answer.dtype)
-        failed = p.check(call.layer, call.expert_ids, call.counts, call.rows.float().numpy(), call.answer.float().numpy(),
-                         inner, native, unit, self.other_class(address))  # fmt: skip
-        if failed is None:
-            self._checked(address, call, counted=False, projected=True)
-            return True, None
-        log.warning("node %s: %s check failed, layer %d, %d rows (%.3g x tolerance): recomputing exactly", address,
-                    failed.what, call.layer, len(failed.rows), failed.worst)  # fmt: skip
-        own = self._audit(address, call, Scope.EVERY_ROW)
+        return p is not None and inner is not None and p.checkable(call.layer, call.expert_ids)
+
+    def _project(self, address: str, call: _Call, inner: Any) -> torch.Tensor | None:
+        """The projections' check of one call now; the coordinator's own rows where the exact recompute that a
+        failed check calls for caught the node (None otherwise)."""
+        return self._verdicts([(address, call, inner)])[0]
+
+    def _project_all(self) -> None:
+        """The projections' check of every answer booked since the last settle, in one batch (a pass's calls
+        of every layer: Projections.check_many). An answer that fails is recomputed exactly before anything
+        is decided; a wrong one bans its node (the settle then says CAUGHT: the work is done again)."""
         with self._lock:
-            self.report.projected, self.report.alarms = self.report.projected + 1, self.report.alarms + 1
-            self.report.false_alarms += not self.is_banned(address)
-        return True, own
+            todo, self._projected = self._projected, []
+        if todo:
+            self._verdicts(todo)
+
+    def _verdicts(self, todo: list[tuple[str, _Call, Any]]) -> list[torch.Tensor | None]:
+        """Check these answers by the projections in one batch; per call, the coordinator's own rows where the
+        exact recompute that a failed check calls for caught the node (None otherwise)."""
+        p = self.projections
+        assert p is not None
+        native = self.numerics == Numerics.NATIVE
+        failed = p.check_many([
+            Answered(call.layer, call.expert_ids, call.counts, call.rows.float().numpy(),
+                     call.answer.float().numpy(), inner, native, unit_roundoff(call.answer.dtype),
+                     self.other_class(address))
+            for address, call, inner in todo
+        ])  # fmt: skip
+        own: list[torch.Tensor | None] = [None] * len(todo)
+        for i, ((address, call, _), f) in enumerate(zip(todo, failed, strict=True)):
+            if self.is_banned(address):
+                continue  # (caught at an earlier answer of the batch: its work is done again, unchecked)
+            if f is None:
+                self._checked(address, call, counted=False, projected=True)
+                continue
+            log.warning("node %s: %s check failed, layer %d, %d rows (%.3g x tolerance): recomputing exactly",
+                        address, f.what, call.layer, len(f.rows), f.worst)  # fmt: skip
+            own[i] = self._audit(address, call, Scope.EVERY_ROW)
+            with self._lock:
+                self.report.projected, self.report.alarms = self.report.projected + 1, self.report.alarms + 1
+                self.report.false_alarms += not self.is_banned(address)
+        return own
 
     def decide(
         self, address: str, layer: int, experts: list[int], rows: torch.Tensor, answer: torch.Tensor
@@ -401,6 +444,7 @@ class Auditor(Recomputer):
             if address in self.report.banned:
                 return
             self.report.banned[address] = why
+            self.report.calls_at_ban[address] = self._books[address].calls if address in self._books else 0
             self._caught = True
         log.error("banned node %s: %s", address, why)
         if self._on_ban is not None:
@@ -412,6 +456,7 @@ class Auditor(Recomputer):
     def settle(self, force: bool = False) -> Verdict:
         """What the answers since the last settle amount to (see the module docstring). Unforced, audits still
         running leave the work open (the model goes on meanwhile); forced, they are waited for."""
+        self._project_all()
         all_in = self._collect(wait=force)
         if force:
             with self._lock:

@@ -31,7 +31,9 @@ import ctypes
 import logging
 import secrets
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -57,6 +59,7 @@ KEPT = 4.0  # ulps of error in each element of a kept vector (a float32 product 
 # (relative to it and to its row's mean) to a rounding boundary of the down kernel's row type may take the
 # other step there, and the check allows that step (the check alone; the exact one is checks/tolerance.py).
 REACH = 2.0**-16
+BATCH_ROWS = 2048  # rows checked in one computation (its float64 temporaries: tens of MB at a real model's width)
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,22 @@ class ExpertVectors:
     @property
     def nbytes(self) -> int:
         return sum(v.nbytes for _, v in self.gate_up) + self.down.nbytes
+
+
+@dataclass(frozen=True)
+class Answered:
+    """One call's answer to check: the rows sent [N, D], the answer [N, D] and inner products [N, 2F]
+    (float32), and how the node computed it (see Projections.check)."""
+
+    layer: int
+    expert_ids: list[int]
+    counts: list[int]
+    rows: np.ndarray
+    answer: np.ndarray
+    inner: np.ndarray
+    native: bool = True
+    answer_unit: float = 0.0
+    other_class: bool = False
 
 
 @dataclass(frozen=True)
@@ -208,36 +227,67 @@ class Projections:
         `answer_unit`: the unit roundoff of the answer's wire type (F16 / BF16 answers are rounded: the
         check then sees only changes larger than that rounding), 0 for float32; `other_class`: the node's
         numerics class is not this coordinator's (see REACH)."""
-        n = int(rows.shape[0])
-        if answer.shape != rows.shape or inner.ndim != 2 or inner.shape[0] != n or sum(counts) != n:
-            return Failed(list(range(n)), float("inf"), "shape")
-        blocks, at = [], 0  # (first row, rows, its vectors) of each expert with rows
-        for expert, count in zip(expert_ids, counts, strict=True):
-            if count:
-                blocks.append((at, count, self.vectors(layer, expert)))
-            at += count
-        if any(inner.shape[1] != 2 * v.down.shape[1] for _, _, v in blocks):
-            return Failed(list(range(n)), float("inf"), "shape")
-        # every row of a call at once (one quantization, one swiglu graph, one product each), per group of
-        # experts stored in the same types: a prompt's call holds a node's share of a whole layer
-        groups: dict[tuple[tuple[int, ...], int], list[tuple[int, int, ExpertVectors]]] = {}
-        for b in blocks:
-            groups.setdefault((tuple(t for t, _ in b[2].gate_up), b[2].down_type), []).append(b)
-        ratio_gu, ratio_d = np.zeros(n), np.zeros(n)
-        for members in groups.values():
-            idx = np.concatenate([np.arange(a, a + c) for a, c, _ in members])
-            a, b = self._group(rows[idx], answer[idx], inner[idx], members, native, answer_unit, other_class)
-            ratio_gu[idx], ratio_d[idx] = a, b
-        bad = [int(i) for i in np.flatnonzero(~((ratio_gu <= 1.0) & (ratio_d <= 1.0)))]  # (NaN fails too)
+        call = Answered(layer, expert_ids, counts, rows, answer, inner, native, answer_unit, other_class)
+        return self.check_many([call])[0]
+
+    def check_many(self, calls: Sequence[Answered]) -> list[Failed | None]:
+        """`check` of several calls at once (a pass's answers, every layer's): their rows in one computation
+        per kind of expert (the same types and check), so a pass costs a few dozen array operations, not a
+        few dozen for each of its calls."""
+        results: list[Failed | None] = [None] * len(calls)
+        ratios = [(np.zeros(int(c.rows.shape[0])), np.zeros(int(c.rows.shape[0]))) for c in calls]
+        # (call, its first row, rows, the expert's vectors) by kind: the experts' types, the check's settings
+        groups: dict[tuple[Any, ...], list[tuple[int, int, int, ExpertVectors]]] = {}
+        for i, c in enumerate(calls):
+            n = int(c.rows.shape[0])
+            if c.answer.shape != c.rows.shape or c.inner.ndim != 2 or c.inner.shape[0] != n or sum(c.counts) != n:
+                results[i] = Failed(list(range(n)), float("inf"), "shape")
+                continue
+            blocks, at = [], 0
+            for expert, count in zip(c.expert_ids, c.counts, strict=True):
+                if count:
+                    blocks.append((i, at, count, self.vectors(c.layer, expert)))
+                at += count
+            if any(c.inner.shape[1] != 2 * v.down.shape[1] for _, _, _, v in blocks):
+                results[i] = Failed(list(range(n)), float("inf"), "shape")
+                continue
+            for b in blocks:
+                v = b[3]
+                kind = (tuple(t for t, _ in v.gate_up), v.down_type, v.down.shape[1], c.native, c.answer_unit,
+                        c.other_class, int(c.rows.shape[1]))  # fmt: skip
+                groups.setdefault(kind, []).append(b)
+        chunks = []  # (the check's settings, members) with at most BATCH_ROWS rows: bounded temporaries
+        for kind, members in groups.items():
+            chunk: list[tuple[int, int, int, ExpertVectors]] = []
+            for m in members:
+                if chunk and sum(c[2] for c in chunk) + m[2] > BATCH_ROWS:
+                    chunks.append((kind, chunk))
+                    chunk = []
+                chunk.append(m)
+            chunks.append((kind, chunk))
+        for (_, _, _, native, unit, other, _), members in chunks:
+            def gather(name: str, members: list[tuple[int, int, int, ExpertVectors]] = members) -> np.ndarray:
+                parts = [getattr(calls[i], name)[a : a + n] for i, a, n, _ in members]
+                return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+            gu, d = self._group(gather("rows"), gather("answer"), gather("inner"),
+                                [(0, n, v) for _, _, n, v in members], native, unit, other)  # fmt: skip
+            at = 0
+            for i, a, n, _ in members:
+                ratios[i][0][a : a + n], ratios[i][1][a : a + n] = gu[at : at + n], d[at : at + n]
+                at += n
+        for i, (ratio_gu, ratio_d) in enumerate(ratios):
+            if results[i] is not None:
+                continue
+            bad = [int(j) for j in np.flatnonzero(~((ratio_gu <= 1.0) & (ratio_d <= 1.0)))]  # (NaN fails too)
+            if bad:
+                what = "gate/up" if not ratio_gu[bad[0]] <= 1.0 else "down"
+                worst = float(np.nanmax(np.concatenate([ratio_gu[bad], ratio_d[bad]])))
+                results[i] = Failed(bad, worst, what)
         with self._lock:
-            self.checks += 1
-            self.failures += bool(bad)
-        if not bad:
-            return None
-        first = bad[0]
-        what = "gate/up" if not ratio_gu[first] <= 1.0 else "down"
-        worst = float(np.nanmax(np.concatenate([ratio_gu[bad], ratio_d[bad]])))
-        return Failed(bad, worst, what)
+            self.checks += len(calls)
+            self.failures += sum(r is not None for r in results)
+        return results
 
     def _group(
         self, rows: np.ndarray, answer: np.ndarray, inner: np.ndarray, members: list[tuple[int, int, ExpertVectors]],
@@ -290,18 +340,19 @@ def _ratio(
     steps another build may take, each allowed for in full (|v|·step)."""
     # (einsum, not BLAS: these products are small, and BLAS's threads stall on a busy machine's cores)
     n = int(products.shape[0])
-    terms = [(x, np.broadcast_to(v, (n, *v.shape)) if v.ndim == 2 else v) for x, v in terms]
+    terms = [(x, (np.broadcast_to(v, (n, *v.shape)) if v.ndim == 2 else v).astype(np.float64)) for x, v in terms]
     norm = np.broadcast_to(np.asarray(norm, np.float64), (n,))
-    said = np.einsum("nf,pf->np", products.astype(np.float64), r)
-    expected = sum(np.einsum("nd,npd->np", x, v.astype(np.float64)) for x, v in terms) + bias
+    products = products.astype(np.float64)
+    said = np.einsum("nf,pf->np", products, r)
+    expected = sum(np.einsum("nd,npd->np", x, v) for x, v in terms) + bias
     size = np.sqrt(sum(np.einsum("ij,ij->i", x, x) for x, _ in terms))  # ‖x̂‖ per row
     # the vectors' own float32 error (their product and their rounding): |Σ (v - fl(v))·x̂| ≤ KEPT·u·Σ|v||x̂|
-    kept = sum(np.einsum("nd,npd->np", np.abs(x), np.abs(v.astype(np.float64))) for x, v in terms) * KEPT * U
+    kept = sum(np.einsum("nd,npd->np", np.abs(x), np.abs(v)) for x, v in terms) * KEPT * U
     tol = SIGMAS * ERROR_CONSTANT * U * norm[:, None] * size[:, None] + kept + np.finfo(np.float32).tiny
     if rounded:
-        tol = tol + SIGMAS * rounded * np.linalg.norm(products.astype(np.float64), axis=1)[:, None]
+        tol = tol + SIGMAS * rounded * np.linalg.norm(products, axis=1)[:, None]
     if steps is not None:
-        tol = tol + np.einsum("nf,npf->np", steps, np.abs(terms[0][1].astype(np.float64)))
+        tol = tol + np.einsum("nf,npf->np", steps, np.abs(terms[0][1]))
     with np.errstate(invalid="ignore", over="ignore"):
         out = np.abs(said - expected) / tol
     return np.where(np.isfinite(out), out, np.inf).max(axis=1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
@@ -49,16 +50,51 @@ RECURRENT_MAX = 256
 
 @dataclass
 class DeltaNetState:
-    """One sequence's memory in one linear-attention layer; None before its first token."""
+    """One sequence's memory in one linear-attention layer; None before its first token.
+
+    A checkpoint costs no copy of the recurrent state (megabytes a layer at a real model's shape, taken
+    after every pass whose answers are checked): it refers to the state where it lies, and while it does
+    the next step writes its result into another buffer (`buffer`): one that an earlier checkpoint, now
+    forgotten, referred to, so that two buffers take turns and no page is allocated again.
+    """
 
     conv: torch.Tensor | None = None  # [C, Kc-1] the last Kc-1 inputs of the conv
     # [Hv, Dv, Dk] the recurrent state S per value head, in ggml's layout: ssm[h, j, i] = S_h[i, j]
     ssm: torch.Tensor | None = None
     # (conv, ssm) as they stood at each mark of the last call that had some (Batch.marks): checkpoints
     marked: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    # the buffers checkpoints refer to: (the buffer's address, the whole buffer, the checkpoint's view of the
+    # state in it, weakly: once the checkpoint is forgotten the buffer may be written again)
+    _kept: list[tuple[int, torch.Tensor, weakref.ref[torch.Tensor]]] = field(default_factory=list, repr=False)
+    _spare: torch.Tensor | None = field(default=None, repr=False)  # a buffer no one refers to
 
     def checkpoint(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        return _clone(self.conv), _clone(self.ssm)
+        if self.ssm is None:
+            return _clone(self.conv), None
+        view = self.ssm.view(self.ssm.shape)  # an object of its own, for the weak reference
+        whole = self.ssm.as_strided((self.ssm.untyped_storage().nbytes() // 4,), (1,), 0)
+        self._kept.append((_address(self.ssm), whole, weakref.ref(view)))
+        return _clone(self.conv), view  # (the conv's inputs are small: copied)
+
+    def buffer(self, n: int) -> torch.Tensor | None:
+        """Where the next step's result ([outputs, then the new state], n floats) may go: the buffer the state
+        lies at the end of, unless a checkpoint refers to it; else a spare one of that size; None: a new one."""
+        own = _address(self.ssm) if self.ssm is not None else None
+        kept = []
+        for entry in self._kept:
+            if entry[2]() is not None:
+                kept.append(entry)
+            elif entry[0] != own:
+                self._spare = entry[1]  # forgotten: free to be written
+        self._kept = kept
+        if self.ssm is not None and all(a != own for a, _, _ in kept):
+            mine = deltanet.own_buffer(self.ssm, n)
+            if mine is not None:
+                return mine
+        if self._spare is not None and self._spare.numel() == n:
+            spare, self._spare = self._spare, None
+            return spare
+        return None
 
     def take_marked(self, position: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The checkpoint at the last call's next mark, in order (`position`: where it is in the sequence;
@@ -72,6 +108,10 @@ class DeltaNetState:
 
 def _clone(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.clone()
+
+
+def _address(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
 
 
 class GatedDeltaNet(nn.Module):
@@ -233,6 +273,7 @@ class GatedDeltaNet(nn.Module):
             self.ssm_norm.on_ggml(),
             out[0][0],
             batch.marks,
+            lambda i, n: states[i].buffer(n),
         )
         for st, conv, ssm, cps in zip(states, convs, ssms, marked, strict=True):
             st.conv, st.ssm = conv, ssm
@@ -247,7 +288,9 @@ class GatedDeltaNet(nn.Module):
         that sequence's own tensor, never a copy of a batch's)."""
         convs = [st.conv for st in states if st.conv is not None]
         ssms = [st.ssm for st in states if st.ssm is not None]
-        o, convs, ssms = deltanet.delta_net_step(mixed, convs, g, beta, ssms, self._rule())
+        o, convs, ssms = deltanet.delta_net_step(
+            mixed, convs, g, beta, ssms, self._rule(), lambda i, n: states[i].buffer(n)
+        )
         for st, conv, ssm in zip(states, convs, ssms, strict=True):
             st.conv, st.ssm = conv, ssm
         return o
