@@ -267,8 +267,12 @@ class Projections:
             chunks.append((kind, chunk))
         for (_, _, _, native, unit, other, _), members in chunks:
             def gather(name: str, members: list[tuple[int, int, int, ExpertVectors]] = members) -> np.ndarray:
-                parts = [getattr(calls[i], name)[a : a + n] for i, a, n, _ in members]
-                return parts[0] if len(parts) == 1 else np.concatenate(parts)
+                first, start = members[0][0], members[0][1]
+                if all(i == first for i, _, _, _ in members) and all(
+                    a == b[1] + b[2] for (_, a, _, _), b in zip(members[1:], members, strict=False)
+                ):  # one run of one call's rows (a prompt's call): no copy
+                    return getattr(calls[first], name)[start : members[-1][1] + members[-1][2]]
+                return np.concatenate([getattr(calls[i], name)[a : a + n] for i, a, n, _ in members])
 
             gu, d = self._group(gather("rows"), gather("answer"), gather("inner"),
                                 [(0, n, v) for _, _, n, v in members], native, unit, other)  # fmt: skip
@@ -300,15 +304,19 @@ class Projections:
         def per_row(arrays: list[np.ndarray]) -> np.ndarray:
             return np.repeat(np.stack(arrays), counts, axis=0)
 
+        def each(arrays: list[np.ndarray]) -> np.ndarray:  # [E, P, d] float64, an expert's vectors each
+            return np.stack(arrays).astype(np.float64)
+
         r_gu, r_d = self.secret(int(rows.shape[1]), int(vs[0].down.shape[1]))
-        terms = [(_act(rows, t, native), per_row([v.gate_up[k][1] for v in vs])) for k, (t, _) in enumerate(vs[0].gate_up)]
-        ratio_gu = _ratio(inner, r_gu, per_row([v.gate_up_bias for v in vs]), terms, per_row([v.gate_up_norm for v in vs]))
+        terms = [(_act(rows, t, native), each([v.gate_up[k][1] for v in vs])) for k, (t, _) in enumerate(vs[0].gate_up)]
+        ratio_gu = _ratio(inner, r_gu, per_row([v.gate_up_bias for v in vs]), terms, per_row([v.gate_up_norm for v in vs]),
+                          counts=counts)  # fmt: skip
         with one_thread():  # a few microseconds of work: a team of threads would only wait for each other
             h = swiglu_rows(np.ascontiguousarray(inner, np.float32))
         h_act = _act(h, vs[0].down_type, native)
         steps = _near_steps(h, h_act, vs[0].down_type) if other_class and native else None
-        ratio_d = _ratio(answer, r_d, per_row([v.down_bias for v in vs]), [(h_act, per_row([v.down for v in vs]))],
-                         per_row([v.down_norm for v in vs]), answer_unit, steps)  # fmt: skip
+        ratio_d = _ratio(answer, r_d, per_row([v.down_bias for v in vs]), [(h_act, each([v.down for v in vs]))],
+                         per_row([v.down_norm for v in vs]), answer_unit, steps, counts)  # fmt: skip
         return ratio_gu, ratio_d
 
 
@@ -332,30 +340,54 @@ def _act(x: np.ndarray, weight_type: int, native: bool) -> np.ndarray:
 def _ratio(
     products: np.ndarray, r: np.ndarray, bias: np.ndarray, terms: list[tuple[np.ndarray, np.ndarray]],
     norm: float | np.ndarray, rounded: float = 0.0, steps: np.ndarray | None = None,
+    counts: Sequence[int] | None = None,
 ) -> np.ndarray:  # fmt: skip
     """Per row, the largest over the projections of |r·products - Σ v·x̂ - r·bias| / its tolerance; the
-    vectors v [P, d] (one expert's) or [n, P, d] (each row's expert's), the norms and biases likewise;
-    `rounded`: the unit roundoff the products were rounded to after they were computed (r·that rounding is
-    normal with a deviation of at most rounded·‖products‖); `steps` [n, cols of the one term]: the rounding
-    steps another build may take, each allowed for in full (|v|·step)."""
+    vectors v [P, d] (one expert's), [n, P, d] (each row's expert's), or with `counts` [E, P, d] (expert e's
+    for counts[e] rows in turn), the norms and biases one or per row; `rounded`: the unit roundoff the
+    products were rounded to after they were computed (r·that rounding is normal with a deviation of at most
+    rounded·‖products‖); `steps` [n, cols of the one term]: the rounding steps another build may take, each
+    allowed for in full (|v|·step)."""
     # (einsum, not BLAS: these products are small, and BLAS's threads stall on a busy machine's cores)
     n = int(products.shape[0])
-    terms = [(x, (np.broadcast_to(v, (n, *v.shape)) if v.ndim == 2 else v).astype(np.float64)) for x, v in terms]
+    if counts is None and all(v.ndim == 2 for _, v in terms):  # one expert's for every row
+        counts, terms = [n], [(x, v[None].astype(np.float64)) for x, v in terms]
+    elif counts is None:  # each row's own: n runs of one
+        counts = [1] * n
+        terms = [(x, np.broadcast_to(v, (n, *v.shape[-2:])).astype(np.float64)) for x, v in terms]
+    else:
+        terms = [(x, v.astype(np.float64, copy=False)) for x, v in terms]
     norm = np.broadcast_to(np.asarray(norm, np.float64), (n,))
     products = products.astype(np.float64)
     said = np.einsum("nf,pf->np", products, r)
-    expected = sum(np.einsum("nd,npd->np", x, v) for x, v in terms) + bias
+    expected = sum(_dots(x, v, counts) for x, v in terms) + bias
     size = np.sqrt(sum(np.einsum("ij,ij->i", x, x) for x, _ in terms))  # ‖x̂‖ per row
     # the vectors' own float32 error (their product and their rounding): |Σ (v - fl(v))·x̂| ≤ KEPT·u·Σ|v||x̂|
-    kept = sum(np.einsum("nd,npd->np", np.abs(x), np.abs(v)) for x, v in terms) * KEPT * U
+    kept = sum(_dots(np.abs(x), np.abs(v), counts) for x, v in terms) * KEPT * U
     tol = SIGMAS * ERROR_CONSTANT * U * norm[:, None] * size[:, None] + kept + np.finfo(np.float32).tiny
     if rounded:
         tol = tol + SIGMAS * rounded * np.linalg.norm(products, axis=1)[:, None]
     if steps is not None:
-        tol = tol + np.einsum("nf,npf->np", steps, np.abs(terms[0][1]))
+        tol = tol + _dots(steps, np.abs(terms[0][1]), counts)
     with np.errstate(invalid="ignore", over="ignore"):
         out = np.abs(said - expected) / tol
     return np.where(np.isfinite(out), out, np.inf).max(axis=1)
+
+
+def _dots(x: np.ndarray, v: np.ndarray, counts: Sequence[int]) -> np.ndarray:
+    """[n, P]: each row of x [n, d] times its expert's vectors, v [E, P, d] holding expert e's for the next
+    counts[e] rows. A prompt's rows come in long runs of one expert: one product a run; a decode pass's in
+    runs of one or two: the vectors repeated to the rows, one product for all."""
+    if len(counts) == 1:
+        return np.einsum("nd,pd->np", x, v[0])
+    if len(counts) * 4 > int(x.shape[0]):
+        return np.einsum("nd,npd->np", x, np.repeat(v, counts, axis=0))
+    out = np.empty((int(x.shape[0]), int(v.shape[1])))
+    at = 0
+    for e, c in enumerate(counts):
+        out[at : at + c] = np.einsum("nd,pd->np", x[at : at + c], v[e])
+        at += c
+    return out
 
 
 def _near_steps(h: np.ndarray, made: np.ndarray, weight_type: int) -> np.ndarray:
