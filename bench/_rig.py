@@ -48,6 +48,7 @@ MIN_QUOTA_US = 1000  # the kernel's smallest CFS quota (and period)
 DEFAULT_PERIOD_US = 10_000
 MAX_SHARES = 262144  # cpu.shares' upper bound (v1); cpu.weight's is 10000 (v2)
 MAX_CORES = 8  # the largest share a device's weight is scaled for
+REST = "rest"  # the cpuset group the machine's other processes wait in while a rig holds cores (Rig.reserve)
 
 
 def _weight(share: float, top: int) -> int:
@@ -262,6 +263,33 @@ def _all_groups(tag_prefix: str) -> list[Path]:
     return [g for r in roots if r.is_dir() for g in sorted(r.glob(f"{tag_prefix}*")) if g.is_dir()]
 
 
+def _cpus(text: str) -> set[int]:
+    """A cpuset list ("0-3,6") as its cores."""
+    out: set[int] = set()
+    for part in text.strip().split(","):
+        if part:
+            first, _, last = part.partition("-")
+            out.update(range(int(first), int(last or first) + 1))
+    return out
+
+
+def _release(group: Path, timeout: float = 10.0) -> None:
+    """Move every process of a REST group back to the root cpuset, then remove the group (processes started
+    meanwhile are moved too: they inherited the group)."""
+    root = group.parent
+    deadline = time.monotonic() + timeout
+    while group.exists():
+        for pid in _pids(group):
+            with contextlib.suppress(OSError):  # (one that ended meanwhile)
+                (root / "cgroup.procs").write_text(str(pid))
+        try:
+            group.rmdir()
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 class Rig:
     """Devices, the processes started in them, loop images: all undone by close(), exactly once."""
 
@@ -273,6 +301,7 @@ class Rig:
         self.devices: list[Device] = []
         self.procs: list[subprocess.Popen[bytes]] = []
         self.images: list[_rig_disk.LoopImage] = []
+        self._rest: Path | None = None  # the group the machine's other processes wait in (reserve)
         self._closed = False
         self._previous: dict[int, object] = {}
         atexit.register(self.close)
@@ -294,7 +323,32 @@ class Rig:
     def tag_prefix(self) -> str:
         return f"{PREFIX}-{self.run}-"
 
+    def reserve(self, cpus: str) -> None:
+        """Give these cores to the rig's devices alone until the rig closes: every other process of the machine
+        (those in the root cpuset now, and what they start meanwhile, which inherits their group) runs on the
+        other cores. A device's CFS quota caps its share but reserves nothing, and a scheduler weight does
+        not hold it either: beside two busy processes a quarter-core device got 0.217 of its core. cgroup v1
+        (the cpuset controller); a core must be left for the rest."""
+        if cgroup_version() != 1:
+            raise Lacks("reserving cores is written for cgroup v1's cpuset controller (this machine has v2)")
+        if self._rest is not None:
+            raise ValueError("this rig has reserved cores already")
+        root = CGROUP / "cpuset"
+        rest = sorted(_cpus((root / "cpuset.cpus").read_text()) - _cpus(cpus))
+        if not rest:
+            raise Lacks(f"reserving cores {cpus} leaves none for the machine's other processes")
+        group = root / f"{self.tag_prefix}{REST}"
+        group.mkdir()
+        self._rest = group  # (close() releases it, whatever happens next)
+        (group / "cpuset.mems").write_text((root / "cpuset.mems").read_text().strip())
+        (group / "cpuset.cpus").write_text(",".join(str(c) for c in rest))
+        for pid in _pids(root):
+            with contextlib.suppress(OSError):  # kernel threads bound to a core stay where they are
+                (group / "cgroup.procs").write_text(str(pid))
+
     def device(self, spec: DeviceSpec) -> Device:
+        if spec.name == REST:
+            raise ValueError(f"{REST!r} names the group of the machine's other processes; name the device otherwise")
         missing = lacks(spec)
         if missing:
             raise Lacks(f"device {spec.name} needs " + "; ".join(missing))
@@ -342,6 +396,11 @@ class Rig:
             with contextlib.suppress(ValueError, TypeError):
                 signal.signal(sig, previous)  # type: ignore[arg-type]
         errors: list[str] = []
+        if self._rest is not None:
+            try:
+                _release(self._rest)
+            except OSError as e:
+                errors.append(f"{self._rest}: {e}")
         for proc in self.procs:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -378,8 +437,12 @@ def leftovers(tag_prefix: str = PREFIX) -> list[str]:
 
 
 def sweep(tag_prefix: str = PREFIX) -> list[str]:
-    """Remove every leftover under the prefix (the processes in its groups and namespaces killed first); what
-    could not be removed."""
+    """Remove every leftover under the prefix (the processes in its groups and namespaces killed first, but
+    those of a REST group, the machine's own, moved back to the root cpuset); what could not be removed."""
+    for g in _all_groups(tag_prefix):
+        if g.name.endswith(f"-{REST}") and g.parent.name == "cpuset":
+            with contextlib.suppress(OSError):
+                _release(g)
     for g in _all_groups(tag_prefix):
         for pid in _pids(g):
             with contextlib.suppress(ProcessLookupError):

@@ -37,10 +37,29 @@ def _last_cpu() -> str:
     return str(max(os.sched_getaffinity(0)))
 
 
+@pytest.fixture
+def busy() -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Two processes spinning beside the test, as CI's and a user's machines have."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    yield procs
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+def _cpuset_of(pid: int) -> str:
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "cpuset" in controllers.split(","):
+            return path
+    return ""
+
+
 @pytest.mark.slow
-def test_a_device_gets_its_cpu_share_within_10_percent(rig_mod):
-    """Two devices on one core, a quarter and a half of it by quota, each busy at once: each gets its quota
-    (the rest of the core is other work's, which the devices' weight outranks)."""
+def test_a_device_gets_its_cpu_share_within_10_percent_beside_busy_processes(rig_mod, busy):
+    """Two devices on one core, a quarter and a half of it by quota, each busy at once, while two other
+    processes spin: the rig reserves the devices' core (the other processes wait on the other cores), each
+    device gets its quota, and once the rig closes the other processes are back where they were, alive."""
     import _rig_check
 
     cpu = _last_cpu()
@@ -48,8 +67,13 @@ def test_a_device_gets_its_cpu_share_within_10_percent(rig_mod):
         rig_mod.DeviceSpec("quarter", cpus=cpu, cpu_share=0.25),
         rig_mod.DeviceSpec("half", cpus=cpu, cpu_share=0.5),
     ]
+    before = [_cpuset_of(p.pid) for p in busy]
     with rig_mod.Rig() as rig:
+        rig.reserve(cpu)
+        assert all(_cpuset_of(p.pid).endswith(f"-{rig_mod.REST}") for p in busy)
         got = _rig_check.cpu_shares(rig, specs, seconds=5.0)
+    assert [_cpuset_of(p.pid) for p in busy] == before and all(p.poll() is None for p in busy)
+    assert rig_mod.leftovers(rig.tag_prefix) == []
     for spec in specs:
         assert abs(got[spec.name] - spec.cpu_share) <= 0.1 * spec.cpu_share, (spec.name, got)
 
@@ -87,6 +111,7 @@ import sys, time
 sys.path.insert(0, {bench!r})
 import _rig
 rig = _rig.Rig({run!r})
+rig.reserve("0")
 dev = rig.device(_rig.DeviceSpec("n0", cpus="0", cpu_share=0.5, memory=256 << 20, netns=True, rate="20mbit"))
 rig.loop_image(__import__("pathlib").Path({model!r}), 128)
 proc = rig.popen(dev, ["sleep", "1000"])
@@ -129,7 +154,9 @@ def test_a_killed_run_leaves_nothing_once_swept(rig_mod, tmp_path):
         left = rig_mod.leftovers(prefix)
         assert {"cgroup", "netns", "link", "mount", "loop"} <= _kinds(left), left
         assert _alive(child)
+        assert _cpuset_of(os.getpid()).endswith(f"-{rig_mod.REST}")  # the machine's processes wait aside
         assert rig_mod.sweep(prefix) == []
+        assert _cpuset_of(os.getpid()) == "/"  # moved back, not killed
         deadline = time.monotonic() + 5
         while _alive(child) and time.monotonic() < deadline:
             time.sleep(0.05)

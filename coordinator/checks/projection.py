@@ -259,11 +259,13 @@ class Projections:
         chunks = []  # (the check's settings, members) with at most BATCH_ROWS rows: bounded temporaries
         for kind, members in groups.items():
             chunk: list[tuple[int, int, int, ExpertVectors]] = []
+            size = 0
             for m in members:
-                if chunk and sum(c[2] for c in chunk) + m[2] > BATCH_ROWS:
+                if chunk and size + m[2] > BATCH_ROWS:
                     chunks.append((kind, chunk))
-                    chunk = []
+                    chunk, size = [], 0
                 chunk.append(m)
+                size += m[2]
             chunks.append((kind, chunk))
         for (_, _, _, native, unit, other, _), members in chunks:
             def gather(name: str, members: list[tuple[int, int, int, ExpertVectors]] = members) -> np.ndarray:
@@ -380,6 +382,8 @@ def _dots(x: np.ndarray, v: np.ndarray, counts: Sequence[int]) -> np.ndarray:
     runs of one or two: the vectors repeated to the rows, one product for all."""
     if len(counts) == 1:
         return np.einsum("nd,pd->np", x, v[0])
+    if len(counts) == int(x.shape[0]):  # a run of one each
+        return np.einsum("nd,npd->np", x, v)
     if len(counts) * 4 > int(x.shape[0]):
         return np.einsum("nd,npd->np", x, np.repeat(v, counts, axis=0))
     out = np.empty((int(x.shape[0]), int(v.shape[1])))
