@@ -116,6 +116,7 @@ class Projections:
         self._r: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}  # (D, F) -> (r_gu, r_d)
         self._vectors: dict[SlabKey, ExpertVectors] = {}
         self._locks: dict[SlabKey, threading.Lock] = {}
+        self._checkable: dict[SlabKey, bool] = {}  # whether a held expert's types can be checked (checkable)
         self._lock = threading.Lock()
         self._stop = threading.Event()  # close(): `prepare` ends
         self.checks = 0
@@ -154,12 +155,17 @@ class Projections:
         """Whether these experts' slabs are here and every matrix's kernel multiplies rows a projection can
         reproduce (not one pairing with Q8_1)."""
         for e in expert_ids:
-            slab = self.store.slabs.get((layer, e)) if self.store.holds(layer, e) else None
-            if slab is None:
+            known = self._checkable.get((layer, e))
+            if known is None:
+                slab = self.store.slabs.get((layer, e)) if self.store.holds(layer, e) else None
+                known = slab is not None and all(
+                    part is None or vec_dot_type(int(part.qtype)) in _CHECKABLE
+                    for part in (slab.gate, slab.up, slab.gate_up, slab.down)
+                )
+                if slab is not None:  # (a slab not held here may come later; one held keeps its types)
+                    self._checkable[(layer, e)] = known
+            if not known:
                 return False
-            for part in (slab.gate, slab.up, slab.gate_up, slab.down):
-                if part is not None and vec_dot_type(int(part.qtype)) not in _CHECKABLE:
-                    return False
         return True
 
     def prepare(self) -> None:
