@@ -72,10 +72,10 @@ def cpu_kind() -> str:
 
 
 def machine() -> str:
-    """This machine and the time, for a section's header."""
+    """This machine, the time and the load on it (other work shares its cores), for a section's header."""
     return (
-        f"{platform.machine()} ({cpu_kind()}), {os.cpu_count()} cores; "
-        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+        f"{platform.machine()} ({cpu_kind()}), {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} "
+        f"at the start; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
     )
 
 
