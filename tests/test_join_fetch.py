@@ -91,7 +91,7 @@ def test_a_node_on_an_empty_directory_fetches_over_its_link_and_serves_a_run_lik
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     dest = tmp_path / "phone"
-    node = spawn_node(dest, ["--fetch", "--join", invite, "--no-mdns"], tmp_path, "phone")
+    node = spawn_node(dest, ["--fetch", "--join", invite, "--no-mdns", "--join-wait", "300"], tmp_path, "phone")
     try:
         out, err = coordinator.communicate(timeout=300)
         assert coordinator.returncode == 0, err + node.log_tail()
@@ -236,10 +236,11 @@ def test_a_node_found_by_mdns_and_a_joined_one_serve_one_run_like_in_process(tmp
     key_file, key = _key(tmp_path, "a")
     port = _free_port()
     invite = _invite_file(tmp_path, make_invite(key, identity_of(shard), [f"127.0.0.1:{port}"]))
+    local = _swarm("run", str(shard), "--local", *PROMPT)
     (found,) = start_nodes([(shard, ["--experts", "0-15"])], tmp_path / "mdns", env={"SWARM_KEY_FILE": str(key_file)})
-    joined = spawn_node(shard, ["--experts", "16-31", "--join", invite], tmp_path, "j")
+    # (a busy machine may take long to start the coordinator: the node waits for it)
+    joined = spawn_node(shard, ["--experts", "16-31", "--join", invite, "--join-wait", "300"], tmp_path, "j")
     try:
-        local = _swarm("run", str(shard), "--local", *PROMPT)
         run = _swarm("run", str(shard), "--key-file", str(key_file), "--listen", f"127.0.0.1:{port}",
                      "--mdns-interface", "127.0.0.1", "--wait", "60", *PROMPT)  # fmt: skip
         assert run.returncode == 0, run.stderr + joined.log_tail()
