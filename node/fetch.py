@@ -1,6 +1,6 @@
 """`swarm node DIR --fetch`: a node that starts empty and fetches its slabs from the swarm.
 
-    sources = Sources(key, peers=["10.0.0.5:7000"], interfaces=["10.0.0.7"])  # static peers and/or mDNS
+    sources = Sources(key, peers=["10.0.0.5:7000"], interfaces=["10.0.0.7"], link=None)  # peers, mDNS, --join
     sources.discover(wait=3.0)
     manifest = ensure_manifest(directory, sources, have=None)  # manifest.json first, atomically
     job = plan_fetch(directory, manifest, wanted)  # what is here and verifies, what is to fetch
