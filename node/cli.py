@@ -146,8 +146,9 @@ def _add_identity_arguments(p: argparse.ArgumentParser) -> None:
         metavar="INVITE|FILE|HOST:PORT",
         help="dial out to the coordinator and serve it over that link (behind NAT, on a phone, where multicast "
         "does not reach): an invite from `swarm invite` (or a file holding it, which no process listing "
-        "shows), or the coordinator's --listen HOST:PORT with "
-        "--key-file. Implies --no-mdns; the link is dialed again with backoff whenever it drops",
+        "shows), or the coordinator's --listen HOST:PORT with --key-file. With --fetch the manifest and the "
+        "slabs come over the same link from the coordinator's shard directory, so DIR may start empty. The "
+        "node is not announced by mDNS; the link is dialed again with backoff whenever it drops",
     )
     p.add_argument(
         "--join-wait",

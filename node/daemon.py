@@ -345,7 +345,7 @@ def _keep_announced(
     link: Any = None,
 ) -> None:
     """Until `stop` (or the parent is gone, or the coordinator refused a --join link): announce the node again
-    whenever its slabs change, and say so."""
+    whenever its slabs change (by mDNS, or over its --join link), and say so."""
     fetch = node.fetch
     while not stop.wait(0.5):
         if link is not None and link.failure:
@@ -357,8 +357,11 @@ def _keep_announced(
         # taken (cleared) before the node's state is read: a slab fetched or dropped meanwhile sets them again,
         # and is announced next time (cleared after the reading, its change could be missed for good)
         was_grown, was_checked = _take(grown), _take(checked)
-        if (was_grown or was_checked or fetch_ended) and advertiser is not None:
-            advertiser.update()
+        if was_grown or was_checked or fetch_ended:
+            if advertiser is not None:
+                advertiser.update()
+            if link is not None:
+                link.announce()  # a joined node's coordinator reads its slabs again
         if was_checked:
             dropped = node.store.dropped()
             node.say_serving(

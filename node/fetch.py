@@ -1,6 +1,6 @@
 """`swarm node DIR --fetch`: a node that starts empty and fetches its slabs from the swarm.
 
-    sources = Sources(key, peers=["10.0.0.5:7000"], interfaces=["10.0.0.7"])  # static peers and/or mDNS
+    sources = Sources(key, peers=["10.0.0.5:7000"], interfaces=["10.0.0.7"], link=None)  # peers, mDNS, --join
     sources.discover(wait=3.0)
     manifest = ensure_manifest(directory, sources, have=None)  # manifest.json first, atomically
     job = plan_fetch(directory, manifest, wanted)  # what is here and verifies, what is to fetch
@@ -32,8 +32,7 @@ from pathlib import Path
 import grpc
 
 from swarm.node.errors import NodeCallError
-from swarm.node.fetch_sources import STREAM_SECONDS, Source, Sources
-from swarm.node.replies import FileStream
+from swarm.node.fetch_sources import STREAM_SECONDS, FileChunks, Source, Sources
 from swarm.sharding.manifest import SlabEntry, fsync_dir
 from swarm.sharding.slabs import SlabKey, check_slab_file
 
@@ -85,7 +84,7 @@ class Fetcher:
         self.progress = progress or (lambda n: None)
         self.result = FetchResult()
         self._lock = threading.Lock()
-        self._streams: set[FileStream] = set()
+        self._streams: set[FileChunks] = set()
         self._done = threading.Event()
 
     def run(self, entries: Sequence[SlabEntry], on_verified: Callable[[SlabEntry], None]) -> FetchResult:

@@ -35,9 +35,10 @@ def add_fetch_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group(
         "fetching (--fetch)",
         "Start on an empty directory and fetch the manifest and this node's slabs from the swarm: from any "
-        "node on a shard directory that holds them (found by mDNS, or given with --peer), each slab checked "
-        "against the manifest's SHA-256 and served as soon as it verifies. Run the same command again to "
-        "resume an interrupted fetch.",
+        "node on a shard directory that holds them (found by mDNS, or given with --peer) and, with --join, "
+        "from the coordinator's shard directory over the link this node dials (all a phone or a device "
+        "behind NAT needs: the invite is enough), each slab checked against the manifest's SHA-256 and "
+        "served as soon as it verifies. Run the same command again to resume an interrupted fetch.",
     )
     g.add_argument("--fetch", action="store_true", help="fetch the slabs to hold into DIR (see above)")
     g.add_argument(
@@ -118,8 +119,10 @@ class NodeFetch:
             )
         if args.fetch_parallel < 1:
             raise UserError("--fetch-parallel must be at least 1")
-        if not args.peer and args.no_mdns:
-            raise UserError("--fetch needs sources: give --peer HOST:PORT, or leave out --no-mdns")
+        if not args.peer and args.no_mdns and not args.join:
+            raise UserError(
+                "--fetch needs sources: give --peer HOST:PORT or --join (the coordinator), or leave out --no-mdns"
+            )
         from swarm.compute.slabs import wanted_slabs
         from swarm.node.fetch_job import (
             choose_model,
@@ -141,9 +144,22 @@ class NodeFetch:
             interfaces = (
                 False if args.no_mdns else (args.mdns_interface or default_mdns_interfaces(args.host))
             )
-            self.sources = Sources(key, args.peer, interfaces)
+            link = None
+            if args.join:
+                from swarm.node.join import fetch_link
+                from swarm.sharding.identity import ModelIdentity
+
+                model = ModelIdentity(have.fingerprint, have.source.header_sha256) if have is not None else None
+                if model is None and (args.fingerprint or plan_model):
+                    model = ModelIdentity(args.fingerprint or plan_model or "")
+                link = fetch_link(args, key, model)
+            self.sources = Sources(key, args.peer, interfaces, link)
             self._exit.callback(self.sources.close)
             self.sources.discover(args.wait)
+            if self.sources.link_error:
+                if not self.sources.all():
+                    raise UserError(self.sources.link_error)
+                print(f"swarm node: {self.sources.link_error}; fetching from the others", file=sys.stderr)
             choose_model(self.sources, have, args.fingerprint or plan_model)
             self.manifest: Manifest = ensure_manifest(self.directory, self.sources, have)
             layers, experts, slab_keys = slab_request

@@ -13,14 +13,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from swarm.node.errors import NodeCallError
-from swarm.node.fetch_sources import STREAM_SECONDS, Sources
+from swarm.node.fetch_sources import Sources, parse_manifest, read_whole
 from swarm.sharding.errors import UserError
 from swarm.sharding.manifest import (
     MANIFEST_NAME,
     Manifest,
     SlabEntry,
     atomic_write_bytes,
-    manifest_from_dict,
     read_manifest,
 )
 from swarm.sharding.ranges import format_slabs
@@ -111,34 +110,18 @@ def ensure_manifest(directory: Path, sources: Sources, have: Manifest | None) ->
     errors = []
     for s in candidates:
         try:
-            data = bytearray()
-            for offset, chunk, size in sources.client(s).fetch(MANIFEST_NAME, timeout=STREAM_SECONDS):
-                if offset != len(data) or offset + len(chunk) > size:
-                    raise ValueError(f"sent bytes at {offset} when {len(data)} were expected")
-                data += chunk
-            manifest = _parse_manifest(bytes(data), s.address)
+            data = s.manifest if s.manifest is not None else read_whole(sources.client(s), MANIFEST_NAME)
+            manifest = parse_manifest(data, s.address)
         except (NodeCallError, ValueError, UserError) as e:
             errors.append(f"{s.address}: {e}")
             continue
         if manifest.fingerprint != sources.fingerprint:
             errors.append(f"{s.address}: its manifest is of model {manifest.fingerprint[:12]}")
             continue
-        atomic_write_bytes(directory / MANIFEST_NAME, bytes(data))
+        atomic_write_bytes(directory / MANIFEST_NAME, data)
         log.info("fetched %s (%d bytes) from %s", MANIFEST_NAME, len(data), s.address)
         return manifest
     raise UserError(f"could not fetch {MANIFEST_NAME} from any source: {'; '.join(errors)}")
-
-
-def _parse_manifest(data: bytes, where: str) -> Manifest:
-    import json
-
-    try:
-        d = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"sent a damaged {MANIFEST_NAME} ({e})") from None
-    if not isinstance(d, dict):
-        raise ValueError(f"sent a {MANIFEST_NAME} that is not a swarm manifest")
-    return manifest_from_dict(d, f"{MANIFEST_NAME} from {where}")
 
 
 @dataclass

@@ -1,20 +1,25 @@
 """The sources a fetch draws from: nodes that give out their shard files (Fetch: the manifest and the slabs
-they hold, see swarm.node.files), the --peer addresses (asked by Info) and the nodes mDNS finds, browsed for
-as long as the fetch lasts, so that a node joining (or growing, as another fetching node does) is used from
-then on. Each download goes to the least busy holder; one that keeps failing is dropped."""
+they hold, see swarm.node.files), the --peer addresses (asked by Info), the coordinator a --join link
+reaches (its shard directory's files over the link, swarm.node.link_files) and the nodes mDNS finds, browsed
+for as long as the fetch lasts, so that a node joining (or growing, as another fetching node does) is used
+from then on. Each download goes to the least busy holder; one that keeps failing is dropped."""
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from swarm.node.auth import SwarmKey
 from swarm.node.client import NodeClient, ask_peer
 from swarm.node.errors import NodeCallError
 from swarm.proto.channel import PROTOCOL_VERSION
+from swarm.sharding.errors import UserError
+from swarm.sharding.manifest import MANIFEST_NAME, Manifest, manifest_from_dict
 from swarm.sharding.slabs import SlabKey
 
 log = logging.getLogger(__name__)
@@ -25,9 +30,29 @@ STREAM_SECONDS = 30.0
 MAX_STRIKES = 3  # a source that failed this many times in a row without sending a byte is dropped
 
 
+class FileChunks(Protocol):
+    """One file from a source: (offset, bytes, file size) pieces; `cancel()` from another thread. A failure
+    is a NodeCallError with a Fetch status code, raised while iterating."""
+
+    def __iter__(self) -> Iterator[tuple[int, bytes, int]]: ...
+
+    def cancel(self) -> None: ...
+
+
+class FileClient(Protocol):
+    """What a fetch asks of a source: NodeClient (Fetch calls) or the coordinator's link (LinkFiles)."""
+
+    address: str
+
+    def fetch(self, path: str, offset: int = 0, timeout: float | None = None) -> FileChunks: ...
+
+    def close(self) -> None: ...
+
+
 @dataclass
 class Source:
-    """A node that gives out shard files, and how it has fared in this fetch."""
+    """A node (or the coordinator of a --join link) that gives out shard files, and how it has fared in this
+    fetch."""
 
     address: str
     fingerprint: str
@@ -36,21 +61,26 @@ class Source:
     order: int = 0  # the order it was found in: --peer order first, ties are broken by it
     busy: int = 0  # downloads from it now
     strikes: int = 0  # failures in a row
-    client: NodeClient | None = None
+    client: FileClient | None = None
+    manifest: bytes | None = None  # its manifest.json, when it was read to find what the source holds
 
 
 class Sources:
-    """The sources a fetch may use: static peers (their Info) and, unless `interfaces` is False, the nodes
-    that mDNS finds on those interfaces (None: all), of this swarm key. Thread-safe."""
+    """The sources a fetch may use: static peers (their Info), the coordinator of a --join `link`, and, unless
+    `interfaces` is False, the nodes that mDNS finds on those interfaces (None: all), of this swarm key.
+    Thread-safe."""
 
     def __init__(
         self,
         key: SwarmKey | None,
         peers: Sequence[str] = (),
         interfaces: Sequence[str] | None | bool = None,
+        link: FileClient | None = None,
     ) -> None:
         self.key = key
         self.peers = list(dict.fromkeys(peers))
+        self.link = link  # the coordinator a --join link reaches (swarm.node.link_files)
+        self.link_error = ""  # why the link gives no files, when it gives none
         self.fingerprint = ""  # once set, sources of other models are left out
         self._mdns = interfaces is not False
         self._interfaces = None if interfaces is None or isinstance(interfaces, bool) else list(interfaces)
@@ -63,9 +93,12 @@ class Sources:
     # ---- finding them ----
 
     def discover(self, wait: float) -> None:
-        """Ask the peers, start browsing mDNS, and wait up to `wait` s for a first source there."""
+        """Ask the peers and the link's coordinator, start browsing mDNS, and wait up to `wait` s for a first
+        source there."""
         for address in self.peers:
             self._add_peer(address)
+        if self.link is not None:
+            self._add_link(self.link)
         if self._mdns:
             from swarm.node.discovery import MDNS_SETTLE_SECONDS, browse
 
@@ -89,6 +122,23 @@ class Sources:
         with self._lock:
             self._sources[address] = Source(
                 address, info.fingerprint, info.held, order=len(self._sources), client=client
+            )
+
+    def _add_link(self, link: FileClient) -> None:
+        """The coordinator as a source: it holds every slab of its manifest (read whole here, and kept for the
+        directory: a node that dialed out may reach nothing else)."""
+        address = link.address
+        try:
+            data = read_whole(link, MANIFEST_NAME)
+            manifest = parse_manifest(data, address)
+        except (NodeCallError, ValueError, UserError) as e:
+            why = e.details if isinstance(e, NodeCallError) else str(e)
+            self.link_error = f"--fetch: no files from the {address}: {why}"  # the fetch says it
+            return
+        held = frozenset((e.layer, e.expert) for e in manifest.slabs)
+        with self._lock:
+            self._sources[address] = Source(
+                address, manifest.fingerprint, held, order=len(self._sources), client=link, manifest=data
             )
 
     @staticmethod
@@ -151,7 +201,7 @@ class Sources:
 
     # ---- using them ----
 
-    def client(self, s: Source) -> NodeClient:
+    def client(self, s: Source) -> FileClient:
         with self._lock:
             if s.client is None:
                 s.client = NodeClient(s.address, fingerprint=s.fingerprint, key=self.key, tls=s.tls)
@@ -180,3 +230,24 @@ class Sources:
             for s in self._sources.values():
                 if s.client is not None:
                     s.client.close()
+
+
+def read_whole(client: FileClient, path: str) -> bytes:
+    """A whole (small) file from a source: the manifest. NodeCallError or ValueError when it cannot be had."""
+    data = bytearray()
+    for offset, chunk, size in client.fetch(path, timeout=STREAM_SECONDS):
+        if offset != len(data) or offset + len(chunk) > size:
+            raise ValueError(f"sent bytes at {offset} when {len(data)} were expected")
+        data += chunk
+    return bytes(data)
+
+
+def parse_manifest(data: bytes, where: str) -> Manifest:
+    """A manifest.json a source sent; ValueError or UserError when it is not one."""
+    try:
+        d = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"sent a damaged {MANIFEST_NAME} ({e})") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"sent a {MANIFEST_NAME} that is not a swarm manifest")
+    return manifest_from_dict(d, f"{MANIFEST_NAME} from {where}")

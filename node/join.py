@@ -8,11 +8,17 @@ connections relayed to the node's own gRPC server on loopback (Info, Stats, heal
 control connection; one that hears nothing for the link timeout takes the link as lost. The node then dials
 again with backoff (its address may have changed: NAT rebinding, another Wi-Fi), while the coordinator fails
 its calls over to other holders; a node that comes back under the same id is the same node to it.
+
+With --fetch the coordinator is a source too (`fetch_link`): before the node has a manifest it fetches one,
+and then its slabs, over "files" connections (swarm.node.link_files), and it joins once the manifest is in
+place, serving each slab as it verifies: it tells the coordinator over the control connection whenever the
+slabs it serves change (`announce`), as a node found by mDNS announces them again.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import random
@@ -24,7 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from swarm.node.auth import SwarmKey, Verifier, is_loopback_host
 from swarm.node.invite import Invite, cert_pin, join_secret, parse_invite
@@ -32,6 +38,9 @@ from swarm.node.link import LINK_TIMEOUT, Control, LinkError, LinkRefused, dial,
 from swarm.node.streams import IDLE_SECONDS, Answer, serve_frames
 from swarm.sharding.errors import UserError
 from swarm.sharding.identity import ModelIdentity
+
+if TYPE_CHECKING:
+    from swarm.node.link_files import LinkFiles
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +68,9 @@ def join_text(join: str) -> str:
     return join.strip()
 
 
-def join_target(join: str, key: SwarmKey | None, identity: ModelIdentity) -> JoinTarget:
-    """What `--join` names, checked against this node's key and model (a UserError that says what to fix)."""
+def parse_join(join: str, key: SwarmKey | None) -> tuple[JoinTarget, Invite | None]:
+    """Where `--join` says to dial and how to prove the key (and the invite, when it is one); a UserError
+    that says what to fix."""
     join = join_text(join)
     if join.startswith("swarm-invite"):
         invite: Invite = parse_invite(join)
@@ -69,12 +79,7 @@ def join_target(join: str, key: SwarmKey | None, identity: ModelIdentity) -> Joi
                 "the invite is of another swarm than this node's --key-file; leave the key out (the invite "
                 "is enough) or ask for an invite of this swarm"
             )
-        if not invite.matches(identity):
-            raise UserError(
-                f"the invite is for model {invite.fingerprint}..., this node holds {identity.fingerprint[:16]}... "
-                "(another model); start it on the coordinator's model (`swarm node MODEL --fetch` gets its slabs)"
-            )
-        return JoinTarget(invite.addresses, invite.pin, invite.secret)
+        return JoinTarget(invite.addresses, invite.pin, invite.secret), invite
     host, sep, port = join.rpartition(":")
     if not sep or not host or not port.isdigit():
         raise UserError(
@@ -84,7 +89,60 @@ def join_target(join: str, key: SwarmKey | None, identity: ModelIdentity) -> Joi
         raise UserError(
             "--join HOST:PORT needs the swarm key (--key-file, $SWARM_KEY_FILE or $SWARM_KEY); or give an invite"
         )
-    return JoinTarget((join,), cert_pin(key), join_secret(key))
+    return JoinTarget((join,), cert_pin(key), join_secret(key)), None
+
+
+def join_target(join: str, key: SwarmKey | None, identity: ModelIdentity) -> JoinTarget:
+    """What `--join` names, checked against this node's key and model (a UserError that says what to fix)."""
+    target, invite = parse_join(join, key)
+    if invite is not None and not invite.matches(identity):
+        raise UserError(
+            f"the invite is for model {invite.fingerprint}..., this node holds {identity.fingerprint[:16]}... "
+            "(another model); start it on the coordinator's model (`swarm node DIR --fetch --join INVITE` on an "
+            "empty DIR fetches its slabs)"
+        )
+    return target
+
+
+def dial_any(target: JoinTarget, hello: dict[str, Any]) -> tuple[ssl.SSLSocket, str]:
+    """A proven connection (`hello` says of what kind), the target's addresses tried in turn; with the address
+    that took it. LinkRefused when every address refused this node (final), else OSError naming what each met
+    (worth dialing again)."""
+    errors: list[str] = []
+    refusals: list[LinkRefused] = []
+    for address in target.addresses:
+        try:
+            return dial(address, target.pin, target.secret, hello), address
+        except LinkRefused as e:
+            refusals.append(e)
+            errors.append(str(e))
+        except (OSError, LinkError) as e:
+            errors.append(f"{address}: {e}")
+    if len(refusals) == len(target.addresses):
+        raise refusals[0]
+    raise OSError("; ".join(errors))
+
+
+def fetch_link(args: argparse.Namespace, key: SwarmKey | None, model: ModelIdentity | None) -> LinkFiles:
+    """The coordinator as a source for --fetch: its shard directory's files over "files" connections of the
+    link, asked for `model` (what the directory already holds, or --fingerprint), else for the invite's model,
+    else (--join HOST:PORT with the key) for whatever model the coordinator runs. Dialed before the node has
+    a manifest, so the hello names a prefix of the model at most; the coordinator judges that."""
+    from swarm.node.link_files import LinkFiles
+
+    target, invite = parse_join(args.join, key)
+    if model is None and invite is not None:
+        model = ModelIdentity(invite.fingerprint, invite.source_sha256)
+    hello = {
+        "kind": "files",
+        "conn": 0,
+        "node": secrets.token_hex(8),
+        "name": args.name or f"swarm-node-{os.uname().nodename}",
+        "fingerprint": model.fingerprint if model is not None else "",
+        "source_sha256": model.source_sha256 if model is not None else "",
+    }
+    where = " or ".join(target.addresses)
+    return LinkFiles(f"coordinator {where}", lambda: dial_any(target, hello)[0], args.join_wait)
 
 
 class JoinLink:
@@ -119,6 +177,7 @@ class JoinLink:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._open: set[socket.socket] = set()  # this link's connections, closed with it
+        self._control: Control | None = None  # the control connection while linked
         self._thread = threading.Thread(target=self._run, name="swarm-join", daemon=True)
 
     def start(self) -> JoinLink:
@@ -131,22 +190,7 @@ class JoinLink:
         self._thread.join(timeout=5)
 
     def _dial(self, kind: str, conn: int = 0) -> tuple[ssl.SSLSocket, str]:
-        """A proven connection of `kind`: the target's addresses tried in turn. LinkRefused when every address
-        refused this node (final), else OSError naming what each met (worth dialing again)."""
-        errors: list[str] = []
-        refusals: list[LinkRefused] = []
-        for address in self.target.addresses:
-            try:
-                hello = {**self._hello, "kind": kind, "conn": conn}
-                return dial(address, self.target.pin, self.target.secret, hello), address
-            except LinkRefused as e:
-                refusals.append(e)
-                errors.append(str(e))
-            except (OSError, LinkError) as e:
-                errors.append(f"{address}: {e}")
-        if len(refusals) == len(self.target.addresses):
-            raise refusals[0]
-        raise OSError("; ".join(errors))
+        return dial_any(self.target, {**self._hello, "kind": kind, "conn": conn})
 
     def _run(self) -> None:
         backoff = FIRST_BACKOFF
@@ -178,7 +222,7 @@ class JoinLink:
     def _keep(self, ctl: ssl.SSLSocket) -> str:
         """Serve the control connection until the link is lost; why it was."""
         self._track(ctl)
-        control = Control(ctl, self.link_timeout)
+        self._control = control = Control(ctl, self.link_timeout)
 
         def on_message(message: dict[str, Any]) -> None:
             conn = message.get("conn")
@@ -186,7 +230,18 @@ class JoinLink:
                 threading.Thread(target=self._connection, args=(message["kind"], conn), daemon=True).start()
             # pings, and what a newer coordinator may send, are nothing to answer
 
-        return control.keep(on_message, self._stop.is_set)
+        try:
+            return control.keep(on_message, self._stop.is_set)
+        finally:
+            self._control = None
+
+    def announce(self) -> None:
+        """Tell the coordinator that the slabs this node serves changed (fetched, dropped by its check, back):
+        it reads them again. Unlinked now, nothing to do: the coordinator reads them when the node dials back."""
+        control = self._control
+        if control is not None:
+            with contextlib.suppress(OSError):
+                control.send({"t": "held"})
 
     def _connection(self, kind: str, conn: int) -> None:
         """One more connection the coordinator asked for, dialed and served until it ends."""

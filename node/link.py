@@ -18,8 +18,15 @@ Either end refuses the other with a message that says what to do.
 
 `kind` says what the connection is for once both are proven: "control" (the link itself: pings both ways, each
 end a quarter of the node's link timeout apart, and the coordinator's requests for more connections), "stream" (the node serves Compute frames on it,
-swarm.proto.frames, exactly as on its compute stream, the coordinator calling) or "grpc" (the bytes of one
-gRPC connection to the node's own server, relayed: Info, Stats, health).
+swarm.proto.frames, exactly as on its compute stream, the coordinator calling), "grpc" (the bytes of one
+gRPC connection to the node's own server, relayed: Info, Stats, health) or "files" (one file of the
+coordinator's shard directory for a fetching node, swarm.node.link_files; the node may not know the model's
+full fingerprint yet, so its hello names the invite's prefix of it, or nothing when it holds the key).
+
+LINK_VERSION is the handshake's and the existing kinds' messages'. A kind or a control message that is only
+added bumps nothing: an older coordinator refuses a kind it does not know with the version's message (one
+swarm version on every device), and either end passes over a control message it does not know (the node
+tells the coordinator over its control connection that the slabs it serves changed: {"t": "held"}).
 """
 
 from __future__ import annotations
@@ -47,7 +54,7 @@ LINK_VERSION = 1
 LINK_TIMEOUT = 20.0  # a link that brings nothing (not even a ping) for this long is lost
 MAX_MESSAGE = 64 << 10
 _LEN = struct.Struct("<I")
-KINDS = ("control", "stream", "grpc")
+KINDS = ("control", "stream", "grpc", "files")
 HANDSHAKE_SECONDS = 10.0
 
 

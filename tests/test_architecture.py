@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # Lowest first: a part may import its own floor and the ones below it, never one above.
 FLOORS = ("proto", "sharding", "compute", "node", "coordinator")
 # What the coordinator may take from node: the client side of the wire (and the join link's, both ends').
-NODE_CLIENT_SIDE = frozenset({"client", "auth", "discovery", "errors", "invite", "link"})
+NODE_CLIENT_SIDE = frozenset({"client", "auth", "discovery", "errors", "invite", "link", "link_files"})
 # The one `swarm` command registers the node's subcommands (`swarm node`, `swarm keygen`, `swarm fetch`).
 CLI_REGISTRY = ("coordinator/cli/__init__.py", "swarm.node.cli")
 TRANSPORT = frozenset({"grpc", "zeroconf"})

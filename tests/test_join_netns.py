@@ -2,7 +2,8 @@
 router masquerades the node's traffic out and lets nothing in, multicast is dropped, the links are slow
 (tc tbf) so that the run lasts. Mid-run the node's address changes under its connections (NAT rebinding):
 the link goes silent, the node dials again from its new address, the coordinator's calls fail over meanwhile,
-and the text is the in-process text. Everything made is removed, also on failure."""
+and the text is the in-process text. A node there on an empty directory fetches its slabs over the link, the
+only path it has. Everything made is removed, also on failure."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 from conftest import FIXTURES
@@ -21,6 +23,7 @@ from conftest import FIXTURES
 from swarm.node.auth import SwarmKey, generate_key_text
 from swarm.node.invite import make_invite
 from swarm.sharding.identity import identity_of
+from swarm.sharding.manifest import read_manifest
 from swarm.sharding.shard import shard_model
 
 CLI = [sys.executable, "-m", "swarm.coordinator.cli"]
@@ -49,9 +52,9 @@ def sh(*cmd: str) -> None:
 
 
 @contextmanager
-def nat_rig(tag: str, net: str) -> Iterator[dict[str, str]]:
+def nat_rig(tag: str, net: str, slow: bool = True) -> Iterator[dict[str, str]]:
     """Namespaces c (coordinator, net.1.1), r (router: net.1.2 out, net.2.1 in) and n (node, net.2.2 behind
-    the router's masquerade); removed on the way out, whatever happened."""
+    the router's masquerade), the links rate-limited when `slow`; removed on the way out, whatever happened."""
     ns = {k: f"swj-{tag}-{k}" for k in "crn"}
     try:
         for name in ns.values():
@@ -74,7 +77,7 @@ def nat_rig(tag: str, net: str) -> Iterator[dict[str, str]]:
         sh(*ipt, "-A", "FORWARD", "-i", f"swj{tag}r0", "-j", "DROP")  # nothing new comes in
         for chain in ("INPUT", "OUTPUT"):
             sh("ip", "netns", "exec", ns["n"], "iptables", "-A", chain, "-d", "224.0.0.0/4", "-j", "DROP")
-        for where, dev in ((ns["r"], f"swj{tag}r1"), (ns["n"], f"swj{tag}n")):
+        for where, dev in ((ns["r"], f"swj{tag}r1"), (ns["n"], f"swj{tag}n")) if slow else ():
             sh("ip", "netns", "exec", where, "tc", "qdisc", "add", "dev", dev, "root", "tbf", *RATE)
         yield ns
     finally:
@@ -88,8 +91,9 @@ def _in(ns: str, *cmd: str, **kw) -> subprocess.Popen:
     return subprocess.Popen(["ip", "netns", "exec", ns, *cmd], **kw)
 
 
-@pytest.mark.slow
-def test_a_node_behind_nat_joins_by_invite_and_survives_rebinding_mid_run(tmp_path):
+def _swarm_to_join(tmp_path: Path, run: list[str]) -> tuple[Path, Path, Path, subprocess.CompletedProcess, str, str]:
+    """(a shard directory, a key file, an invite of it to the rig's coordinator address, the in-process run,
+    the rig's tag and network), or a skip where the machine cannot run the rig."""
     why = _why_not()
     if why:
         pytest.skip(why)
@@ -97,10 +101,16 @@ def test_a_node_behind_nat_joins_by_invite_and_survives_rebinding_mid_run(tmp_pa
     shard_model(FIXTURES / "qwen3moe-tiny" / "model-f32.gguf", shard)
     key_file = tmp_path / "k.key"
     key_file.write_text(generate_key_text())
-    local = subprocess.run([*CLI, "run", str(shard), "--local", *RUN], capture_output=True, timeout=180, check=True)
+    local = subprocess.run([*CLI, "run", str(shard), "--local", *run], capture_output=True, timeout=180, check=True)
     tag, net = secrets.token_hex(2), f"10.{secrets.randbelow(150) + 100}"
     invite = tmp_path / "invite.txt"
     invite.write_text(make_invite(SwarmKey.load(key_file), identity_of(shard), [f"{net}.1.1:7470"]).text())
+    return shard, key_file, invite, local, tag, net
+
+
+@pytest.mark.slow
+def test_a_node_behind_nat_joins_by_invite_and_survives_rebinding_mid_run(tmp_path):
+    shard, key_file, invite, local, tag, net = _swarm_to_join(tmp_path, RUN)
     with nat_rig(tag, net) as ns:
         node_log = tmp_path / "node.log"
         with open(node_log, "wb") as out:
@@ -146,3 +156,33 @@ def test_a_node_behind_nat_joins_by_invite_and_survives_rebinding_mid_run(tmp_pa
     assert f"swj-{tag}-" not in listed, "the rig removed its namespaces"
     links = subprocess.run(["ip", "link"], capture_output=True, text=True).stdout
     assert f"swj{tag}" not in links
+
+
+@pytest.mark.slow
+def test_a_node_behind_nat_on_an_empty_directory_fetches_over_its_link(tmp_path):
+    """The node has the invite and nothing else (no key, no multicast, no way in): its manifest and slabs come
+    from the coordinator over the link it dials, and the run is the in-process run."""
+    run = ["--prompt", "A list keeps items in order.", "--max-tokens", "12"]
+    shard, key_file, invite, local, tag, net = _swarm_to_join(tmp_path, run)
+    dest = tmp_path / "phone"
+    with nat_rig(tag, net, slow=False) as ns:
+        node_log = tmp_path / "node.log"
+        with open(node_log, "wb") as out:
+            node = _in(ns["n"], *CLI, "node", str(dest), "--fetch", "--threads", "1", "--join", str(invite),
+                       "--join-wait", "120", stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+        try:
+            coordinator = subprocess.run(
+                ["ip", "netns", "exec", ns["c"], *CLI, "run", str(shard), "--key-file", str(key_file), "--listen",
+                 f"{net}.1.1:7470", "--wait", "120", *run], capture_output=True, timeout=300,
+            )  # fmt: skip
+            assert coordinator.returncode == 0, coordinator.stderr.decode() + node_log.read_text()
+            assert coordinator.stdout == local.stdout
+            slabs = {p.relative_to(dest).as_posix() for p in dest.rglob("*.gguf")}
+            assert slabs == {e.path for e in read_manifest(shard).slabs}
+            assert all((dest / p).read_bytes() == (shard / p).read_bytes() for p in slabs)
+            assert "joined the coordinator at" in node_log.read_text()
+        finally:
+            if node.poll() is None:
+                node.terminate()
+                node.wait(20)
+        assert node.returncode == 0, node_log.read_text()

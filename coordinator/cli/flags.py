@@ -41,7 +41,8 @@ def add_swarm_args(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="HOST:PORT",
         help="take nodes that dial out to this coordinator (`swarm node --join`, from behind NAT or where "
-        "multicast does not reach, e.g. 0.0.0.0:7470; `swarm invite` prints what they need); needs --key-file",
+        "multicast does not reach, e.g. 0.0.0.0:7470; `swarm invite` prints what they need), and give those "
+        "that fetch (--fetch) the manifest and expert slabs of the shard directory it runs on; needs --key-file",
     )
     g.add_argument(
         "--wire",

@@ -202,7 +202,7 @@ def connect(
     if isinstance(identity, str):
         identity = ModelIdentity(identity)
     found = _Found(identity, config.key, config.same_class_only)
-    joins = JoinListener(config.listen, config.key, identity) if config.listen else None
+    joins = JoinListener(config.listen, config.key, identity, files=source) if config.listen else None
     try:
         for peer in config.peers:
             found.ask(peer, config.wait)

@@ -8,6 +8,11 @@ dialed by asking the node for them (`dial`): the node opens a "stream" connectio
 on it as on its compute stream, so that the decode path's calls pay nothing for the reversed direction (no
 relay, no extra hop). Placement, replicas, failover, hedging, answer checks and metrics see an address.
 
+A node that fetches its slabs (`swarm node DIR --fetch --join`) gets them from here too, over "files"
+connections (swarm.node.link_files: the manifest and slab files of the shard directory this coordinator runs
+on), and tells its link when the slabs it serves change: the node's record is read again (Info), and the
+backend takes the slabs in as it takes an mDNS node's new announcement.
+
 A node whose link is lost is gone (the backend's follow_mdns removes it, and its calls in flight fail over:
 their connections are closed here); one that dials back under the same node id keeps its address, so the
 backend's client, pace and counters carry on.
@@ -23,6 +28,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from swarm.node.auth import SwarmKey
@@ -41,6 +47,7 @@ from swarm.node.link import (
     set_nodelay,
     shut,
 )
+from swarm.node.link_files import CoordinatorFiles
 from swarm.sharding.errors import UserError
 from swarm.sharding.identity import ModelIdentity
 
@@ -86,6 +93,7 @@ class _Joined:
         self._counter = itertools.count(1)
         self._waiting: dict[int, tuple[threading.Event, list[socket.socket]]] = {}
         self._lock = threading.Lock()
+        self.reading = self.read_again = False  # its record is being read again (Info); and once more after
         self.gateway = socket.create_server(("127.0.0.1", 0))
         self.port: int = self.gateway.getsockname()[1]
         threading.Thread(target=self._gateway, name=f"swarm-join-gw-{node_id}", daemon=True).start()
@@ -149,11 +157,18 @@ class _Joined:
 
 
 class JoinListener:
-    """Takes nodes of `identity` that join on `listen` ("host:port") and prove `key`; follows their links.
-    Read by the backend as a browser: `version` (bumped on every join and loss), `nodes()`, `wait_for`."""
+    """Takes nodes of `identity` that join on `listen` ("host:port") and prove `key`; follows their links,
+    and gives fetching nodes the files of `files` (the shard directory the coordinator runs on; a GGUF or None:
+    none). Read by the backend as a browser: `version` (bumped on every join, loss and change of a node's
+    slabs), `nodes()`, `wait_for`."""
 
     def __init__(
-        self, listen: str, key: SwarmKey | None, identity: ModelIdentity, link_timeout: float = LINK_TIMEOUT
+        self,
+        listen: str,
+        key: SwarmKey | None,
+        identity: ModelIdentity,
+        link_timeout: float = LINK_TIMEOUT,
+        files: str | Path | None = None,
     ) -> None:
         if key is None:
             raise UserError(
@@ -167,6 +182,7 @@ class JoinListener:
             raise UserError(f"cannot listen on {host}:{port} for joining nodes ({e}); pick another --listen") from e
         self.port: int = self._listener.getsockname()[1]
         self._tls = server_context(key)
+        self._files = CoordinatorFiles(files)
         self._pin = cert_pin(key)
         self._cond = threading.Condition()
         self._nodes: dict[str, _Joined] = {}
@@ -211,12 +227,28 @@ class JoinListener:
         if not isinstance(node, str) or len(node) != 16:
             return "a hello without a node id; run one swarm version on every device"
         theirs = ModelIdentity(str(hello.get("fingerprint", "")), str(hello.get("source_sha256", "")))
+        if hello.get("kind") == "files":
+            return self._judge_fetch(theirs)
         if self.identity.match(theirs) is None:
             return (
                 f"this coordinator runs model {self.identity.fingerprint[:16]}..., the node holds "
                 f"{theirs.fingerprint[:16]}...; start the node on the coordinator's model"
             )
         return ""
+
+    def _judge_fetch(self, theirs: ModelIdentity) -> str:
+        """A fetching node names its model by what it knows before it has a manifest: the invite's prefixes
+        of the fingerprint and the source GGUF's header hash, a directory's manifest, or nothing (a holder of
+        the key that takes this coordinator's model)."""
+        ours, fp, src = self.identity, theirs.fingerprint, theirs.source_sha256
+        if (not fp and not src) or (fp and ours.fingerprint.startswith(fp)):
+            return ""
+        if src and ours.source_sha256.startswith(src):
+            return ""
+        return (
+            f"this coordinator runs model {ours.fingerprint[:16]}..., the node fetches {fp[:16]}... (an invite "
+            "or a directory of another model); ask for a new invite, or give --fetch an empty directory"
+        )
 
     def _prove(self, conn: socket.socket, remote: str) -> None:
         try:
@@ -233,6 +265,9 @@ class JoinListener:
             self._handshakes.release()
         if hello["kind"] == "control":
             self._linked(sock, hello, remote)
+            return
+        if hello["kind"] == "files":
+            self._files.serve(sock)
             return
         with self._cond:
             joined = self._nodes.get(hello["node"])
@@ -302,7 +337,13 @@ class JoinListener:
 
     def _keep(self, joined: _Joined, link: _Link) -> None:
         """Read the control connection until the link is lost; then the node is gone until it dials back."""
-        why = link.control.keep(lambda message: None, lambda: link.lost)  # pings: the link is alive
+
+        def on_message(message: dict[str, Any]) -> None:
+            if message.get("t") == "held":
+                self._read_again(joined, link)
+            # pings say only that the link is alive
+
+        why = link.control.keep(on_message, lambda: link.lost)
         with self._cond:
             current = joined.link is link
             if current:
@@ -316,6 +357,36 @@ class JoinListener:
                 joined.name,
                 why,
             )
+
+    def _read_again(self, joined: _Joined, link: _Link) -> None:
+        """The node's slabs changed: its record read again (Info, over the link) on a thread of its own, not
+        on the one reading the link (which must go on answering pings); one read a node at a time, and one
+        more after it when the node said so again meanwhile."""
+        with joined._lock:
+            if joined.reading:
+                joined.read_again = True
+                return
+            joined.reading = True
+
+        def run() -> None:
+            while True:
+                try:
+                    record = self._record(joined)
+                except Exception as e:  # noqa: BLE001 - the old record stands; the node says so again later
+                    log.warning("node %s: reading its slabs again failed (%s)", joined.name, e)
+                    record = None
+                with self._cond:
+                    if record is not None and joined.link is link and not link.lost:
+                        joined.record = record
+                        self.version += 1
+                        self._cond.notify_all()
+                with joined._lock:
+                    if not joined.read_again:
+                        joined.reading = False
+                        return
+                    joined.read_again = False
+
+        threading.Thread(target=run, name=f"swarm-join-read-{joined.node_id}", daemon=True).start()
 
 
 class Sources:
