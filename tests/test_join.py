@@ -107,10 +107,12 @@ def test_a_joined_node_and_a_peer_serve_a_run_like_in_process(tmp_path, shard):
     port = _free_port()
     invite = make_invite(key, identity_of(shard), [f"127.0.0.1:{port}"])
     env = {"SWARM_KEY_FILE": str(key_file)}
+    local = _swarm("run", str(shard), "--local", *PROMPT)  # (before the joined node waits for its coordinator)
     peer = start_nodes([(shard, ["--experts", "0-15", "--no-mdns"])], tmp_path / "peer", env=env)
-    joined = spawn_node(shard, ["--experts", "16-31", "--join", _invite_file(tmp_path, invite)], tmp_path, "j")
+    # a busy machine may start the coordinator late: the node waits for it longer than the default minute
+    joined = spawn_node(shard, ["--experts", "16-31", "--join", _invite_file(tmp_path, invite), "--join-wait", "300"],
+                        tmp_path, "j")  # fmt: skip
     try:
-        local = _swarm("run", str(shard), "--local", *PROMPT)
         run = _swarm("run", str(shard), "--key-file", str(key_file), "--listen", f"127.0.0.1:{port}",
                       "--peer", peer[0].address, "--no-mdns", "--wait", "60", *PROMPT)  # fmt: skip
         assert run.returncode == 0, run.stderr + joined.log_tail()
