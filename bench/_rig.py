@@ -36,6 +36,7 @@ from pathlib import Path
 from types import FrameType
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _rig_cpus  # noqa: E402
 import _rig_disk  # noqa: E402
 import _rig_net  # noqa: E402
 
@@ -263,33 +264,6 @@ def _all_groups(tag_prefix: str) -> list[Path]:
     return [g for r in roots if r.is_dir() for g in sorted(r.glob(f"{tag_prefix}*")) if g.is_dir()]
 
 
-def _cpus(text: str) -> set[int]:
-    """A cpuset list ("0-3,6") as its cores."""
-    out: set[int] = set()
-    for part in text.strip().split(","):
-        if part:
-            first, _, last = part.partition("-")
-            out.update(range(int(first), int(last or first) + 1))
-    return out
-
-
-def _release(group: Path, timeout: float = 10.0) -> None:
-    """Move every process of a REST group back to the root cpuset, then remove the group (processes started
-    meanwhile are moved too: they inherited the group)."""
-    root = group.parent
-    deadline = time.monotonic() + timeout
-    while group.exists():
-        for pid in _pids(group):
-            with contextlib.suppress(OSError):  # (one that ended meanwhile)
-                (root / "cgroup.procs").write_text(str(pid))
-        try:
-            group.rmdir()
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
-
-
 class Rig:
     """Devices, the processes started in them, loop images: all undone by close(), exactly once."""
 
@@ -324,27 +298,15 @@ class Rig:
         return f"{PREFIX}-{self.run}-"
 
     def reserve(self, cpus: str) -> None:
-        """Give these cores to the rig's devices alone until the rig closes: every other process of the machine
-        (those in the root cpuset now, and what they start meanwhile, which inherits their group) runs on the
-        other cores. A device's CFS quota caps its share but reserves nothing, and a scheduler weight does
-        not hold it either: beside two busy processes a quarter-core device got 0.217 of its core. cgroup v1
-        (the cpuset controller); a core must be left for the rest."""
-        if cgroup_version() != 1:
-            raise Lacks("reserving cores is written for cgroup v1's cpuset controller (this machine has v2)")
-        if self._rest is not None:
-            raise ValueError("this rig has reserved cores already")
-        root = CGROUP / "cpuset"
-        rest = sorted(_cpus((root / "cpuset.cpus").read_text()) - _cpus(cpus))
-        if not rest:
-            raise Lacks(f"reserving cores {cpus} leaves none for the machine's other processes")
-        group = root / f"{self.tag_prefix}{REST}"
-        group.mkdir()
-        self._rest = group  # (close() releases it, whatever happens next)
-        (group / "cpuset.mems").write_text((root / "cpuset.mems").read_text().strip())
-        (group / "cpuset.cpus").write_text(",".join(str(c) for c in rest))
-        for pid in _pids(root):
-            with contextlib.suppress(OSError):  # kernel threads bound to a core stay where they are
-                (group / "cgroup.procs").write_text(str(pid))
+        """Give these cores to the rig's devices alone until it closes (bench/_rig_cpus.py; cgroup v1): a CFS quota
+        caps a device's share but reserves nothing (beside two busy processes a quarter core got 0.217)."""
+        if cgroup_version() != 1 or self._rest is not None:
+            raise Lacks("reserving cores takes cgroup v1's cpuset controller, once a rig")
+        self._rest = CGROUP / "cpuset" / f"{self.tag_prefix}{REST}"  # (close() releases it, whatever happens)
+        why = _rig_cpus.reserve(self._rest, cpus)
+        if why:
+            self._rest = None
+            raise Lacks(why)
 
     def device(self, spec: DeviceSpec) -> Device:
         if spec.name == REST:
@@ -398,7 +360,7 @@ class Rig:
         errors: list[str] = []
         if self._rest is not None:
             try:
-                _release(self._rest)
+                _rig_cpus.release(self._rest)
             except OSError as e:
                 errors.append(f"{self._rest}: {e}")
         for proc in self.procs:
@@ -439,10 +401,7 @@ def leftovers(tag_prefix: str = PREFIX) -> list[str]:
 def sweep(tag_prefix: str = PREFIX) -> list[str]:
     """Remove every leftover under the prefix (the processes in its groups and namespaces killed first, but
     those of a REST group, the machine's own, moved back to the root cpuset); what could not be removed."""
-    for g in _all_groups(tag_prefix):
-        if g.name.endswith(f"-{REST}") and g.parent.name == "cpuset":
-            with contextlib.suppress(OSError):
-                _release(g)
+    _rig_cpus.release_leftovers(CGROUP / "cpuset", tag_prefix)
     for g in _all_groups(tag_prefix):
         for pid in _pids(g):
             with contextlib.suppress(ProcessLookupError):
@@ -466,9 +425,7 @@ def rig(run_id: str | None = None) -> Iterator[Rig]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument(
-        "--sweep", action="store_true", help="remove what a killed run left (groups, namespaces, ...)"
-    )
+    p.add_argument("--sweep", action="store_true", help="remove what a killed run left (groups, namespaces, ...)")
     p.add_argument("--lacks", action="store_true", help="say what this machine lacks for the rig")
     args = p.parse_args(argv)
     if args.lacks:

@@ -25,6 +25,7 @@ import base64
 import binascii
 import hashlib
 import hmac
+import ipaddress
 import json
 from dataclasses import dataclass
 
@@ -123,3 +124,39 @@ def parse_invite(text: str) -> Invite:
     if not addresses or len(invite.secret) != 32 or len(invite.pin) != 64:
         raise broken
     return invite
+
+
+def local_addresses() -> list[str]:
+    """This machine's interface addresses that another device could reach (IPv4, not loopback)."""
+    import ifaddr  # a zeroconf dependency
+
+    found = [
+        ip.ip
+        for adapter in ifaddr.get_adapters()
+        for ip in adapter.ips
+        if isinstance(ip.ip, str) and not ipaddress.ip_address(ip.ip).is_loopback
+    ]
+    return found or ["127.0.0.1"]
+
+
+def listen_addresses(listen: str) -> list[str]:
+    """Where nodes reach a join listener on `listen` ("host:port"): every interface's address with that port
+    when it listens on all of them (0.0.0.0 or ::), else that address."""
+    host, _, port = listen.rpartition(":")
+    if host.strip("[]") in ("", "0.0.0.0", "::"):
+        return [f"{a}:{port}" for a in local_addresses()]
+    return [listen]
+
+
+def qr_svg(text: str) -> str | None:
+    """The QR code of `text` as an SVG document (None without the qrcode package)."""
+    try:
+        import qrcode
+        import qrcode.image.svg
+    except ImportError:
+        return None
+    qr = qrcode.QRCode(border=2, error_correction=qrcode.constants.ERROR_CORRECT_L,
+                       image_factory=qrcode.image.svg.SvgPathFillImage)  # fmt: skip
+    qr.add_data(text)
+    qr.make(fit=True)
+    return qr.make_image().to_string(encoding="unicode")

@@ -23,6 +23,9 @@ from selenium.webdriver.common.by import By
 from swarm.coordinator.cli import main
 from swarm.coordinator.cli.launch import spawn_server
 from swarm.coordinator.cli.spawn import start_nodes, stop_nodes
+from swarm.node.auth import KEY_ENV, SwarmKey, generate_key_text
+from swarm.node.invite import cert_pin, parse_invite
+from swarm.sharding.identity import identity_of
 from swarm.sharding.manifest import read_manifest
 from swarm.sharding.ranges import format_slabs
 from swarm.sharding.shard import shard_model
@@ -315,6 +318,70 @@ def test_the_swarm_map_shows_every_node_and_a_killed_one_turns_red(
             assert s.stop() == 0
     finally:
         stop_nodes(nodes)
+
+
+def test_the_map_shows_the_invite_nodes_join_with(tmp_path: Path, browser: Any) -> None:
+    """A coordinator that takes joining nodes (--listen) shows `swarm invite`'s invite on its map, text and QR
+    code, to a browser on its own machine (it has no --api-key): the invite is of this swarm's key, this model
+    and the listener's address."""
+    import socket
+
+    shard = tmp_path / "m.swarm"
+    shard_model(MODEL, shard)
+    key_text = generate_key_text()
+    key_file = tmp_path / "swarm.key"
+    key_file.write_text(key_text)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    nodes = start_nodes([(shard, ["--no-mdns"])], tmp_path / "nodes", env={KEY_ENV: key_text})
+    try:
+        s = Server(tmp_path, "--no-mdns", "--peer", nodes[0].address, "--listen", f"127.0.0.1:{port}",
+                   "--key-file", str(key_file), source=shard)  # fmt: skip
+        try:
+            status, body = s.get("/swarm/invite", key=None)
+            assert status == 200, body
+            invite = parse_invite(body["invite"])
+            assert invite.addresses == (f"127.0.0.1:{port}",) and invite.matches(identity_of(shard))
+            assert invite.pin == cert_pin(SwarmKey.from_text(key_text))
+            assert body["qr"].startswith("data:image/svg+xml;base64,")
+            d = browser
+            open_page(d, s, "/swarm", None)
+            wait_for(lambda: d.find_element(By.ID, "invite").is_displayed(), 30, "the map shows no invite")
+            d.find_element(By.CSS_SELECTOR, "#invite summary").click()
+            assert d.find_element(By.ID, "invite-text").text == body["invite"]
+            wait_for(lambda: d.execute_script("return document.getElementById('invite-qr').naturalWidth") > 0,
+                     10, "the invite's QR code is not drawn")  # fmt: skip
+            _no_script_errors(d)
+        finally:
+            assert s.stop() == 0
+    finally:
+        stop_nodes(nodes)
+
+
+def test_the_invite_is_behind_the_api_key_or_for_this_machine_only(local: Server) -> None:
+    """Who may read the invite (it lets its holder join and fetch the experts): with an API key, a request that
+    carries it; without one, this machine's browser only; a server that takes no joining nodes has none."""
+    from starlette.applications import Starlette
+    from starlette.testclient import TestClient
+
+    from swarm.coordinator.serve.api_error import ApiError
+    from swarm.coordinator.serve.page import page_routes
+
+    status, body = local.get("/swarm/invite")  # (the module's server: --local, no --listen)
+    assert status == 404 and "--listen" in body["error"]["message"]
+
+    def check_key(request: Any) -> None:
+        if request.headers.get("authorization") != "Bearer k":
+            raise ApiError(401, "missing or wrong API key")
+
+    for keyed, headers, expect in ((True, {}, 401), (True, {"Authorization": "Bearer k"}, 200), (False, {}, 403)):
+        app = Starlette(routes=page_routes(None, check_key, "swarm-invite-v1:x", keyed))  # type: ignore[arg-type]
+        with TestClient(app) as client:  # (its requests come from "testclient", not a loopback address)
+            r = client.get("/swarm/invite", headers=headers)
+        assert r.status_code == expect, r.text
+        if expect == 403:
+            assert "--api-key" in r.json()["error"]["message"]
 
 
 def _no_script_errors(d: Any) -> None:

@@ -35,12 +35,9 @@ from __future__ import annotations
 import logging
 import random
 import threading
-from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +46,7 @@ import torch
 from swarm.compute.ggml import one_thread
 from swarm.compute.priority import idle_priority
 from swarm.compute.store import ExpertStore
+from swarm.coordinator.checks.books import AuditReport, Call, Job, NodeBook, Scope, Verdict
 from swarm.coordinator.checks.projection import Answered, Projections, unit_roundoff
 from swarm.coordinator.checks.recompute import Recomputer, own_store
 from swarm.coordinator.config import DEFAULT_AUDIT_RATE, EngineConfig, Verify
@@ -68,61 +66,6 @@ AUDIT_EXPERTS = 8
 AT_ONCE_ROWS = 64
 # Seconds a forced settle waits for an audit the audit thread is running before it does the audit itself.
 TAKE_OVER = 0.05
-
-
-class Scope(Enum):
-    """Which rows of a call an audit recomputes."""
-
-    SAMPLE = "sample"  # one row of each of up to AUDIT_EXPERTS experts, drawn at random
-    READY = "ready"  # a forced settle's: one row of each ready expert (up to AUDIT_EXPERTS), or of one
-    EVERY_EXPERT = "every-expert"  # one row of every expert of the call (a prompt pass's calls)
-    EVERY_ROW = "every-row"  # the whole call (--verify all)
-
-
-class Verdict(Enum):
-    SETTLED = "settled"
-    OPEN = "open"
-    CAUGHT = "caught"
-
-
-@dataclass
-class _Call:
-    layer: int
-    expert_ids: list[int]
-    counts: list[int]
-    rows: torch.Tensor
-    answer: torch.Tensor
-    audited: bool = False  # checked once already (the audit thread and a settle may both check it)
-
-
-@dataclass
-class _Job:
-    """An audit handed to the audit thread."""
-
-    future: Future[None]
-    address: str
-    call: _Call
-    scope: Scope
-
-
-@dataclass
-class _NodeBook:
-    last_call: _Call | None = None
-    open_calls: int = 0  # calls answered since this node's last passed audit
-    calls: int = 0  # calls answered in all
-
-
-@dataclass
-class AuditReport:
-    audits: int = 0
-    probes: int = 0
-    projected: int = 0  # answers checked by projections (every one, with --verify project)
-    alarms: int = 0  # ... that failed, and were then recomputed exactly
-    false_alarms: int = 0  # ... whose exact recompute found them honest
-    banned: dict[str, str] = field(default_factory=dict)  # address -> why
-    passed: Counter[str] = field(default_factory=Counter)  # address -> audits of its answers that passed
-    # address -> the node's answered calls when it was banned (its answer that was caught is among them)
-    calls_at_ban: dict[str, int] = field(default_factory=dict)
 
 
 class Auditor(Recomputer):
@@ -154,7 +97,7 @@ class Auditor(Recomputer):
         self.projections = projections
         self._on_ban = on_ban
         self._rng = random.Random(seed) if seed is not None else random.SystemRandom()
-        self._books: dict[str, _NodeBook] = {}
+        self._books: dict[str, NodeBook] = {}
         self._caught = False
         self._lock = threading.Lock()
         self.report = AuditReport()
@@ -163,8 +106,8 @@ class Auditor(Recomputer):
             if background
             else None
         )
-        self._pending: list[_Job] = []  # audits handed to the audit thread, not yet taken in
-        self._projected: list[tuple[str, _Call, Any]] = []  # answers for the projections, not yet checked
+        self._pending: list[Job] = []  # audits handed to the audit thread, not yet taken in
+        self._projected: list[tuple[str, Call, Any]] = []  # answers for the projections, not yet checked
         self._cover = False  # the pass under way reads a prompt: each of its calls is checked (cover())
 
     # --- probes and audits ------------------------------------------------------------------------------
@@ -198,9 +141,9 @@ class Auditor(Recomputer):
         """Book one answered call; check it by its projections where it carries its `inner` products, audit
         it with probability `rate` (at least sample's where they cannot). The rows to use: the answer, or the
         coordinator's own when a check caught the node."""
-        call = _Call(layer, list(expert_ids), list(counts), rows, answer)
+        call = Call(layer, list(expert_ids), list(counts), rows, answer)
         with self._lock:
-            book = self._books.setdefault(address, _NodeBook())
+            book = self._books.setdefault(address, NodeBook())
             book.last_call = call
             book.open_calls += 1
             book.calls += 1
@@ -227,11 +170,11 @@ class Auditor(Recomputer):
                 return own
         return answer
 
-    def _projectable(self, call: _Call, inner: Any) -> bool:
+    def _projectable(self, call: Call, inner: Any) -> bool:
         p = self.projections
         return p is not None and inner is not None and p.checkable(call.layer, call.expert_ids)
 
-    def _project(self, address: str, call: _Call, inner: Any) -> torch.Tensor | None:
+    def _project(self, address: str, call: Call, inner: Any) -> torch.Tensor | None:
         """The projections' check of one call now; the coordinator's own rows where the exact recompute that a
         failed check calls for caught the node (None otherwise)."""
         return self._verdicts([(address, call, inner)])[0]
@@ -245,7 +188,7 @@ class Auditor(Recomputer):
         if todo:
             self._verdicts(todo)
 
-    def _verdicts(self, todo: list[tuple[str, _Call, Any]]) -> list[torch.Tensor | None]:
+    def _verdicts(self, todo: list[tuple[str, Call, Any]]) -> list[torch.Tensor | None]:
         """Check these answers by the projections in one batch; per call, the coordinator's own rows where the
         exact recompute that a failed check calls for caught the node (None otherwise)."""
         p = self.projections
@@ -308,15 +251,15 @@ class Auditor(Recomputer):
         experts (`on`: the pass reads a prompt), rather than sampled at `rate` (decode steps)."""
         self._cover = on
 
-    def _aside(self, address: str, call: _Call, scope: Scope = Scope.SAMPLE) -> _Job:
+    def _aside(self, address: str, call: Call, scope: Scope = Scope.SAMPLE) -> Job:
         assert self._worker is not None
-        return _Job(self._worker.submit(self._audit_here, address, call, scope), address, call, scope)
+        return Job(self._worker.submit(self._audit_here, address, call, scope), address, call, scope)
 
-    def _audit_here(self, address: str, call: _Call, scope: Scope = Scope.SAMPLE) -> None:
+    def _audit_here(self, address: str, call: Call, scope: Scope = Scope.SAMPLE) -> None:
         with one_thread():
             self._audit(address, call, scope)
 
-    def _finish(self, job: _Job) -> None:
+    def _finish(self, job: Job) -> None:
         """The verdict of an audit handed to the audit thread, now: done here when the thread has not
         started it, or has not finished it within TAKE_OVER seconds (an audit that failed raises here)."""
         if job.future.cancel():
@@ -348,7 +291,7 @@ class Auditor(Recomputer):
         if self._worker is not None:
             self._worker.shutdown(wait=True, cancel_futures=True)
 
-    def _audit(self, address: str, call: _Call, scope: Scope = Scope.SAMPLE) -> torch.Tensor | None:
+    def _audit(self, address: str, call: Call, scope: Scope = Scope.SAMPLE) -> torch.Tensor | None:
         """None when the node's answer holds (its open calls are then checked), else the right rows (None too
         when some cannot be made here). A call whose drawn experts this coordinator cannot check (a slab it
         lacks, or one of its own that is damaged) settles as if it held: it is trusted, as with no audits,
@@ -386,7 +329,7 @@ class Auditor(Recomputer):
             return None  # the rows cannot all be made here: the settle redoes the pass without the node
         return self.expected(call.layer, call.expert_ids, call.counts, call.rows)
 
-    def _audit_all(self, todo: list[tuple[str, _Call]]) -> None:
+    def _audit_all(self, todo: list[tuple[str, Call]]) -> None:
         """Audit these calls now, half of them on the audit thread beside this one: a forced settle waits for
         them with nothing else to run, and copying cold slabs into the repacked layout (most of an audit's
         time) takes one core."""
@@ -403,16 +346,16 @@ class Auditor(Recomputer):
             for job in aside:
                 self._finish(job)
 
-    def _checked(self, address: str, call: _Call, counted: bool, projected: bool = False) -> None:
+    def _checked(self, address: str, call: Call, counted: bool, projected: bool = False) -> None:
         with self._lock:
             self.report.projected += projected
-            book = self._books.setdefault(address, _NodeBook())
+            book = self._books.setdefault(address, NodeBook())
             self.report.audits += counted
             self.report.passed[address] += counted
             if book.last_call is call:
                 book.open_calls = 0
 
-    def _rows_to_check(self, call: _Call, scope: Scope = Scope.SAMPLE) -> list[tuple[int, int]] | None:
+    def _rows_to_check(self, call: Call, scope: Scope = Scope.SAMPLE) -> list[tuple[int, int]] | None:
         """(row, its expert) for one row of each of up to AUDIT_EXPERTS of the call's experts, all at random
         (None: check every row); `forced`: of its ready experts (up to AUDIT_EXPERTS), or of one when none
         is. Native numerics compute every row on its own (ggml multiplies row by row), so a row checked

@@ -4,12 +4,11 @@ text and as a QR code to scan with a phone (swarm.node.invite says what an invit
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import sys
 from typing import Any
 
 from swarm.node.auth import add_key_argument, swarm_key
-from swarm.node.invite import JOIN_PORT, make_invite
+from swarm.node.invite import JOIN_PORT, local_addresses, make_invite
 from swarm.sharding.errors import UserError
 
 
@@ -36,19 +35,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-qr", action="store_true", help="the text only, no QR code")
     add_key_argument(p)
     p.set_defaults(func=run_invite)
-
-
-def local_addresses() -> list[str]:
-    """This machine's interface addresses that another device could reach (IPv4, not loopback)."""
-    import ifaddr  # a zeroconf dependency
-
-    found = [
-        ip.ip
-        for adapter in ifaddr.get_adapters()
-        for ip in adapter.ips
-        if isinstance(ip.ip, str) and not ipaddress.ip_address(ip.ip).is_loopback
-    ]
-    return found or ["127.0.0.1"]
 
 
 def print_qr(text: str, out: Any) -> bool:

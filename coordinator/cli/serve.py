@@ -199,6 +199,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         config = ServeConfig(
             model_id=args.model_id or model_id_of(args.model), api_key=api_key, ctx_size=args.ctx_size,
             allow_image_urls=args.allow_image_urls, reasoning_format=args.reasoning_format,
+            invite=_invite(args, engine),
         )  # fmt: skip
         metrics = ServeMetrics(engine.experts, scheduler)
         app = build_app(engine, scheduler, config, metrics)
@@ -224,6 +225,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         engine.close()
     print("swarm serve: stopped", file=sys.stderr)
     return 0
+
+
+def _invite(args: argparse.Namespace, engine: Any) -> str | None:
+    """The invite the map page shows (`swarm invite`'s, for this server's --listen), None when it takes no
+    joining nodes."""
+    key = getattr(engine.experts, "key", None)
+    if not getattr(args, "listen", None) or key is None:
+        return None
+    from swarm.node.invite import listen_addresses, make_invite
+    from swarm.sharding.identity import identity_of
+
+    return make_invite(key, identity_of(args.model), listen_addresses(args.listen)).text()
 
 
 def _check_args(args: argparse.Namespace) -> None:

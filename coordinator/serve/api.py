@@ -44,6 +44,7 @@ class ServeConfig:
     retry_after: int = 1  # seconds a client told "queue full" should wait
     allow_image_urls: bool = False  # fetch pictures given as http(s) URLs (else only data: URLs)
     reasoning_format: str = "auto"  # thinking apart in reasoning_content, or "none": left in content
+    invite: str | None = None  # what nodes join this coordinator with (--listen), for the map page
 
 
 def build_app(
@@ -55,7 +56,8 @@ def build_app(
 
     api = OpenAIApi(engine, scheduler, config, metrics)
     watch = SwarmWatch(engine, scheduler, metrics, config.model_id).start()
-    return api.app([*page_routes(watch, api.check_key), *anthropic_routes(api)])
+    pages = page_routes(watch, api.check_key, config.invite, config.api_key is not None)
+    return api.app([*pages, *anthropic_routes(api)])
 
 
 class OpenAIApi:

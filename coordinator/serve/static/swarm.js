@@ -42,6 +42,25 @@
     view.data = data;
   }
 
+  // The invite nodes join with (/swarm/invite: behind the API key, or this machine's browser only), read
+  // once and again when a key is given; the section stays hidden where the server gives none.
+  async function invite() {
+    try {
+      const resp = await fetch("/swarm/invite", { headers: Swarm.headers(), cache: "no-store" });
+      if (!resp.ok) return;
+      const d = await resp.json();
+      $("invite-text").textContent = d.invite;
+      if (d.qr) {
+        $("invite-qr").src = d.qr;
+        $("invite-qr").hidden = false;
+      }
+      $("invite").hidden = false;
+    } catch (e) {
+      // (no invite shown: the map itself says when the server does not answer)
+    }
+  }
+  view.invite = invite;
+
   function render(d) {
     const s = d.server || {};
     $("model").textContent = s.model_id || d.model || "";
@@ -188,8 +207,12 @@
   }
 
   document.addEventListener("DOMContentLoaded", () => {
-    keybar = Swarm.keyBar(refresh);
+    keybar = Swarm.keyBar(() => {
+      refresh();
+      invite();
+    });
     refresh();
+    invite();
     setInterval(refresh, REFRESH_MS);
   });
 })();
