@@ -29,7 +29,6 @@ import secrets
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -245,18 +244,8 @@ def _pids(group: Path) -> list[int]:
 
 
 def _remove_group(group: Path, timeout: float = 10.0) -> None:
-    """Kill what runs in the group, then remove it (a killed process leaves its group a moment after it dies)."""
-    deadline = time.monotonic() + timeout
-    while group.exists():
-        for pid in _pids(group):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        try:
-            group.rmdir()
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
+    """Kill what runs in the group, then remove it."""
+    _rig_cpus.empty_and_remove(group, lambda pid: os.kill(pid, signal.SIGKILL), timeout)
 
 
 def _all_groups(tag_prefix: str) -> list[Path]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REST = "rest"  # the last part of that group's name
@@ -42,11 +43,17 @@ def release(group: Path, timeout: float = 10.0) -> None:
     """Move every process of a REST group back to the root cpuset, then remove the group (processes started
     meanwhile are moved too: they inherited the group)."""
     root = group.parent
+    empty_and_remove(group, lambda pid: (root / "cgroup.procs").write_text(str(pid)), timeout)
+
+
+def empty_and_remove(group: Path, each: Callable[[int], object], timeout: float = 10.0) -> None:
+    """`each(pid)` for every process of the group (one that ended meanwhile is passed over) until the group can
+    be removed, then remove it: a process leaves its group a moment after it is moved or killed."""
     deadline = time.monotonic() + timeout
     while group.exists():
         for pid in _pids(group):
-            with contextlib.suppress(OSError):  # (one that ended meanwhile)
-                (root / "cgroup.procs").write_text(str(pid))
+            with contextlib.suppress(OSError):
+                each(pid)
         try:
             group.rmdir()
         except OSError:
