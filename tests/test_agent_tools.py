@@ -192,6 +192,11 @@ BAD: list[tuple[dict[str, Any], str, str]] = [
     ({"tools": [{"type": "retrieval"}]}, "tools", "type 'function'"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}, "tools", "parameters"),
     ({"tools": [TOOLS[0], TOOLS[0]]}, "tools", "named twice"),
+    # a forced call's grammar is built from the parameters: ones a JSON schema never holds are the client's error
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "required": 5}}}],
+      "tool_choice": "required"}, "tools", "'required' must be a list"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"properties": ["a"]}}}],
+      "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tools", "'properties' must be an object"),
     ({"parallel_tool_calls": "yes"}, "parallel_tool_calls", "true or false"),
     ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs", "template variables"),
     ({"chat_template_kwargs": "enable_thinking"}, "chat_template_kwargs", "an object"),

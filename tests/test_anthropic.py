@@ -16,7 +16,7 @@ import pytest
 from conftest import FIXTURES
 from test_serve import KEY, MODEL, MODEL_ID, Server
 
-from swarm.coordinator.serve.anthropic_answer import Message
+from swarm.coordinator.serve.anthropic_answer import Message, Stop
 from swarm.coordinator.text.chat import ChatTemplate
 from swarm.coordinator.text.tokenizer import GGUFTokenizer
 from swarm.coordinator.text.tools import AnswerReader, ChatFormat, Reading, call_text
@@ -249,7 +249,12 @@ BASE = {"model": MODEL_ID, "max_tokens": 8, "messages": ASK}
           "media_type": "image/png", "data": "AAAA"}}]}]}, 400, "invalid_request_error", "picture"),
         ({"output_config": {"format": {"type": "xml"}}}, 400, "invalid_request_error", "output_config.format"),
         ({"output_config": {"format": {"type": "json_schema", "schema": {"type": "object", "required": 5}}}},
-         400, "invalid_request_error", "response_format"),
+         400, "invalid_request_error", "output_config.format: the schema cannot be used"),
+        ({"tools": [{**TOOLS[0], "name": "no spaces"}]}, 400, "invalid_request_error", "tools[0].name"),
+        ({"tools": [{**TOOLS[0], "input_schema": {"type": "array"}}]}, 400, "invalid_request_error",
+         "tools[0].input_schema"),
+        ({"tools": [{**TOOLS[0], "input_schema": {"type": "object", "required": 5}}],
+          "tool_choice": {"type": "any"}}, 400, "invalid_request_error", "tools: the input_schema of 'get_weather'"),
         ({"model": "claude-opus"}, 404, "not_found_error", "claude-opus"),
     ],
 )  # fmt: skip
@@ -307,7 +312,7 @@ def test_the_events_of_an_answer_with_calls_accumulate_to_its_whole_message(toke
     for ch in text:
         sent += msg.events(reader.push(ch))
     sent += msg.events(reader.finish())
-    sent += msg.end_events("tool_use", None, 40)
+    sent += msg.end_events(Stop("tool_use"), 40)
 
     snapshot = None
     json_bufs: dict[int, bytes] = {}
@@ -323,7 +328,7 @@ def test_the_events_of_an_answer_with_calls_accumulate_to_its_whole_message(toke
     assert [b["type"] for b in msg.content] == ["thinking", "text", "tool_use", "tool_use"]
     assert [(b["name"], b["input"]) for b in msg.content[2:]] == calls
     assert msg.content[0]["thinking"] == "I should look." and msg.content[1]["text"] == "Let me check."
-    assert snapshot.stop_reason == "tool_use" and snapshot.usage.output_tokens == 40
+    assert snapshot.stop_reason == "tool_use" and snapshot.stop_details is None and snapshot.usage.output_tokens == 40
     assert snapshot.usage.input_tokens == 20 and snapshot.usage.cache_read_input_tokens == 10
 
 

@@ -20,9 +20,10 @@ import pytest
 import torch
 from conftest import FIXTURES, node_swarm
 
+from swarm.coordinator.checks.audit import Verdict
 from swarm.coordinator.cli.launch import spawn_server
 from swarm.coordinator.config import EngineConfig
-from swarm.coordinator.decode.core import DecodeCore, lookup_source
+from swarm.coordinator.decode.core import DecodeCore, StopStrings, lookup_source
 from swarm.coordinator.decode.grammar import (
     DEAD_END,
     Grammar,
@@ -31,6 +32,8 @@ from swarm.coordinator.decode.grammar import (
     answer_grammar,
     json_grammar,
 )
+from swarm.coordinator.decode.logprobs import Logprobs
+from swarm.coordinator.decode.penalties import Penalties
 from swarm.coordinator.decode.sampling import SamplingParams
 from swarm.coordinator.decode.tool_grammar import calls_lark, tool_schemas
 from swarm.coordinator.drafts.lookup import PromptLookup
@@ -228,6 +231,87 @@ def test_fifty_seeds_under_tool_choice_required_each_call_fits_its_tool(engine) 
             assert len(read.calls) == 1 and read.calls[0].name in offered, (seed, tok.decode(out))
             jsonschema.validate(read.calls[0].arguments, schemas[read.calls[0].name])
         assert answers(engine, prompt, params[::8], src, drafts=False) == outs[::8]
+
+
+class Catching:
+    """A checker (decode/passes.py Checker) over honest answers that leaves the work open at three settles in five
+    (unless forced) and says a node was caught at the fourth: passes held several at a time and done again, as a
+    busy swarm's audits and a caught liar make them, deterministically. A redo of honest answers gives the same
+    text."""
+
+    def __init__(self) -> None:
+        self.settles = 0
+
+    def cover(self, on: bool) -> None:
+        pass
+
+    def settle(self, force: bool = False) -> Verdict:
+        self.settles += 1
+        turn = self.settles % 5
+        if turn == 4:
+            return Verdict.CAUGHT
+        return Verdict.OPEN if turn in (1, 2, 3) and not force else Verdict.SETTLED
+
+
+def test_passes_done_again_and_again_change_no_token_and_no_finish(engine) -> None:
+    """Conversations sharing passes under a checker that has them redone again and again, with drafts (a grammar's
+    forced tokens, prompt lookup) in their windows: under a schema (its EOS: "stop"), under a schema cut by its
+    max_tokens mid-value ("length"), free text cut by max_tokens, free text cut by a stop string. Each gives the
+    tokens and the finish of one token a pass with no checker: no token counts twice toward a limit, no stop is
+    missed or moved, whatever was redone or rolled back. Beside them, penalties and the logprobs they leave, the
+    same both ways too."""
+    tok = engine.tokenizer
+    prompt = tok.encode("<|im_start|>user\nA person as JSON<|im_end|>\n<|im_start|>assistant\n")
+    src = json_grammar(SCHEMA)
+    eos = tok.eos_ids
+    free = SamplingParams(40, temperature=1.0, seed=5, stop_ids=eos)
+    core = DecodeCore(engine.model, engine.device)
+    alone = core.open(prompt, free)
+    while alone.finish is None:
+        core.step(core.plan([alone])[0])
+        core.collect(alone)
+    core.close()
+    text = tok.decode(alone.out, skip_control=True)
+    pieces = (tok.decode(alone.out[i : i + 2], skip_control=True).strip() for i in range(6, 30))
+    stop = next(w for w in pieces if w and w.isprintable() and w in text)
+    asks = [
+        (SamplingParams(120, temperature=1.0, seed=3, stop_ids=eos), src, None),
+        (SamplingParams(120, stop_ids=eos), src, None),
+        (SamplingParams(7, temperature=1.0, seed=4, stop_ids=eos), src, None),
+        (SamplingParams(13, temperature=1.0, seed=6, stop_ids=eos), None, None),
+        (free, None, stop),
+        (SamplingParams(20, temperature=1.0, seed=8, stop_ids=eos), "penalties", None),
+    ]
+
+    def run(checker: Catching | None, drafts: bool) -> tuple[list[tuple[list[int], str | None, list]], int]:
+        vocab = GrammarVocab.of(tok)
+        core = DecodeCore(engine.model, engine.device, checker, drafts=lookup_source(PromptLookup(3)) if drafts else None)
+        convs, records = [], []
+        for params, hook, stop_string in asks:
+            kw: dict = {}
+            if hook == "penalties":  # and the logprobs of what they leave
+                records.append(Logprobs(3))
+                kw = {"processors": [Penalties(len(prompt), 0.5, 0.5, 1.3)], "record": records[-1].record}
+            elif hook is not None:
+                grammar = Grammar(vocab, vocab.compile(hook), start=len(prompt))
+                kw = {"processors": [grammar], "forced": grammar.forced if drafts else None}
+            if stop_string is not None:
+                kw["stop_text"] = StopStrings(tok.stream(skip_control=True), [stop_string])
+            convs.append(core.open(prompt, params, **kw))
+        while any(c.finish is None for c in convs):
+            core.step(core.plan([c for c in convs if c.finish is None])[0])
+            for c in convs:
+                core.collect(c)
+        core.close()
+        logprobs = [[r.of(len(prompt) + i) for i in range(len(convs[-1].out))] for r in records]
+        return [(c.out, c.finish, logprobs if c is convs[-1] else []) for c in convs], core.passes.redone
+
+    want, _ = run(None, drafts=False)
+    assert [f for _, f, _ in want] == ["stop", "stop", "length", "length", "stop", "length"], want
+    assert len(want[2][0]) == 7 and len(want[3][0]) == 13 and len(want[4][0]) < 40
+    got, redone = run(Catching(), drafts=True)
+    assert redone > 10
+    assert got == want
 
 
 # --- through the server and real nodes, the official client ------------------------------------------------

@@ -3,7 +3,8 @@ models carry: Qwen3.5's XML form (the template every fixture GGUF carries) and Q
 (Qwen3's own template, tests/fixtures/templates/qwen3.jinja, written into a copy of the qwen3moe fixture: the
 fixtures carry Qwen3.5's). A forced call's arguments come as the model writes them, in pieces, and the clients'
 stream helpers put together what the whole answer holds. Also a grammar (`grammar`, llama-server's field) that
-leaves no token to go on with: its own finish reason, and the server serves on."""
+leaves no token to go on with: its own finish reason (Anthropic's endpoint: a refusal saying so), and the server
+serves on."""
 
 from __future__ import annotations
 
@@ -163,3 +164,28 @@ def test_a_grammar_with_no_way_on_ends_with_its_reason_and_the_server_serves_on(
     assert e.value.body["param"] == "grammar"
     after = c.chat.completions.create(model="m", messages=ASK, max_tokens=5)
     assert after.choices[0].finish_reason == "length"
+
+
+def test_a_grammar_with_no_way_on_is_a_refusal_to_the_anthropic_client(server: Server) -> None:
+    """Anthropic's API has no stop reason for a grammar's dead end: it is stop_reason "refusal" (anthropic_answer.py
+    says why), with stop_details saying the grammar stopped it, whole and streamed; a grammar that ends well is
+    end_turn with no details, one that does not compile a 400 in Anthropic's shape."""
+    c = anthropic.Anthropic(base_url=server.base, api_key=KEY, max_retries=0)
+    kw: Any = {"model": "m", "max_tokens": 40, "messages": ASK, "thinking": {"type": "disabled"},
+               "extra_body": {"temperature": 0, "grammar": DEAD_END}}  # fmt: skip
+    dead = c.messages.create(**kw)
+    assert (dead.stop_reason, dead.stop_sequence, [b.type for b in dead.content]) == ("refusal", None, ["text"])
+    assert dead.content[0].text == "ab"  # type: ignore[union-attr]
+    details = dead.stop_details
+    assert details is not None and details.type == "refusal" and details.category is None
+    assert details.explanation is not None and "grammar" in details.explanation
+    with c.messages.stream(**kw) as stream:
+        streamed = stream.get_final_message()
+    texts = [(b.type, getattr(b, "text", None)) for b in streamed.content]
+    assert (streamed.stop_reason, streamed.stop_details, texts) == ("refusal", details, [("text", "ab")])
+    ok = c.messages.create(**{**kw, "extra_body": {"temperature": 0, "grammar": 'root ::= "ok" [0-9]'}})
+    assert (ok.stop_reason, ok.stop_details) == ("end_turn", None) and ok.content[0].text[:2] == "ok"  # type: ignore[union-attr]
+    with pytest.raises(anthropic.BadRequestError) as e:
+        c.messages.create(**{**kw, "extra_body": {"grammar": "root ::= ("}})
+    assert e.value.body["error"]["type"] == "invalid_request_error", e.value.body  # type: ignore[index]
+    assert e.value.body["error"]["message"].startswith("grammar"), e.value.body  # type: ignore[index]

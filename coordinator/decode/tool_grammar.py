@@ -13,7 +13,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from swarm.coordinator.decode.grammar import json_schema_lark
+from swarm.coordinator.decode.grammar import GrammarError, json_schema_lark
 from swarm.coordinator.text.tools import (
     FUNCTION_END,
     FUNCTION_START,
@@ -53,9 +53,13 @@ def calls_lark(fmt: CallFormat, tools: Mapping[str, Mapping[str, Any]], parallel
 def _xml_call(rule: str, name: str, schema: dict[str, Any]) -> list[str]:
     """`<function=NAME>\\n`, each parameter `<parameter=P>\\nVALUE\\n</parameter>\\n` (the schema's required ones
     always, the others where the model gives them, in the schema's order), `</function>`. A string's VALUE is
-    its text (anything not holding `\\n</parameter>`, within maxLength), any other's its JSON."""
-    props = schema.get("properties") or {}
-    required = set(schema.get("required") or [])
+    its text (anything not holding `\\n</parameter>`, within maxLength), any other's its JSON. A GrammarError where
+    the schema's properties or required are not what a JSON schema holds there."""
+    props, required = schema.get("properties") or {}, schema.get("required") or []
+    if not isinstance(props, Mapping):
+        raise GrammarError(f"the parameters schema of {name!r}: 'properties' must be an object")
+    if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+        raise GrammarError(f"the parameters schema of {name!r}: 'required' must be a list of property names")
     parts, rules = [], []
     for j, (param, sub) in enumerate(props.items()):
         sub = sub if isinstance(sub, Mapping) else {}

@@ -20,8 +20,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from swarm.coordinator.serve.anthropic_answer import Message, event, stop_reason
-from swarm.coordinator.serve.anthropic_request import openai_body, prompt_body
+from swarm.coordinator.serve.anthropic_answer import Message, Stop, event, stop_reason
+from swarm.coordinator.serve.anthropic_request import in_anthropic_words, openai_body, prompt_body
 from swarm.coordinator.serve.api_error import ApiError
 from swarm.coordinator.serve.openai_request import Job
 from swarm.coordinator.text.tools import AnswerReader, Reading
@@ -87,8 +87,11 @@ class AnthropicApi:
         body = await self.api.body_of(request)
         chat = (prompt_body if count else openai_body)(body)
         make = self.api.jobs.chat_job
-        # pictures are decoded and encoded beside the event loop (seconds, for a big vision tower)
-        return body, await asyncio.to_thread(make, chat) if self.api.vision is not None else make(chat)
+        try:
+            # pictures are decoded and encoded beside the event loop (seconds, for a big vision tower)
+            return body, await asyncio.to_thread(make, chat) if self.api.vision is not None else make(chat)
+        except ApiError as e:
+            raise in_anthropic_words(e) from None
 
     async def count_tokens(self, request: Request) -> Response:
         try:
@@ -128,7 +131,7 @@ class AnthropicApi:
             assert req is not None
             msg.cached = req.cached
             self.api.metrics.finished(req, started, "messages")
-            return JSONResponse(msg.whole(*self.reason(finish, msg, job, req), req.produced))
+            return JSONResponse(msg.whole(self.reason(finish, msg, req), req.produced))
         except ApiError as e:
             self.api.metrics.request("messages", e.status)
             return error_response(e)
@@ -159,12 +162,12 @@ class AnthropicApi:
         finally:
             await gen.aclose()  # a client gone mid-stream: `run` cancels its request, freeing the slot
         produced = req.produced if req is not None else 0
-        for e in msg.end_events(*self.reason(finish, msg, job, req), produced):
+        for e in msg.end_events(self.reason(finish, msg, req), produced):
             yield e
         if req is not None:
             self.api.metrics.finished(req, started, "messages", count=False)
 
-    def reason(self, finish: str, msg: Message, job: Job, req: Any) -> tuple[str, str | None]:
+    def reason(self, finish: str, msg: Message, req: Any) -> Stop:
         calls = any(b["type"] == "tool_use" for b in msg.content)
         found = req.stop_text.found if req is not None and req.stop_text is not None else None
         return stop_reason(finish, calls, found)

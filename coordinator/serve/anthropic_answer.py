@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from swarm.coordinator.decode.grammar import DEAD_END
 from swarm.coordinator.text.tools import Piece
 
 # the block each kind of piece goes into
@@ -58,9 +59,8 @@ class Message:
                 {"type": kind, kind: piece.text, **({"signature": ""} if kind == "thinking" else {})}
             )
 
-    def whole(self, stop_reason: str, stop_sequence: str | None, output_tokens: int) -> dict[str, Any]:
-        return {**self._head(), "content": self.content, "stop_reason": stop_reason,
-                "stop_sequence": stop_sequence, "usage": self.usage(output_tokens)}  # fmt: skip
+    def whole(self, stop: Stop, output_tokens: int) -> dict[str, Any]:
+        return {**self._head(), "content": self.content, **stop.fields(), "usage": self.usage(output_tokens)}
 
     def _head(self) -> dict[str, Any]:
         return {"id": self.message_id, "type": "message", "role": "assistant", "model": self.model}
@@ -114,10 +114,10 @@ class Message:
             yield event("content_block_stop", {"type": "content_block_stop", "index": len(self.content) - 1})
             self.open_kind = None
 
-    def end_events(self, stop_reason: str, stop_sequence: str | None, output_tokens: int) -> Iterator[bytes]:
+    def end_events(self, stop: Stop, output_tokens: int) -> Iterator[bytes]:
         yield from self.close_events()
-        yield event("message_delta", {"type": "message_delta", "delta": {"stop_reason": stop_reason,
-                    "stop_sequence": stop_sequence}, "usage": self.usage(output_tokens)})  # fmt: skip
+        yield event("message_delta", {"type": "message_delta", "delta": stop.fields(),
+                                      "usage": self.usage(output_tokens)})  # fmt: skip
         yield event("message_stop", {"type": "message_stop"})
 
 
@@ -125,13 +125,43 @@ def event(name: str, data: dict[str, Any]) -> bytes:
     return f"event: {name}\ndata: {json.dumps(data)}\n\n".encode()
 
 
-def stop_reason(finish: str, calls: bool, found: str | None) -> tuple[str, str | None]:
-    """(stop_reason, stop_sequence) of an answer that ended with the core's `finish` ("stop" or "length"):
-    `found`, the stop sequence the core ended it at (decode/core.py StopStrings), if any."""
+@dataclass(frozen=True)
+class Stop:
+    """Why an answer ended, in Anthropic's words: its stop_reason, the stop sequence that ended it, and
+    stop_details (None where the reason needs none)."""
+
+    reason: str
+    sequence: str | None = None
+    details: dict[str, Any] | None = None
+
+    def fields(self) -> dict[str, Any]:
+        """The message's (or message_delta's) stop fields."""
+        return {"stop_reason": self.reason, "stop_sequence": self.sequence, "stop_details": self.details}
+
+
+# A grammar that left no token to go on with (the OpenAI endpoint's finish_reason "grammar") has no stop_reason
+# of its own in Anthropic's API, whose clients know only theirs. "refusal" is the one that is true of it: output
+# stopped mid-answer by something other than the model, the content not an answer to use or continue as it
+# is, and stop_details (Anthropic's shape for a refusal that maps to no named category: category null, an
+# explanation) says what stopped it. Each other reason would be acted on wrongly: end_turn says the answer is
+# finished (a half-written tool_use would be run, half a JSON value parsed), max_tokens and pause_turn invite the
+# client to raise the limit or send the turn back to go on, which meets the same dead end again.
+GRAMMAR_DEAD_END = Stop("refusal", None, {
+    "type": "refusal", "category": None,
+    "explanation": "the answer's grammar (a tool's input_schema, output_config.format or grammar) left no token "
+                   "to go on with: the answer stopped unfinished",
+})  # fmt: skip
+
+
+def stop_reason(finish: str, calls: bool, found: str | None) -> Stop:
+    """Why an answer that ended with the core's `finish` ("stop", "length", or decode/grammar.py's DEAD_END)
+    ended: `found`, the stop sequence the core ended it at (decode/core.py StopStrings), if any."""
+    if finish == DEAD_END:
+        return GRAMMAR_DEAD_END
     if finish == "length":
-        return "max_tokens", None
+        return Stop("max_tokens")
     if calls:
-        return "tool_use", None
+        return Stop("tool_use")
     if found is not None:
-        return "stop_sequence", found
-    return "end_turn", None
+        return Stop("stop_sequence", found)
+    return Stop("end_turn")

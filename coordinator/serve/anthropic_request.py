@@ -5,7 +5,7 @@ system → a system message; text blocks → text; image blocks → image_url pa
 tool_use blocks → its tool_calls, its thinking blocks → reasoning_content; a user's tool_result blocks → tool
 messages; tools' input_schema → function parameters; tool_choice auto/any/tool/none → auto/required/a named
 function/none; stop_sequences → stop; thinking {"type": "disabled"} → enable_thinking false for the template;
-output_config.format (a JSON schema) → response_format json_schema.
+output_config.format (a JSON schema) → response_format json_schema; swarm's own seed and grammar as they are.
 Whatever is wrong raises ApiError naming the field (anthropic.py answers it in Anthropic's error shape).
 """
 
@@ -32,6 +32,26 @@ def openai_body(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# Words of the OpenAI chat form that JobReader's errors may name, and the Anthropic request's words for them.
+OPENAI_WORDS = (
+    ("response_format", "output_config.format"),
+    (".function.parameters", ".input_schema"),
+    (".function.name", ".name"),
+    ("a tool's parameters schema", "a tool's input_schema"),
+    ("the parameters schema of", "the input_schema of"),
+)
+
+
+def in_anthropic_words(e: ApiError) -> ApiError:
+    """An error JobReader raised reading the OpenAI form of an Anthropic request, naming the field as the client
+    sent it (output_config.format, not response_format; a tool's input_schema and name, not its function's)."""
+    message, param = e.message, e.param
+    for theirs, ours in OPENAI_WORDS:
+        message = message.replace(theirs, ours)
+        param = ours if param == theirs else param
+    return ApiError(e.status, message, e.kind, param, e.code, e.headers)
+
+
 def prompt_body(body: dict[str, Any]) -> dict[str, Any]:
     """The OpenAI chat body of a count_tokens request (no max_tokens: only the prompt counts)."""
     return openai_body({**body, "max_tokens": 1})
@@ -45,10 +65,9 @@ def sampling(body: dict[str, Any]) -> dict[str, Any]:
             if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= hi:
                 raise ApiError(400, f"{name}: a number in [0, {hi:g}]", param=name)
             out[name] = v
-    for name in (
-        "top_k",
-        "seed",
-    ):  # seed: not Anthropic's, swarm's as in the OpenAI API (JobReader checks both)
+    # top_k is Anthropic's; seed and llama-server's grammar (GBNF or Lark, holding the whole answer) are swarm's, as
+    # in the OpenAI API (JobReader checks all three)
+    for name in ("top_k", "seed", "grammar"):
         if body.get(name) is not None:
             out[name] = body[name]
     stops = body.get("stop_sequences")

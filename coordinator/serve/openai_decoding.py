@@ -159,7 +159,10 @@ def _grammar(
             offered = tool_schemas(tools.tools)
             if tools.choice == "function":
                 offered = {tools.named: offered[tools.named]}
-            calls = calls_lark(fmt, offered, tools.parallel)
+            try:
+                calls = calls_lark(fmt, offered, tools.parallel)
+            except GrammarError as e:
+                raise ApiError(400, f"tools: {e}", param="tools") from None
     if tools is not None and tools.choice in ("required", "function"):
         if calls is None:
             return None  # openai_tools said why (a template with no call format) already
