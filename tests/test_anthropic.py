@@ -436,3 +436,21 @@ def test_a_picture_block_is_read_as_the_chat_completions_image(tmp_path: Path) -
         )  # type: ignore[arg-type]
     finally:
         assert s.stop() == 0, s.proc.log_tail()
+
+
+def test_an_answer_cut_by_the_context_says_so(tmp_path: Path) -> None:
+    """max_tokens beyond what the server's context leaves: the answer runs to the context's end and says
+    model_context_window_exceeded (Anthropic's reason for it); one cut by max_tokens still says max_tokens."""
+    s = Server(tmp_path, "--local", "--parallel", "1", "--ctx-size", "48", "--api-key", KEY)
+    try:
+        c = client(s)
+        m = c.messages.create(model=MODEL_ID, max_tokens=1000, messages=ASK, **GREEDY)  # type: ignore[arg-type]
+        assert m.stop_reason == "model_context_window_exceeded", m
+        assert m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0) + m.usage.output_tokens == 48
+        with c.messages.stream(model=MODEL_ID, max_tokens=1000, messages=ASK, **GREEDY) as stream:  # type: ignore[arg-type]
+            streamed = stream.get_final_message()
+        assert streamed.stop_reason == "model_context_window_exceeded" and blocks(streamed) == blocks(m)
+        short = c.messages.create(model=MODEL_ID, max_tokens=3, messages=ASK, **GREEDY)  # type: ignore[arg-type]
+        assert short.stop_reason == "max_tokens" and short.usage.output_tokens == 3
+    finally:
+        assert s.stop() == 0, s.proc.log_tail()

@@ -113,12 +113,14 @@ class AnthropicApi:
             if not isinstance(stream, bool):
                 raise ApiError(400, "stream: true or false", param="stream")
             reader = AnswerReader(job.tools.reading if job.tools is not None else Reading())
+            # the context left less room than max_tokens asked for: an answer cut there ran out of context
+            capped = job.params.max_tokens < body["max_tokens"]
             gen = self.api.run(job, request)
             if stream:
                 first = await anext(gen, None)  # errors before the first token still get a status
                 self.api.metrics.request("messages", 200)
                 return StreamingResponse(
-                    self.events(gen, first, job, reader, started),
+                    self.events(gen, first, job, reader, started, capped),
                     media_type="text/event-stream",
                     headers={"Cache-Control": "no-cache"},
                 )
@@ -131,7 +133,7 @@ class AnthropicApi:
             assert req is not None
             msg.cached = req.cached
             self.api.metrics.finished(req, started, "messages")
-            return JSONResponse(msg.whole(self.reason(finish, msg, req), req.produced))
+            return JSONResponse(msg.whole(self.reason(finish, msg, req, capped), req.produced))
         except ApiError as e:
             self.api.metrics.request("messages", e.status)
             return error_response(e)
@@ -142,7 +144,7 @@ class AnthropicApi:
 
     async def events(
         self, gen: AsyncIterator[tuple[str, str | None, Any]], first: tuple[str, str | None, Any] | None,
-        job: Job, reader: AnswerReader, started: float,
+        job: Job, reader: AnswerReader, started: float, capped: bool = False,
     ) -> AsyncIterator[bytes]:  # fmt: skip
         req = first[2] if first else None
         msg = Message(self.api.config.model_id, len(job.prompt), req.cached if req else 0)
@@ -162,15 +164,15 @@ class AnthropicApi:
         finally:
             await gen.aclose()  # a client gone mid-stream: `run` cancels its request, freeing the slot
         produced = req.produced if req is not None else 0
-        for e in msg.end_events(self.reason(finish, msg, req), produced):
+        for e in msg.end_events(self.reason(finish, msg, req, capped), produced):
             yield e
         if req is not None:
             self.api.metrics.finished(req, started, "messages", count=False)
 
-    def reason(self, finish: str, msg: Message, req: Any) -> Stop:
+    def reason(self, finish: str, msg: Message, req: Any, capped: bool = False) -> Stop:
         calls = any(b["type"] == "tool_use" for b in msg.content)
         found = req.stop_text.found if req is not None and req.stop_text is not None else None
-        return stop_reason(finish, calls, found)
+        return stop_reason(finish, calls, found, capped)
 
 
 async def _after(first: Any, gen: AsyncIterator[Any]) -> AsyncIterator[Any]:

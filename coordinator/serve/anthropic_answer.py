@@ -153,13 +153,14 @@ GRAMMAR_DEAD_END = Stop("refusal", None, {
 })  # fmt: skip
 
 
-def stop_reason(finish: str, calls: bool, found: str | None) -> Stop:
+def stop_reason(finish: str, calls: bool, found: str | None, capped: bool = False) -> Stop:
     """Why an answer that ended with the core's `finish` ("stop", "length", or decode/grammar.py's DEAD_END)
-    ended: `found`, the stop sequence the core ended it at (decode/core.py StopStrings), if any."""
+    ended: `found`, the stop sequence the core ended it at (decode/core.py StopStrings), if any; `capped`: the
+    context, not max_tokens, set the length it could reach."""
     if finish == DEAD_END:
         return GRAMMAR_DEAD_END
     if finish == "length":
-        return Stop("max_tokens")
+        return Stop("model_context_window_exceeded" if capped else "max_tokens")
     if calls:
         return Stop("tool_use")
     if found is not None:
