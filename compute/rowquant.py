@@ -123,3 +123,28 @@ def kernel_steps(x: np.ndarray, weight_qtype: int) -> np.ndarray:
     blocks = quantize_rows(x, kind).view(GGML_BLOCK[kind]).reshape(n, d // BLOCK[kind])
     scale = np.abs(blocks["d"].astype(np.float64))[..., None]
     return np.broadcast_to(scale, (n, d // BLOCK[kind], BLOCK[kind])).reshape(n, d)
+
+
+def kernel_offsets(x: np.ndarray, weight_qtype: int) -> tuple[np.ndarray, np.ndarray]:
+    """float32 rows [N, D] -> (offset, unit), float64 [N, D]: where each element lies between two values a
+    native kernel for weight_qtype may round it to, in units of the spacing its quantizer rounds on (0 on a
+    value, 0.5 on a boundary), and that unit (0 where rows stay float32, and for a type kernel_values cannot
+    reproduce). An 8-bit block type rounds x·127/amax of its block: its unit is amax/127, not the scale it
+    stores (Q8_0 stores it rounded to F16, so |x - d·q| / d is not where x lay)."""
+    x = np.ascontiguousarray(x, np.float32)
+    x64 = x.astype(np.float64)
+    kind = vec_dot_type(weight_qtype)
+    if kind in ROW_TYPES:
+        n, d = x.shape
+        amax = np.abs(x64).reshape(n, d // BLOCK[kind], BLOCK[kind]).max(axis=2, keepdims=True)
+        unit = np.broadcast_to(amax / 127, (n, d // BLOCK[kind], BLOCK[kind])).reshape(n, d)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            p = x64 / unit
+            offset = np.abs(p - np.rint(p))
+    else:
+        unit = kernel_steps(x, weight_qtype)
+        made = kernel_values(x, weight_qtype) if kind in (F16, BF16) else x64
+        assert made is not None
+        with np.errstate(invalid="ignore", divide="ignore"):
+            offset = np.abs(x64 - made) / unit
+    return np.where(unit > 0, offset, 0.0), unit

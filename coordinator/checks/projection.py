@@ -21,6 +21,14 @@ honest answer exceeds it with probability ~1e-15 per check), plus the rounding o
 here. A change Δ of the products is missed only when |r·Δ| ≤ τ: with probability ≤ √(2/π)·τ/‖Δ‖ for each of
 the PROJECTIONS independent r (bench/trust.py reports τ as a fraction of the rows' norms).
 
+A node of another numerics class (AVX-512, ARM's NEON generations) sums in another order, which the bound
+covers as it stands (it holds for any order), and rounds with its own code: its quantizer may round an element
+of x lying within an ulp of a step the other way (ARM's Q8_0 code scales by 1/(amax/127), x86's by
+127/amax; ARM's compiler fuses Q8_K's rounding into the product: about 1.3 elements in a million), and its
+own silu may put an element of h on the other side of one. For such a node each element of x̂ and ĥ within
+REACH of a step may take either, and the tolerance allows that step; it widens τ on the 1-2 % of rows that
+have such an element (bench/bound_builds.py measures honest answers of those builds, docs/BENCHMARKS.md).
+
 An answer that fails is not a verdict: it is recomputed exactly (swarm.coordinator.checks.audit) before a
 node is banned. Nothing here is sent to a node.
 """
@@ -40,7 +48,7 @@ import numpy as np
 from swarm.compute.ffn import swiglu_rows
 from swarm.compute.ggml import ggml_lib, one_thread
 from swarm.compute.priority import idle_priority
-from swarm.compute.rowquant import kernel_steps, kernel_values, vec_dot_type
+from swarm.compute.rowquant import kernel_offsets, kernel_steps, kernel_values, vec_dot_type
 from swarm.compute.store import ExpertStore
 from swarm.compute.values import float32_values
 from swarm.sharding.slabs import SlabKey, SlabTensor
@@ -55,10 +63,12 @@ SIGMAS = 8.0  # standard deviations of honest noise the tolerance leaves room fo
 # (tests/test_projection.py, docs/BENCHMARKS.md), rounded up; float rows sum every product in float32.
 ERROR_CONSTANT = 1.0
 KEPT = 4.0  # ulps of error in each element of a kept vector (a float32 product of F or D terms, rounded)
-# A node of another numerics class forms h from its own g and u with its own silu: an element of h this close
-# (relative to it and to its row's mean) to a rounding boundary of the down kernel's row type may take the
-# other step there, and the check allows that step (the check alone; the exact one is checks/tolerance.py).
-REACH = 2.0**-16
+# A node of another numerics class quantizes x and h with its own code (ARM's Q8_0 scales by 1/(amax/127),
+# x86's by 127/amax; ARM fuses Q8_K's rounding into the product), which finds where an element lies between
+# two steps with a few float32 roundings of its own, and forms h with its own silu: an element of x or h
+# within REACH of itself from a rounding boundary of the kernel's row type (16 ulps) may take the other step
+# there, and the check allows that step (the check alone; the exact one is checks/tolerance.py).
+REACH = 2.0**-20
 BATCH_ROWS = 2048  # rows checked in one computation (its float64 temporaries: tens of MB at a real model's width)
 
 
@@ -316,15 +326,19 @@ class Projections:
             return np.stack(arrays).astype(np.float64)
 
         r_gu, r_d = self.secret(int(rows.shape[1]), int(vs[0].down.shape[1]))
-        terms = [(_act(rows, t, native), each([v.gate_up[k][1] for v in vs])) for k, (t, _) in enumerate(vs[0].gate_up)]
+        reach = other_class and native
+        types = [t for t, _ in vs[0].gate_up]
+        terms = [(_act(rows, t, native), each([v.gate_up[k][1] for v in vs])) for k, t in enumerate(types)]
+        # another build's quantizer may round an element of x next to a step the other way (see REACH)
+        x_steps = [_near_steps(rows, t) for t in types] if reach else None
         ratio_gu = _ratio(inner, r_gu, per_row([v.gate_up_bias for v in vs]), terms, per_row([v.gate_up_norm for v in vs]),
-                          counts=counts)  # fmt: skip
+                          steps=x_steps, counts=counts)  # fmt: skip
         with one_thread():  # a few microseconds of work: a team of threads would only wait for each other
             h = swiglu_rows(np.ascontiguousarray(inner, np.float32))
         h_act = _act(h, vs[0].down_type, native)
-        steps = _near_steps(h, h_act, vs[0].down_type) if other_class and native else None
+        h_steps = [_near_steps(h, vs[0].down_type)] if reach else None
         ratio_d = _ratio(answer, r_d, per_row([v.down_bias for v in vs]), [(h_act, each([v.down for v in vs]))],
-                         per_row([v.down_norm for v in vs]), answer_unit, steps, counts)  # fmt: skip
+                         per_row([v.down_norm for v in vs]), answer_unit, h_steps, counts)  # fmt: skip
         return ratio_gu, ratio_d
 
 
@@ -347,14 +361,14 @@ def _act(x: np.ndarray, weight_type: int, native: bool) -> np.ndarray:
 
 def _ratio(
     products: np.ndarray, r: np.ndarray, bias: np.ndarray, terms: list[tuple[np.ndarray, np.ndarray]],
-    norm: float | np.ndarray, rounded: float = 0.0, steps: np.ndarray | None = None,
+    norm: float | np.ndarray, rounded: float = 0.0, steps: list[np.ndarray] | None = None,
     counts: Sequence[int] | None = None,
 ) -> np.ndarray:  # fmt: skip
     """Per row, the largest over the projections of |r·products - Σ v·x̂ - r·bias| / its tolerance; the
     vectors v [P, d] (one expert's), [n, P, d] (each row's expert's), or with `counts` [E, P, d] (expert e's
     for counts[e] rows in turn), the norms and biases one or per row; `rounded`: the unit roundoff the
     products were rounded to after they were computed (r·that rounding is normal with a deviation of at most
-    rounded·‖products‖); `steps` [n, cols of the one term]: the rounding steps another build may take, each
+    rounded·‖products‖); `steps` (one [n, cols] a term): the rounding steps another build may take, each
     allowed for in full (|v|·step)."""
     # (einsum, not BLAS: these products are small, and BLAS's threads stall on a busy machine's cores)
     n = int(products.shape[0])
@@ -376,7 +390,7 @@ def _ratio(
     if rounded:
         tol = tol + SIGMAS * rounded * np.linalg.norm(products, axis=1)[:, None]
     if steps is not None:
-        tol = tol + _dots(steps, np.abs(terms[0][1]), counts)
+        tol = tol + sum(_dots(s, np.abs(v), counts) for s, (_, v) in zip(steps, terms, strict=True))
     with np.errstate(invalid="ignore", over="ignore"):
         out = np.abs(said - expected) / tol
     return np.where(np.isfinite(out), out, np.inf).max(axis=1)
@@ -400,15 +414,13 @@ def _dots(x: np.ndarray, v: np.ndarray, counts: Sequence[int]) -> np.ndarray:
     return out
 
 
-def _near_steps(h: np.ndarray, made: np.ndarray, weight_type: int) -> np.ndarray:
-    """[n, F] the step of each element of h that lies within REACH of a rounding boundary of the down kernel's
-    row type (it may be rounded the other way by another build), 0 elsewhere."""
+def _near_steps(h: np.ndarray, weight_type: int) -> np.ndarray:
+    """[n, cols] the step of each element of rows h that lies within REACH of itself from a rounding boundary
+    of the kernel for weight_type (another build may round it the other way), 0 elsewhere."""
     steps = kernel_steps(h, weight_type)
-    h64 = h.astype(np.float64)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        off = np.abs(h64 - made) / steps  # where it lies between two steps: 0.5 is the boundary
-    reach = REACH * (np.abs(h64) + np.abs(h64).mean(axis=1, keepdims=True)) / np.where(steps > 0, steps, 1.0)
-    near = (steps > 0) & (np.abs(0.5 - off) <= reach)
+    offset, unit = kernel_offsets(h, weight_type)
+    reach = REACH * np.abs(h.astype(np.float64)) / np.where(unit > 0, unit, 1.0)
+    near = (unit > 0) & (np.abs(0.5 - offset) <= reach)
     return np.where(near, steps, 0.0)
 
 
