@@ -109,7 +109,10 @@ def test_windows_through_three_nodes_and_a_node_killed_in_a_window(tmp_path, num
                     # its calls failed over, or (a busy machine: the dead node's call outlasted its usual time
                     # first) went to a replica as a hedge; either way it is passed over from then on
                     assert backend.failovers + backend.hedge_wins >= 1
-                    assert nodes[1].address not in backend.placement.addresses()
+                    # it is marked down (passed over for a backoff that grows with its failures in a row, which
+                    # only an answer clears); on a busy machine the rest of the text may outlast the first
+                    # backoff, and the placement then lists it again until a call to it fails anew
+                    assert backend.placement.failures(nodes[1].address) >= 1
             finally:
                 local.model.set_experts(local.experts)
     finally:
