@@ -23,11 +23,13 @@ the same bits, or within the kernels' error bound from a node of another numeric
   so that open work never piles up. The model waits for those forced audits, so each checks one row of
   each of the call's ready experts (repacked copy made: up to AUDIT_EXPERTS), or of one when none is.
 - Projections (--verify project, the default): an answer that carries its inner products is checked by them
-  (swarm.coordinator.checks.projection): a prompt's call of many rows when it arrives, a decode step's at the
-  next settle, with every other answer since the last one, in one batch (a pass's calls of every layer: a few
-  dozen array operations for them all, where each call alone took about as many); one that fails is
-  recomputed here, whole, before any verdict, and a caught answer checked at arrival is replaced by the
-  coordinator's. The pass a wrong answer shaped is done again (CAUGHT), as after a failed audit.
+  (swarm.coordinator.checks.projection) in the time the model next waits for a node (`spare`: a layer's
+  first answers while its others are out, its last ones while the next layer's are), in one batch with every
+  other answer not yet checked, and what is left at the settle (the last layer's): never on the model's way
+  where it has a wait to fill, and a decode pass's answers of several nodes in one batch (a batch costs a few
+  dozen array operations where each call alone took about as many). One that fails is recomputed here,
+  whole, before any verdict; the pass a wrong answer shaped is done again without its node (CAUGHT), as
+  after a failed audit.
 """
 
 from __future__ import annotations
@@ -60,10 +62,6 @@ PROBE_ROWS = 2
 # Experts of one call an audit checks (one row each), drawn at random: a prompt's call holds a node's share of
 # a layer's experts, and checking each (a cold one first copied into ggml's repacked layout) is slow.
 AUDIT_EXPERTS = 8
-# A call of this many rows or more (a prompt's) is checked by the projections when it arrives, while the model
-# waits for the layer's other answers; smaller ones (decode steps') wait for the settle and are checked with the
-# pass's others in one batch, a pass's array operations costing what one call's did.
-AT_ONCE_ROWS = 64
 # Seconds a forced settle waits for an audit the audit thread is running before it does the audit itself.
 TAKE_OVER = 0.05
 
@@ -148,13 +146,9 @@ class Auditor(Recomputer):
             book.open_calls += 1
             book.calls += 1
         projected = self._projectable(call, inner)
-        if projected and int(call.rows.shape[0]) >= AT_ONCE_ROWS:
-            own = self._project(address, call, inner)
-            if own is not None:
-                return own
-        elif projected:
-            with self._lock:
-                self._projected.append((address, call, inner))  # checked at the settle, with the pass's others
+        if projected:
+            with self._lock:  # checked in the model's next wait for a node (spare), or at the settle
+                self._projected.append((address, call, inner))
         scope = Scope.EVERY_ROW if self.every_row else Scope.EVERY_EXPERT if self._cover and not projected else None
         rate = self.rate if projected or self.projections is None else max(self.rate, DEFAULT_AUDIT_RATE)
         if scope is None and rate > 0 and self._rng.random() < rate:
@@ -170,14 +164,19 @@ class Auditor(Recomputer):
                 return own
         return answer
 
+    def spare(self, waiting: Callable[[], bool]) -> None:
+        """Time the model would spend waiting for a node's answer (`waiting()`: whether it still would): the
+        answers booked since the last check are checked by their projections now, in one batch, rather than
+        at the settle, where the model would wait for them. A wrong one bans its node at once (on_ban), so
+        the rest of the pass goes to others, and the settle says CAUGHT."""
+        if self._projected and waiting():
+            with self._lock:
+                self.report.spared += len(self._projected)
+            self._project_all()
+
     def _projectable(self, call: Call, inner: Any) -> bool:
         p = self.projections
         return p is not None and inner is not None and p.checkable(call.layer, call.expert_ids)
-
-    def _project(self, address: str, call: Call, inner: Any) -> torch.Tensor | None:
-        """The projections' check of one call now; the coordinator's own rows where the exact recompute that a
-        failed check calls for caught the node (None otherwise)."""
-        return self._verdicts([(address, call, inner)])[0]
 
     def _project_all(self) -> None:
         """The projections' check of every answer booked since the last settle, in one batch (a pass's calls
@@ -188,9 +187,9 @@ class Auditor(Recomputer):
         if todo:
             self._verdicts(todo)
 
-    def _verdicts(self, todo: list[tuple[str, Call, Any]]) -> list[torch.Tensor | None]:
-        """Check these answers by the projections in one batch; per call, the coordinator's own rows where the
-        exact recompute that a failed check calls for caught the node (None otherwise)."""
+    def _verdicts(self, todo: list[tuple[str, Call, Any]]) -> None:
+        """Check these answers by the projections in one batch; one that fails is recomputed exactly, and a
+        node whose answer that finds wrong is banned."""
         p = self.projections
         assert p is not None
         native = self.numerics == Numerics.NATIVE
@@ -200,8 +199,7 @@ class Auditor(Recomputer):
                      self.other_class(address))
             for address, call, inner in todo
         ])  # fmt: skip
-        own: list[torch.Tensor | None] = [None] * len(todo)
-        for i, ((address, call, _), f) in enumerate(zip(todo, failed, strict=True)):
+        for (address, call, _), f in zip(todo, failed, strict=True):
             if self.is_banned(address):
                 continue  # (caught at an earlier answer of the batch: its work is done again, unchecked)
             if f is None:
@@ -209,11 +207,10 @@ class Auditor(Recomputer):
                 continue
             log.warning("node %s: %s check failed, layer %d, %d rows (%.3g x tolerance): recomputing exactly",
                         address, f.what, call.layer, len(f.rows), f.worst)  # fmt: skip
-            own[i] = self._audit(address, call, Scope.EVERY_ROW)
+            self._audit(address, call, Scope.EVERY_ROW)
             with self._lock:
                 self.report.projected, self.report.alarms = self.report.projected + 1, self.report.alarms + 1
                 self.report.false_alarms += not self.is_banned(address)
-        return own
 
     def decide(
         self, address: str, layer: int, experts: list[int], rows: torch.Tensor, answer: torch.Tensor

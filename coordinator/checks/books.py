@@ -58,6 +58,7 @@ class AuditReport:
     audits: int = 0
     probes: int = 0
     projected: int = 0  # answers checked by projections (every one, with --verify project)
+    spared: int = 0  # ... of them in time the model waited for a node (audit.Auditor.spare)
     alarms: int = 0  # ... that failed, and were then recomputed exactly
     false_alarms: int = 0  # ... whose exact recompute found them honest
     banned: dict[str, str] = field(default_factory=dict)  # address -> why

@@ -70,6 +70,7 @@ KEPT = 4.0  # ulps of error in each element of a kept vector (a float32 product 
 # there, and the check allows that step (the check alone; the exact one is checks/tolerance.py).
 REACH = 2.0**-20
 BATCH_ROWS = 2048  # rows checked in one computation (its float64 temporaries: tens of MB at a real model's width)
+BIG_CALL = 64  # rows of a call checked on its own (a prompt's), not copied in with others (decode steps')
 
 
 @dataclass(frozen=True)
@@ -272,12 +273,15 @@ class Projections:
                 kind = (tuple(t for t, _ in v.gate_up), v.down_type, v.down.shape[1], c.native, c.answer_unit,
                         c.other_class, int(c.rows.shape[1]))  # fmt: skip
                 groups.setdefault(kind, []).append(b)
-        chunks = []  # (the check's settings, members) with at most BATCH_ROWS rows: bounded temporaries
+        # (the check's settings, members) with at most BATCH_ROWS rows (bounded temporaries); a call of
+        # BIG_CALL rows or more (a prompt's) in a chunk of its own, whose rows are then taken without a copy
+        chunks = []
+        big = [int(c.rows.shape[0]) >= BIG_CALL for c in calls]
         for kind, members in groups.items():
             chunk: list[tuple[int, int, int, ExpertVectors]] = []
             size = 0
             for m in members:
-                if chunk and size + m[2] > BATCH_ROWS:
+                if chunk and (size + m[2] > BATCH_ROWS or (m[0] != chunk[-1][0] and (big[m[0]] or big[chunk[-1][0]]))):
                     chunks.append((kind, chunk))
                     chunk, size = [], 0
                 chunk.append(m)
@@ -298,10 +302,12 @@ class Projections:
             for i, a, n, _ in members:
                 ratios[i][0][a : a + n], ratios[i][1][a : a + n] = gu[at : at + n], d[at : at + n]
                 at += n
+        every = [np.concatenate([r[k] for r in ratios]) for k in (0, 1)] if ratios else [np.zeros(0)] * 2
+        held = bool(((every[0] <= 1.0) & (every[1] <= 1.0)).all())  # (NaN fails too)
         for i, (ratio_gu, ratio_d) in enumerate(ratios):
-            if results[i] is not None:
+            if results[i] is not None or held:
                 continue
-            bad = [int(j) for j in np.flatnonzero(~((ratio_gu <= 1.0) & (ratio_d <= 1.0)))]  # (NaN fails too)
+            bad = [int(j) for j in np.flatnonzero(~((ratio_gu <= 1.0) & (ratio_d <= 1.0)))]
             if bad:
                 what = "gate/up" if not ratio_gu[bad[0]] <= 1.0 else "down"
                 worst = float(np.nanmax(np.concatenate([ratio_gu[bad], ratio_d[bad]])))
@@ -380,15 +386,17 @@ def _ratio(
     else:
         terms = [(x, v.astype(np.float64, copy=False)) for x, v in terms]
     norm = np.broadcast_to(np.asarray(norm, np.float64), (n,))
-    products = products.astype(np.float64)
-    said = np.einsum("nf,pf->np", products, r)
+    said = np.einsum("nf,pf->np", products, r, dtype=np.float64)  # (float32 products taken as float64)
     expected = sum(_dots(x, v, counts) for x, v in terms) + bias
-    size = np.sqrt(sum(np.einsum("ij,ij->i", x, x) for x, _ in terms))  # ‖x̂‖ per row
+    sizes = [np.sqrt(np.einsum("ij,ij->i", x, x)) for x, _ in terms]  # ‖x̂‖ per row, each term's
+    size = np.sqrt(sum(z * z for z in sizes))
     # the vectors' own float32 error (their product and their rounding): |Σ (v - fl(v))·x̂| ≤ KEPT·u·Σ|v||x̂|
-    kept = sum(_dots(np.abs(x), np.abs(v), counts) for x, v in terms) * KEPT * U
+    # ≤ KEPT·u·‖v‖·‖x̂‖ (Cauchy-Schwarz: no pass over the rows of its own, a bound about 1.5x the sum's)
+    kept = sum(np.repeat(np.sqrt(np.einsum("epd,epd->ep", v, v)), counts, axis=0) * z[:, None]
+               for (_, v), z in zip(terms, sizes, strict=True)) * KEPT * U  # fmt: skip
     tol = SIGMAS * ERROR_CONSTANT * U * norm[:, None] * size[:, None] + kept + np.finfo(np.float32).tiny
     if rounded:
-        tol = tol + SIGMAS * rounded * np.linalg.norm(products, axis=1)[:, None]
+        tol = tol + SIGMAS * rounded * np.linalg.norm(products.astype(np.float64), axis=1)[:, None]
     if steps is not None:
         tol = tol + sum(_dots(s, np.abs(v), counts) for s, (_, v) in zip(steps, terms, strict=True))
     with np.errstate(invalid="ignore", over="ignore"):

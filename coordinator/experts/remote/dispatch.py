@@ -8,7 +8,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import grpc
@@ -308,6 +308,10 @@ class SwarmExperts:
         return self.auditor.answered(
             c.address, layer, ids, [p.rows for p in c.parts], c.sent, answer, c.call.inner
         )
+
+    def spare(self, waiting: Callable[[], bool]) -> None:
+        if self.auditor is not None:
+            self.auditor.spare(waiting)
 
     def compare_twins(self, layer: int, answers: list[TwinAnswer]) -> None:
         assert self.auditor is not None  # (twins are sent only with one)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 import grpc
@@ -81,6 +82,11 @@ class Failover(Protocol):
         """Degraded mode left this many (token, slot) pairs out of the sum."""
         ...
 
+    def spare(self, waiting: Callable[[], bool]) -> None:
+        """Time the model would only wait for a node (`waiting()` says whether it still would): answers
+        booked earlier are checked meanwhile."""
+        ...
+
     def waited(self, seconds: float) -> None:
         """The model was blocked this long on the nodes."""
         ...
@@ -121,6 +127,8 @@ class SwarmPending:
         by_row: list[str] = [""] * int(self.rows.shape[0]) if self.twins else []  # who answered each row
         while pending:
             c = pending.pop(0)
+            if not c.call.done():
+                f.spare(lambda c=c: not c.call.done())
             try:
                 answers = self._answer(c)
             except NodeCallError as e:
