@@ -72,7 +72,7 @@ class ComputeCall:
         self.seconds: float | None = None
         self.answer_bytes = 0  # the answer's bytes as they came (once result() has read them)
         self.inner_bytes = 0  # ... and those of the inner products, where they were asked for
-        self.inner: np.ndarray | None = None  # [N, 2F] float32 gate and up products, where asked for
+        self._inner: Any = None  # the reply's inner products as sent (pb.Tensor), read by inner_products()
         started = time.perf_counter()
         me = weakref.ref(self)  # the future must not keep the call alive (see __del__)
 
@@ -117,9 +117,23 @@ class ComputeCall:
         self.answer_bytes = len(reply.rows.data)
         if reply.HasField("inner"):
             self.inner_bytes = len(reply.inner.data)
-            self.inner = decode_array(reply.inner, "reply inner products")
+            self._inner = reply.inner  # (decoded when they are checked: not on the model's way)
         rows = decode_array(reply.rows, "reply rows")
         return to_torch(rows) if self._torch else rows
+
+    @property
+    def has_inner(self) -> bool:
+        """Whether the answer came with its inner products (once `result()` has read it)."""
+        return self._inner is not None
+
+    def inner_products(self) -> np.ndarray:
+        """[N, 2F] float32: the gate and up products the answer came with (CodecError when the node sent
+        bytes that are not an array)."""
+        if self._inner is None:
+            raise ValueError("this call's answer came without inner products")
+        if not isinstance(self._inner, np.ndarray):
+            self._inner = decode_array(self._inner, "reply inner products")
+        return self._inner
 
     def done(self) -> bool:
         self._let_go()
@@ -264,7 +278,7 @@ class NodeClient:
     ) -> ComputeCall:
         """Start computing rows [sum(counts), D] (packed expert-major) of `layer`; outputs come in rows' dtype
         unless `out_dtype` says otherwise. `numerics`: native (ggml on the stored quant types) or exact;
-        `inner`: the gate and up products come too (ComputeCall.inner, once `result()` has read the answer)."""
+        `inner`: the gate and up products come too (ComputeCall.inner_products(), once `result()` has read the answer)."""
         request = compute_request(
             layer,
             expert_ids,

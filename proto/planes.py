@@ -51,7 +51,8 @@ def unpack_planes(data: bytes, n: int) -> np.ndarray:
             f"{'' if decoder.eof else ' in an unfinished stream'}"
             f"{' and bytes after it' if decoder.unused_data else ''}, not the {n} of the values"
         )
-    out = np.empty((n, 4), np.uint8)
-    out[:, :_LOW_PLANES] = np.frombuffer(data, np.uint8, low_bytes).reshape(_LOW_PLANES, n).T
-    out[:, _LOW_PLANES] = np.frombuffer(top, np.uint8)
-    return out.reshape(-1).view("<f4").astype(np.float32, copy=False)
+    low = np.frombuffer(data, np.uint8, low_bytes).reshape(_LOW_PLANES, n)
+    out = np.frombuffer(top, np.uint8).astype("<u4") << 24  # each value's bytes put in place as a whole word
+    for k in range(_LOW_PLANES):  # (faster than writing the planes into every fourth byte)
+        out |= low[k].astype("<u4") << (8 * k)
+    return out.view("<f4").astype(np.float32, copy=False)

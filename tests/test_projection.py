@@ -14,8 +14,10 @@ from conftest import FIXTURES, flip_bytes
 from swarm.compute.rowquant import kernel_values, quantize_rows
 from swarm.compute.slabs import load_slabs
 from swarm.compute.store import ExpertStore
-from swarm.coordinator.checks import projection
+from swarm.coordinator.checks import audit, projection
 from swarm.coordinator.checks.projection import Projections
+from swarm.proto import expert_pb2 as pb
+from swarm.proto.codec import decode_array
 from swarm.proto.numerics import Numerics
 from swarm.sharding.gguf_io import open_gguf
 
@@ -180,6 +182,11 @@ def test_bad_shapes_fail_rather_than_pass():
     nan = y.copy()
     nan[1, 0] = np.nan
     assert checks.check(0, [0], [2], x, nan, inner) is not None
+    # inner products whose bytes are no array (read when checked, not when the answer arrived): a failed check
+    garbled = pb.Tensor(dtype=pb.F32_PLANES, shape=list(inner.shape), data=b"\x00" * 7)
+    read = audit._inner("127.0.0.1:1", lambda: decode_array(garbled))
+    assert read.shape == (0, 0) and checks.check(0, [0], [2], x, y, read) is not None
+    assert checks.check(0, [0], [2], x, y, audit._inner("127.0.0.1:1", lambda: inner)) is None
 
 
 def test_r_is_secret_per_coordinator():

@@ -43,6 +43,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from swarm.compute.ggml import one_thread
@@ -52,6 +53,7 @@ from swarm.coordinator.checks.books import AuditReport, Call, Job, NodeBook, Sco
 from swarm.coordinator.checks.projection import Answered, Projections, unit_roundoff
 from swarm.coordinator.checks.recompute import Recomputer, own_store
 from swarm.coordinator.config import DEFAULT_AUDIT_RATE, EngineConfig, Verify
+from swarm.proto.codec import CodecError
 from swarm.proto.numerics import Numerics
 from swarm.sharding.slabs import SlabKey
 
@@ -195,7 +197,7 @@ class Auditor(Recomputer):
         native = self.numerics == Numerics.NATIVE
         failed = p.check_many([
             Answered(call.layer, call.expert_ids, call.counts, call.rows.float().numpy(),
-                     call.answer.float().numpy(), inner, native, unit_roundoff(call.answer.dtype),
+                     call.answer.float().numpy(), _inner(address, inner), native, unit_roundoff(call.answer.dtype),
                      self.other_class(address))
             for address, call, inner in todo
         ])  # fmt: skip
@@ -414,6 +416,18 @@ class Auditor(Recomputer):
                 return Verdict.CAUGHT
             open_ = any(b.open_calls for a, b in self._books.items() if a not in self.report.banned)
             return Verdict.OPEN if open_ or not all_in else Verdict.SETTLED
+
+
+def _inner(address: str, inner: Any) -> np.ndarray:
+    """A call's inner products as an array: `inner` itself, or read by it (a client's reply is decoded when
+    it is checked); bytes that are no array give an empty one, which fails the check like a wrong shape."""
+    if not callable(inner):
+        return np.asarray(inner)
+    try:
+        return np.asarray(inner())
+    except CodecError as e:
+        log.warning("node %s sent inner products that are not an array: %s", address, e)
+        return np.zeros((0, 0), np.float32)
 
 
 def make_auditor(

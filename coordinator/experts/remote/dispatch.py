@@ -306,7 +306,8 @@ class SwarmExperts:
             return answer
         ids = [major.expert_ids[p.index] for p in c.parts]
         return self.auditor.answered(
-            c.address, layer, ids, [p.rows for p in c.parts], c.sent, answer, c.call.inner
+            c.address, layer, ids, [p.rows for p in c.parts], c.sent, answer,
+            c.call.inner_products if c.call.has_inner else None,
         )
 
     def spare(self, waiting: Callable[[], bool]) -> None:
