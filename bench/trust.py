@@ -20,8 +20,9 @@ cost: the Qwen3.6-35B-A3B layer shape (--layers of it, Q4_K experts, random weig
 replicas of each half of the experts), a fresh coordinator per run (the repack of cold experts for the
 exact checks included; the projections' vectors made at its start, timed apart): prompt and decode tok/s with
 --audit 0, the default (--verify project), the exact audits (--verify sample), --verify pair and --verify
-all (--settings), in rotating order, medians of the repetitions and ratios to --audit 0 run by run; the
-vectors' resident bytes; the bytes an answer and its inner products take per decode call on the packed wire
+all (--settings), in rotating order after a warm-up run, medians of the repetitions and ratios to --audit 0
+run by run (--split COORD/NODES, e.g. 0/1: the coordinator on its own cores, the nodes in a device on the
+others, as on a coordinator device of its own); the vectors' resident bytes; the bytes an answer and its inner products take per decode call on the packed wire
 (--wire q8: answers in byte planes) and on the default one.
 
 bound: the projections' tolerance against honest answers of this build (bench/_trust_bound.py).
@@ -32,7 +33,9 @@ bound: the projections' tolerance against honest answers of this build (bench/_t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
 import statistics
 import subprocess
 import sys
@@ -50,6 +53,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 from _doc import command, machine, publish  # noqa: E402
 from _loopback import LOOPBACK  # noqa: E402
 from _models import prepare, prompt_tokens  # noqa: E402
+from _rig import DeviceSpec, Rig  # noqa: E402
+from _rig_cpus import _cpus as parse_cpus  # noqa: E402
 from _timing import run_engine  # noqa: E402
 from _trust_bound import bound, footprint  # noqa: E402
 from test_trust import MODEL, ROT_LAYER, other_weights, rot  # noqa: E402
@@ -302,32 +307,40 @@ def _wire_bytes(shard_dir: Path, nodes: list[LocalNode], n_prompt: int, n_decode
 
 def cost(workdir: Path, reps: int, n_prompt: int, n_decode: int, threads: int, layers: int = 4,
          settings: tuple[str, ...] = tuple(SETTINGS), experts: int | None = None,
-         vocab: int | None = None) -> str:  # fmt: skip
+         vocab: int | None = None, split: str | None = None) -> str:  # fmt: skip
+    """`split` ("COORD/NODES", cpusets like "0/1"): the coordinator (this process) on the first cores and the
+    nodes in a device of the rig (bench/_rig.py) on the others, so that neither takes the other's CPU, as on
+    a coordinator device of its own; None: every process on every core."""
     set_threads(threads)
     _, shard_dir = prepare("qwen35moe", layers, workdir, experts, vocab)
     n_expert = read_manifest(shard_dir).n_expert
     halves = [format_ranges(range(0, n_expert // 2)), format_ranges(range(n_expert // 2, n_expert))]
     specs = [(shard_dir, ["--host", LOOPBACK, "--experts", halves[i % 2], "--threads", "1", "--no-verify"])
              for i in range(4)]  # fmt: skip
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as undo:
         nodes = start_nodes(specs, Path(tmp) / "nodes", timeout=300.0, env={KEY_ENV: KEY_TEXT})
+        undo.callback(stop_nodes, nodes)
+        if split is not None:
+            _split(split, nodes, undo)
         runs: dict[str, list[Any]] = {k: [] for k in settings}
         made: dict[str, float] = {}
-        try:
-            names = list(settings)
-            for rep in range(reps):
-                order = names[rep % len(names) :] + names[: rep % len(names)]
-                for name in order:
-                    engine = _open(shard_dir, nodes, SETTINGS[name][1], made)
-                    try:
-                        r = run_engine(engine, n_prompt, n_decode)
-                    finally:
-                        engine.close()
-                    runs[name].append(r)
-                    log.info("%s: prefill %.1f decode %.2f tok/s", name, r.prefill_tps, r.decode_tps)
-            wires = [_wire_bytes(shard_dir, nodes, n_prompt, min(n_decode, 8), w) for w in (Wire.Q8, Wire.F32)]
+        names = list(settings)
+        engine = _open(shard_dir, nodes, SETTINGS["trust"][1], {})
+        try:  # a warm-up run, not counted: the nodes' first answers read their slabs from disk
+            run_engine(engine, n_prompt, min(n_decode, 4))
         finally:
-            stop_nodes(nodes)
+            engine.close()
+        for rep in range(reps):
+            order = names[rep % len(names) :] + names[: rep % len(names)]
+            for name in order:
+                engine = _open(shard_dir, nodes, SETTINGS[name][1], made)
+                try:
+                    r = run_engine(engine, n_prompt, n_decode)
+                finally:
+                    engine.close()
+                runs[name].append(r)
+                log.info("%s: prefill %.1f decode %.2f tok/s", name, r.prefill_tps, r.decode_tps)
+        wires = [_wire_bytes(shard_dir, nodes, n_prompt, min(n_decode, 8), w) for w in (Wire.Q8, Wire.F32)]
     base = runs["trust"]
     lines = [
         f"| setting | prompt tok/s ({n_prompt}) | ratio | decode tok/s | ratio |",
@@ -345,6 +358,35 @@ def cost(workdir: Path, reps: int, n_prompt: int, n_decode: int, threads: int, l
     return "\n".join(lines) + "\n\n" + "\n".join(f"- {w}" for w in wires) + "\n\n" + footprint(measured)
 
 
+def _split(split: str, nodes: list[LocalNode], undo: contextlib.ExitStack) -> None:
+    """This process's threads (the coordinator's) on the cores before the slash, the nodes in a rig device on
+    those after it; undone by `undo` (the nodes' device removed once they are stopped)."""
+    mine, theirs = split.split("/")
+    rig = Rig()
+
+    def close() -> None:  # the nodes stopped first (the rig's close kills what its devices still run)
+        stop_nodes(nodes)
+        rig.close()
+
+    undo.callback(close)
+    device = rig.device(DeviceSpec("nodes", cpus=theirs))
+    for n in nodes:
+        for f in device.procs_files:
+            f.write_text(str(n.process.pid))  # (cgroup.procs: every thread of the node moves)
+    before = os.sched_getaffinity(0)
+    cores = set(parse_cpus(mine))
+    for tid in os.listdir("/proc/self/task"):
+        os.sched_setaffinity(int(tid), cores)
+
+    def restore() -> None:
+        for tid in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(int(tid), before)
+
+    undo.callback(restore)
+    log.info("split: coordinator on cores %s, nodes on %s (%s)", mine, theirs, device.tag)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workdir", type=Path, required=True)
@@ -359,6 +401,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--experts", type=int, default=None, help="experts a layer (default: the real 256)")
     ap.add_argument("--vocab", type=int, default=None, help="vocabulary size (default: the synth's small one)")
     ap.add_argument("--settings", default=",".join(SETTINGS), help=f"cost settings, of {', '.join(SETTINGS)}")
+    ap.add_argument("--split", default=None, metavar="COORD/NODES",
+                    help="cost: the coordinator on cores COORD, the nodes in a device on cores NODES (e.g. 0/1)")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -379,10 +423,11 @@ def main(argv: list[str] | None = None) -> int:
     if "cost" in parts:
         settings = tuple(args.settings.split(","))
         text = cost(args.workdir, args.reps, args.prompt_tokens, args.decode_tokens, args.threads, args.layers,
-                    settings, args.experts, args.vocab)  # fmt: skip
+                    settings, args.experts, args.vocab, args.split)  # fmt: skip
         depth = "" if args.layers == 4 else f", {args.layers} layers"
-        title = f"## What each --verify setting costs (`bench/trust.py`, cost{depth})"
-        section = "trust-cost" if args.layers == 4 else f"trust-cost-{args.layers}l"
+        apart = ", the coordinator's cores apart from the nodes'" if args.split else ""
+        title = f"## What each --verify setting costs (`bench/trust.py`, cost{depth}{apart})"
+        section = ("trust-cost" if args.layers == 4 else f"trust-cost-{args.layers}l") + ("-split" if args.split else "")
         publish(section, f"{title}\n\n{head}\n\n{text}", not args.no_write)
     if "bound" in parts:
         gguf = args.workdir / "qwen35moe-4l-q4k-q80.gguf"

@@ -125,9 +125,11 @@ class SwarmPending:
         failed: dict[int, list[str]] = {}  # expert index -> holders that failed it, in order
         deadline = time.monotonic() + f.timeout  # failover keeps trying holders until then
         by_row: list[str] = [""] * int(self.rows.shape[0]) if self.twins else []  # who answered each row
+        spare = True
         while pending:
             c = pending.pop(0)
-            if not c.call.done():
+            if spare and not c.call.done():  # once a layer: the earlier layers' answers, in one batch
+                spare = False
                 f.spare(lambda c=c: not c.call.done())
             try:
                 answers = self._answer(c)
