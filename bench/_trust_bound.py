@@ -65,7 +65,8 @@ def _measure(path: Path, numerics: Numerics, experts: int, trials: int) -> dict[
                     delta = np.linalg.norm(got - xq @ wv.T, axis=1)
                     scale = P.U * np.linalg.norm(wv) * np.linalg.norm(xq, axis=1)
                     c = max(c, float((delta / scale).max()))
-                    tol = P.SIGMAS * P.ERROR_CONSTANT * scale
+                    # with the kept vectors' term KEPT·u·‖v‖·‖x̂‖, ‖v‖ taken as ‖W‖_F (E‖Wᵀr‖² = ‖W‖_F²)
+                    tol = (P.SIGMAS * P.ERROR_CONSTANT + P.KEPT) * scale
                     rel = max(rel, float((tol / np.linalg.norm(got, axis=1)).max()))
                 xs = [(P._act(x, t, native), vec) for t, vec in v.gate_up]
                 a = P._ratio(inner, r_gu, v.gate_up_bias, xs, v.gate_up_norm)
@@ -96,7 +97,8 @@ def bound(bench_gguf: Path | None, experts: int = 4, trials: int = 6) -> str:
             f"{miss(m['rel'], 1e-4):.3f} | {miss(m['rel'], 1e-3):.4f} |"
         )
     lines.append(
-        f"\nTolerance: τ = {P.SIGMAS:g} x {P.ERROR_CONSTANT:g} x u x ‖W‖_F x ‖x̂‖ (+ the kept vectors' own error), "
+        f"\nTolerance: τ = {P.SIGMAS:g} x {P.ERROR_CONSTANT:g} x u x ‖W‖_F x ‖x̂‖ + {P.KEPT:g} x u x ‖v‖ x ‖x̂‖ (the "
+        "kept vectors' own error, v = Wᵀr; ‖v‖ taken as ‖W‖_F in the fraction of the row's norm), "
         f"{P.PROJECTIONS} projection(s) a matrix; a change Δ is missed with probability erf(τ/(‖Δ‖√2)) ≤ "
         "√(2/π)·τ/‖Δ‖ per projection (independent projections multiply)."
     )

@@ -430,9 +430,9 @@ def main(argv: list[str] | None = None) -> int:
         section = ("trust-cost" if args.layers == 4 else f"trust-cost-{args.layers}l") + ("-split" if args.split else "")
         publish(section, f"{title}\n\n{head}\n\n{text}", not args.no_write)
     if "bound" in parts:
-        gguf = args.workdir / "qwen35moe-4l-q4k-q80.gguf"
+        made = sorted(args.workdir.glob("qwen35moe-*q4k-q80.gguf"), key=lambda p: p.stat().st_size)  # (smallest)
         title = "## The projections' bound against honest answers (`bench/trust.py`, bound)"
-        text = bound(gguf if gguf.exists() else None)
+        text = bound(made[0] if made else None)
         publish("trust-bound", f"{title}\n\n{head}\n\n{text}", not args.no_write)
     return 0
 
