@@ -23,11 +23,10 @@ the same bits, or within the kernels' error bound from a node of another numeric
   so that open work never piles up. The model waits for those forced audits, so each checks one row of
   each of the call's ready experts (repacked copy made: up to AUDIT_EXPERTS), or of one when none is.
 - Projections (--verify project, the default): an answer that carries its inner products is checked by them
-  (swarm.coordinator.checks.projection) in the time the model next waits for a node (`spare`: a layer's
-  first answers while its others are out, its last ones while the next layer's are), in one batch with every
-  other answer not yet checked, and what is left at the settle (the last layer's): never on the model's way
-  where it has a wait to fill, and a decode pass's answers of several nodes in one batch (a batch costs a few
-  dozen array operations where each call alone took about as many). One that fails is recomputed here,
+  (swarm.coordinator.checks.projection) in the time the model next waits for a node (`spare`: once a layer,
+  at its first wait, every answer not yet checked, the earlier layers', in one batch; a batch costs a few
+  dozen array operations where each call alone took about as many), and what is left at the settle (the
+  last layer's): not on the model's way where it has a wait to fill. One that fails is recomputed here,
   whole, before any verdict; the pass a wrong answer shaped is done again without its node (CAUGHT), as
   after a failed audit.
 """
