@@ -76,7 +76,8 @@ def row_names(args: argparse.Namespace) -> dict[str, str]:
 def _header(args: argparse.Namespace, cmd: str) -> list[str]:
     model = args.model
     m = MODELS[model]
-    spec = preset(m["preset"], n_layers=args.layers, experts_type="Q4_K", dense_type="Q8_0")
+    spec = preset(m["preset"], n_layers=args.layers, experts_type="Q4_K", dense_type=args.dense_type,
+                  n_expert=args.experts, n_vocab=args.vocab)  # fmt: skip
     return [
         f"## Decode and prefill tokens/s, {model} (issue {m['issue']}; `bench/decode.py`)",
         "",

@@ -29,18 +29,21 @@ PROMPT = (
 
 
 def prepare(
-    model: str, layers: int, workdir: Path, experts: int | None = None, vocab: int | None = None
-) -> tuple[Path, Path]:
+    model: str, layers: int, workdir: Path, experts: int | None = None, vocab: int | None = None,
+    dense: str = "Q8_0",
+) -> tuple[Path, Path]:  # fmt: skip
     """The synthesized GGUF and its shard directory (reused when already in workdir: synth is deterministic).
     `experts` / `vocab`: fewer experts a layer than the real model (where disk and memory do not hold all of
-    them at the real depth) and the real vocabulary's size (the output head is part of the dense cost)."""
+    them at the real depth) and the real vocabulary's size (the output head is part of the dense cost);
+    `dense`: the dense tensors' type (synth's --dense-type: Q4_K_M the mixture llama.cpp's quantizer makes)."""
     spec = preset(
-        MODELS[model]["preset"], n_layers=layers, experts_type="Q4_K", dense_type="Q8_0", n_expert=experts,
+        MODELS[model]["preset"], n_layers=layers, experts_type="Q4_K", dense_type=dense, n_expert=experts,
         n_vocab=vocab,
     )  # fmt: skip
     tag = f"{model}-{layers}l" + (f"-{experts}e" if experts else "") + (f"-v{vocab}" if vocab else "")
-    gguf = workdir / f"{tag}-q4k-q80.gguf"
-    shard_dir = workdir / f"{tag}-q4k-q80.swarm"
+    kind = "q4k-" + dense.lower().replace("_", "")
+    gguf = workdir / f"{tag}-{kind}.gguf"
+    shard_dir = workdir / f"{tag}-{kind}.swarm"
     if not gguf.exists():
         log.info("synthesizing %s ...", gguf.name)
         synthesize(gguf, spec)

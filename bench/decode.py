@@ -81,6 +81,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", choices=sorted(MODELS), default="qwen3moe")
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--dense-type", default="Q8_0", help="the dense tensors' type (synth --dense-type; Q4_K_M: "
+                   "the mixture llama.cpp's quantizer makes)")
+    p.add_argument("--experts", type=int, default=None, help="experts a layer (default: the preset's)")
+    p.add_argument("--vocab", type=int, default=None, help="vocabulary size (default: the synth's small one)")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--decode-tokens", type=int, default=32)
@@ -269,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         workdir = args.workdir
         workdir.mkdir(parents=True, exist_ok=True)
     try:
-        gguf, shard_dir = prepare(args.model, args.layers, workdir)
+        gguf, shard_dir = prepare(args.model, args.layers, workdir, args.experts, args.vocab, args.dense_type)
         active = [c for c in configs if c not in unavailable]
         results = run_reps(args, runners(args, gguf, shard_dir, workdir), active, unavailable)
         notes = token_notes(args, results)
@@ -277,7 +281,9 @@ def main(argv: list[str] | None = None) -> int:
         if tmp is not None:
             tmp.cleanup()
     text = render(args, cmd, results, unavailable, notes, llama_ver)
-    publish(f"decode-{args.model}", text, not args.no_write, within=OUTER)
+    shape = (f"-{args.layers}l" if args.layers != 4 else "") + (
+        f"-{args.dense_type.lower().replace('_', '')}" if args.dense_type != "Q8_0" else "")
+    publish(f"decode-{args.model}{shape}", text, not args.no_write, within=OUTER)
     return 0
 
 

@@ -9,7 +9,9 @@ the file.
 
 from __future__ import annotations
 
+import ctypes
 import sys
+from typing import Any
 
 import numpy as np
 from gguf import GGMLQuantizationType
@@ -40,3 +42,17 @@ def float32_values(
         raise ValueError(f"out must be a C-contiguous float32 array of {values.size} values")
     out.reshape(shape)[...] = values
     return out.reshape(shape)
+
+
+def ggml_values(data: Any, qtype: int, shape: tuple[int, ...]) -> np.ndarray:
+    """float32_values by ggml's own dequantizer where it has one for qtype (a 35B expert matrix in a fraction
+    of a millisecond, where a busy machine's torch dequantizer took hundreds): the same values."""
+    from swarm.compute.ggml import ggml_lib
+
+    to_float = ggml_lib().ggml_get_type_traits(int(qtype)).contents.to_float
+    if not ctypes.cast(to_float, ctypes.c_void_p).value:
+        return float32_values(data, qtype, shape)
+    data = np.ascontiguousarray(data)
+    out = np.empty(shape, np.float32)
+    to_float(data.ctypes.data_as(ctypes.c_void_p), out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), out.size)
+    return out

@@ -35,7 +35,6 @@ node is banned. Nothing here is sent to a node.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import secrets
 import threading
@@ -46,11 +45,11 @@ from typing import Any
 import numpy as np
 
 from swarm.compute.ffn import swiglu_rows
-from swarm.compute.ggml import ggml_lib, one_thread
+from swarm.compute.ggml import one_thread
 from swarm.compute.priority import idle_priority
 from swarm.compute.rowquant import kernel_offsets, kernel_steps, kernel_values, vec_dot_type
 from swarm.compute.store import ExpertStore
-from swarm.compute.values import float32_values
+from swarm.compute.values import ggml_values
 from swarm.sharding.slabs import SlabKey, SlabTensor
 
 log = logging.getLogger(__name__)
@@ -433,15 +432,8 @@ def _near_steps(h: np.ndarray, weight_type: int) -> np.ndarray:
 
 
 def _values(part: SlabTensor) -> np.ndarray:
-    """A slab part's float32 values: ggml's own dequantizer where it has one (a 35B expert matrix in a fraction
-    of a millisecond, where a busy machine's torch dequantizer took hundreds), the same values."""
-    to_float = ggml_lib().ggml_get_type_traits(int(part.qtype)).contents.to_float
-    if not ctypes.cast(to_float, ctypes.c_void_p).value:
-        return float32_values(part.data, part.qtype, part.shape)
-    data = np.ascontiguousarray(part.data)
-    out = np.empty(part.shape, np.float32)
-    to_float(data.ctypes.data_as(ctypes.c_void_p), out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), out.size)
-    return out
+    """A slab part's float32 values (ggml's own dequantizer where it has one)."""
+    return ggml_values(part.data, int(part.qtype), tuple(part.shape))
 
 
 def _project(part: SlabTensor, r: np.ndarray) -> tuple[np.ndarray, float]:
