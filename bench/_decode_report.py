@@ -73,6 +73,13 @@ def row_names(args: argparse.Namespace) -> dict[str, str]:
     }
 
 
+def section_name(args: argparse.Namespace) -> str:
+    """The model's inner section: decode-<model>, with the depth and dense type where they are not the default."""
+    shape = (f"-{args.layers}l" if args.layers != 4 else "") + (
+        f"-{args.dense_type.lower().replace('_', '')}" if args.dense_type != "Q8_0" else "")
+    return f"decode-{args.model}{shape}"
+
+
 def _header(args: argparse.Namespace, cmd: str) -> list[str]:
     model = args.model
     m = MODELS[model]
@@ -241,7 +248,7 @@ def render(
     notes: list[str],
     llama_ver: str | None,
 ) -> str:
-    section = f"decode-{args.model}"
+    section = section_name(args)
     names = row_names(args)
     lines = [f"<!-- bench:{section} -->", *_header(args, cmd), *_table(names, results, unavailable)]
     lines += _against_llama(names, results)

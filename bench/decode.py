@@ -39,7 +39,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from _decode_report import render
+from _decode_report import render, section_name
 from _doc import command, publish
 from _engines import ZERO_NODE, in_child, run_inprocess, run_swarm
 from _llama import AVX2_BUILD, DEFAULT_BUILD, llama_bench, llama_version, run_llama_rpc
@@ -281,9 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         if tmp is not None:
             tmp.cleanup()
     text = render(args, cmd, results, unavailable, notes, llama_ver)
-    shape = (f"-{args.layers}l" if args.layers != 4 else "") + (
-        f"-{args.dense_type.lower().replace('_', '')}" if args.dense_type != "Q8_0" else "")
-    publish(f"decode-{args.model}{shape}", text, not args.no_write, within=OUTER)
+    publish(section_name(args), text, not args.no_write, within=OUTER)
     return 0
 
 
