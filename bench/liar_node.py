@@ -6,7 +6,8 @@ Each Compute call is computed honestly, then, with probability SHARE (drawn by t
 answer is falsified. HOW (default `scale`):
 - scale: every row of the answer moved by 1 % of its own scale;
 - tiny: every row scaled by (1 + 1e-4);
-- one: one element of one row changed by 1e-3 of its row's largest value;
+- one: one element of one row changed by 1e-2 of its row's largest value (the same element each time: a
+  coordinator's r, drawn once, misses it with probability ~0.4 % at the fixtures' widths, and then every time);
 - row: each row answered with the next row's answer (rows copied from another row);
 - expert: every row computed through another expert of the layer (answers copied from another expert);
 - replay: the previous call's answer given again where its shape fits;
@@ -66,7 +67,7 @@ def _lying(
         out = out * np.float32(1 + 1e-4)
     elif HOW == "one":
         out = np.array(out, copy=True)
-        out[0, out.shape[1] // 2] += 1e-3 * max(float(np.abs(out[0]).max()), 1e-6)
+        out[0, out.shape[1] // 2] += 1e-2 * max(float(np.abs(out[0]).max()), 1e-6)
     elif HOW == "row":
         out = np.roll(out, -1, axis=0) if out.shape[0] > 1 else out * np.float32(1.01)
     elif HOW == "replay":

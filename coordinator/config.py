@@ -83,6 +83,8 @@ class EngineConfig:
     # share of decode answers recomputed here, exactly (None: the --verify setting's own, 0.05 for sample and
     # none for project; 0: trust every answer, unless --verify is pair or all)
     audit_rate: float | None = None
+    # the audits' draws and the projections' r from this seed (tests only: a node that knew it would know r);
+    # None: the operating system's randomness
     audit_seed: int | None = None
     verify: Verify = Verify.PROJECT
 

@@ -65,7 +65,10 @@ def _liar(shard: Path, tmp: Path, how: str, when: str):
 
 
 def _engine(shard: Path, nodes):
-    config = EngineConfig(peers=tuple(n.address for n in nodes), mdns=False, device="cpu", key=KEY, wait=10.0)
+    # r fixed by a seed: the liars are caught by this test's r every run. A small lie in one place is missed by
+    # a share of r's (the "one" liar's by ~0.4 %: bench/trust.py bound), and by the same r each time it recurs
+    config = EngineConfig(peers=tuple(n.address for n in nodes), mdns=False, device="cpu", key=KEY, wait=10.0,
+                          audit_seed=11)  # fmt: skip
     return open_engine(shard, config)
 
 

@@ -443,6 +443,6 @@ def make_auditor(
         return None
     shard_dir = Path(path) if Path(path).is_dir() else None
     every_row = config.verify is Verify.ALL
-    projections = Projections.started(store) if config.verify is Verify.PROJECT else None
+    projections = Projections.started(store, config.audit_seed) if config.verify is Verify.PROJECT else None
     return Auditor(store, config.numerics, config.wire.dtype, config.sampled_rate, shard_dir, config.audit_seed,
                    every_row=every_row, classes=classes, on_ban=on_ban, projections=projections)  # fmt: skip

@@ -195,9 +195,9 @@ class Projections:
         threading.Thread(target=run, name="swarm-projections", daemon=True).start()
 
     @classmethod
-    def started(cls, store: ExpertStore) -> Projections:
-        """Projections of this coordinator's own slabs, their vectors being made (`begin`)."""
-        p = cls(store)
+    def started(cls, store: ExpertStore, seed: int | None = None) -> Projections:
+        """Projections of this coordinator's own slabs (r from `seed` only where a test fixes one), begun."""
+        p = cls(store, seed=seed)
         p.begin()
         return p
 
