@@ -59,8 +59,9 @@ class FFN:
 
     def add_to(self, gr: Graph, xt: object, inner: list[object] | None = None) -> object:
         """This FFN over the rows of graph tensor xt: its output tensor; its matrices are weight slots, in the
-        order of `matrices`. `inner`: the gate and up products are appended to it (one [n, 2F] tensor where
-        gate and up are fused, else gate then up [n, F]), what an answer check reads beside the output."""
+        order of `matrices`. `inner`: the gate and up products are appended to it as one [n, 2F] tensor, gate
+        first (the fused product itself, else the two joined in the graph), what an answer check reads beside
+        the output."""
         if self.gate_up is not None:
             h = gr.mul_mat(gr.weight_slot(self.gate_up), xt)  # [n, 2F]
             if self.gate_bias is not None:
@@ -76,8 +77,8 @@ class FFN:
                 gate = gr.add_row(gate, self.gate_bias)
             if self.up_bias is not None:
                 up = gr.add_row(up, self.up_bias)
-            if inner is not None:
-                inner += [gate, up]
+            if inner is not None:  # one [n, 2F] tensor, gate first, as the fused product lies
+                inner.append(gr.g.ggml_concat(gr.ctx, gate, up, 0))
             h = gr.swiglu(gate, up)  # [n, F]
         y = gr.mul_mat(gr.weight_slot(self.down), h)  # [n, D]
         if self.down_bias is not None:
@@ -101,8 +102,8 @@ def ffn_rows(
     d = int(x.shape[1])
 
     def build(kept: bool) -> Graph:
-        scratch = sum(4 * n * (3 * f.width) + 4 * n * d + 256 for f, _, n in blocks)
-        gr = Graph(scratch, 16 * len(blocks) + 2, kept)  # 3 products, their views, swiglu, in, out
+        scratch = sum(4 * n * (5 * f.width) + 4 * n * d + 256 for f, _, n in blocks)
+        gr = Graph(scratch, 16 * len(blocks) + 2, kept)  # 3 products, their views, swiglu, the joined inner, in, out
         for f, _, n in blocks:
             products: list[object] | None = [] if inner is not None else None
             gr.output(f.add_to(gr, gr.input(d, n), products))
@@ -114,22 +115,12 @@ def ffn_rows(
     if sum(n for _, _, n in blocks) <= KEEP_ROWS:
         key = ("ffn", inner is not None, *((f.shape, n) for f, _, n in blocks))
     weights = [w for f, _, _ in blocks for w in f.matrices]
-    outs, parts = [], []
-    for f, a, n in blocks:
+    outs = []
+    for _, a, n in blocks:
         outs.append(out[a : a + n])
-        if inner is None:
-            continue
-        if f.gate_up is not None:
-            outs.append(inner[a : a + n])  # [n, 2F] as the fused product lies
-        else:
-            halves = (empty_rows(x, (n, f.width)), empty_rows(x, (n, f.width)))
-            outs += halves
-            parts.append((a, n, f.width, halves))
+        if inner is not None:
+            outs.append(inner[a : a + n])  # [n, 2F]: the graph writes the gate and up products here
     run_graph(key, build, [x[a : a + n] for _, a, n in blocks], outs, weights)
-    for a, n, w, (gate, up) in parts:
-        assert inner is not None
-        inner[a : a + n, :w] = gate
-        inner[a : a + n, w:] = up
 
 
 def ffn(f: FFN, x: Array) -> Array:
@@ -152,7 +143,7 @@ class ExpertStack:
 
 
 def _moe_scratch(n: int, slots: int, d: int, f: int) -> int:
-    return 4 * n * slots * (4 * f + d) + 4096
+    return 4 * n * slots * (6 * f + d) + 4096  # gate, up, h, the joined inner products [2F], the outputs
 
 
 def _moe_ops(
@@ -171,7 +162,7 @@ def _moe_ops(
         gate = g.ggml_mul_mat_id(ctx, gr.weight(stack.gate), xt, it)  # [F, S, N]
         up = g.ggml_mul_mat_id(ctx, gr.weight(stack.up), xt, it)
         if inner is not None:
-            inner += [gate, up]
+            inner.append(g.ggml_concat(ctx, gate, up, 0))  # [2F, S, N], gate first
         h = g.ggml_swiglu_split(ctx, gate, up)
     return g.ggml_mul_mat_id(ctx, gr.weight(stack.down), h, it)  # [D, S, N]
 
@@ -295,11 +286,9 @@ def moe_rows(stack: ExpertStack, ids: Array, x: Array, out: Array, inner: Array 
         return gr
 
     outs = [out]
-    halves = None
     if inner is not None:
         assert slots == 1, "inner products are for a node's calls (one slot a row)"
-        halves = None if stack.gate_up is not None else (empty_rows(x, (n, f)), empty_rows(x, (n, f)))
-        outs += [inner] if halves is None else list(halves)
+        outs.append(inner)
     # the graph depends on the stack and the shape only (the experts are an input): a decode step's call
     # repeats it layer after layer
     ws = (stack.down, stack.gate, stack.up, stack.gate_up)
@@ -307,9 +296,6 @@ def moe_rows(stack: ExpertStack, ids: Array, x: Array, out: Array, inner: Array 
     if n <= KEEP_ROWS:
         key = ("moe", n, slots, inner is not None, *(w.ptr if w is not None else 0 for w in ws))
     run_graph(key, build, [x, ids], outs)
-    if inner is not None and halves is not None:
-        inner[:, :f] = halves[0]
-        inner[:, f:] = halves[1]
 
 
 
