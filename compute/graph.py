@@ -14,9 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from swarm.compute.ggml import F32, compute_lock, ggml_lib, threads
+from swarm.compute import probes
+from swarm.compute.ggml import F32, compute_lock, ggml_lib, one_thread, threads
 from swarm.compute.probes import rows_independent
-from swarm.compute.weights import Weight, repack_anchor
+from swarm.compute.weights import Weight, repack_anchor, repacked
 
 log = logging.getLogger(__name__)
 
@@ -173,13 +174,16 @@ class Graph:
 
     def mul_mat(self, w: object, x: object) -> object:
         """w [I, O] (ggml order) times the rows of x [I, N] -> [O, N], each element by one kernel whatever N:
-        a repacked weight (whose GEMM for 4 rows sums in another order than its GEMV for one) or a weight type
-        whose batched sums differ from one row's on this build (tinyBLAS; ARM's 2-row int8-matmul kernels:
-        swarm.compute.probes) gets its rows as N batches of one row [I, 1, N] (tinyBLAS only takes matmuls
-        of 2 or more rows per batch, the 2-row kernels an even row count, the repacked GEMM 4 rows)."""
+        a weight whose batched sums differ from one row's on this build (a repacked layout whose GEMM for 4
+        rows sums in another order than its GEMV for one, `repacked_rows_independent`; tinyBLAS; ARM's 2-row
+        int8-matmul kernels: swarm.compute.probes) gets its rows as N batches of one row [I, 1, N] (tinyBLAS
+        only takes matmuls of 2 or more rows per batch, the 2-row kernels an even row count, the repacked
+        GEMM 4 rows)."""
         g = self.g
         n = int(x.contents.ne[1])
-        one_by_one = bool(w.contents.buffer) or not rows_independent(int(w.contents.type))  # repacked: gemv
+        qtype = int(w.contents.type)
+        repacked = bool(w.contents.buffer)
+        one_by_one = not (repacked_rows_independent(qtype) if repacked else rows_independent(qtype))
         if n > 1 and int(x.contents.ne[2]) == 1 and one_by_one:
             rows = g.ggml_reshape_3d(self.ctx, x, int(x.contents.ne[0]), 1, n)
             y = g.ggml_mul_mat(self.ctx, w, rows)  # [O, 1, N]
@@ -380,3 +384,47 @@ def run_graph(
         gr.free()
     else:
         _cache.put(key, gr)
+
+
+_repacked_independent: dict[int, bool] = {}
+_repacked_lock = threading.Lock()
+
+
+def repacked_rows_independent(qtype: int) -> bool:
+    """Whether a batch of rows times a matrix of this type in ggml's repacked layout gives each row the bits
+    it gets alone (the repacked GEMM of 4-row planes against the GEMV of one row): on an AVX2 build yes for
+    Q4_0 and IQ4_NL, no for Q4_K. Probed once per type like `rows_independent` (2, 4, 7 and 8 rows against
+    each alone, on one thread); a type without a repacked layout here: False."""
+    qtype = int(qtype)
+    with _repacked_lock:
+        known = _repacked_independent.get(qtype)
+        if known is None:
+            known = _repacked_independent[qtype] = _probe_repacked(qtype)
+            log.debug("rows of a repacked %s batch keep their bits alone: %s", qtype, known)
+    return known
+
+
+def _probe_repacked(qtype: int) -> bool:
+    rows, cols = probes.PROBE_SHAPE
+    w = repacked(Weight.of_bytes(probes.probe_weight(qtype, rows, cols), qtype, (rows, cols)))
+    if w.repack is None:
+        return False
+    x = np.random.default_rng(1).standard_normal((max(probes.PROBE_ROWS), cols)).astype(np.float32)
+
+    def product(xs: np.ndarray) -> np.ndarray:
+        gr = Graph(4 * len(xs) * (rows + 2 * cols) + (1 << 16), 8, keep=True)
+        try:
+            y = gr.g.ggml_mul_mat(gr.ctx, gr.weight(w), gr.input(cols, len(xs)))  # one plain batch
+            gr.output(y)
+            gr.build()
+            out = np.empty((len(xs), rows), np.float32)
+            gr.run([np.ascontiguousarray(xs)], [out])
+            return out
+        finally:
+            gr.free()
+
+    with one_thread():
+        alone = np.concatenate([product(x[i : i + 1]) for i in range(len(x))])
+        batched = {n: product(x[:n]) for n in probes.PROBE_ROWS}
+    return probes.batch_keeps_rows(batched, alone)
+

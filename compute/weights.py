@@ -171,8 +171,9 @@ def repacked(w: Weight) -> Weight:
     shape (llama.cpp's default for them), else w itself. The file's pages under w are released once copied
     (they come back from the page cache if read again), so the copy replaces them in resident memory.
 
-    A repacked matrix is multiplied one activation row at a time (repacked gemv, Graph.mul_mat) and its
-    experts by mul_mat_id, which takes one row at a time too, so a row's bits never depend on its batch."""
+    A repacked matrix is multiplied one activation row at a time (repacked gemv, Graph.mul_mat) unless its
+    GEMM gives a row the same bits (graph.repacked_rows_independent), and its experts by mul_mat_id, which
+    takes one row at a time too, so a row's bits never depend on its batch."""
     if w.repack is not None or not repackable(w.qtype, w.rows):  # (float types have none: 1-value blocks)
         return w
     ne = (w.cols, w.rows, *([w.experts] if w.experts > 1 else []))

@@ -23,7 +23,7 @@ from swarm.coordinator.loader import load_model
 from swarm.coordinator.models import ARCHS
 from swarm.coordinator.models.attention import attention, rope
 from swarm.coordinator.models.base import DecoderModel
-from swarm.coordinator.models.moe import route
+from swarm.coordinator.models.moe import FEW_ROWS, route
 from swarm.sharding.errors import UserError
 from swarm.sharding.gguf_io import GGUFError, open_gguf
 from swarm.sharding.shard import shard_model
@@ -188,6 +188,29 @@ def test_router_ties_go_to_the_lower_expert_index_in_the_order_of_a_stable_sort(
         torch.testing.assert_close(weights, probs.gather(-1, want), rtol=0, atol=0, equal_nan=True)
     _, ids = route(probs, 2, renormalize=True)
     assert ids[1].tolist() == [3, 9] and ids[2].tolist() == [7, 4] and ids[3].tolist() == [0, 1]
+
+
+def test_router_gives_a_few_rows_the_bits_and_order_of_a_whole_batch() -> None:
+    """A decode step's rows (numpy's stable sort) and a prompt's (torch's topk) choose the same experts in the
+    same order with the same weights, ties and renormalization included; a row with a NaN takes the general
+    path whatever its batch."""
+    g = torch.Generator().manual_seed(5)
+    probs = torch.softmax(torch.randn(40, 64, generator=g) * 3, dim=-1)
+    probs[1, [3, 9, 20]] = probs[1].max() + 1.0
+    probs[2, [30, 4]] = 0.9
+    probs[3] = 1.0 / 64
+    probs[5, [7, 8]] = probs[5, 11].item()  # ties below the top
+    probs[6, 2] = 0.0
+    probs[7, [5, 6]] = float("nan")
+    assert probs.shape[0] > FEW_ROWS  # the whole batch takes the general path
+    for k in (1, 4, 8):
+        for renormalize in (False, True):
+            w_all, i_all = route(probs, k, renormalize)
+            for start in range(0, probs.shape[0], 3):
+                w, i = route(probs[start : start + 3], k, renormalize)
+                assert w.dtype == w_all.dtype and i.dtype == i_all.dtype
+                assert torch.equal(i, i_all[start : start + 3]), (k, renormalize, start)
+                assert torch.equal(w.view(torch.int32), w_all[start : start + 3].view(torch.int32)), (k, start)
 
 
 def test_attention_is_causal_gqa_with_cache_offset() -> None:

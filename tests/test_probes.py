@@ -19,7 +19,8 @@ from conftest import FIXTURES
 from gguf import GGMLQuantizationType
 
 from swarm.compute import ffn, probes, weights
-from swarm.compute.graph import Graph
+from swarm.compute import graph as graph_module
+from swarm.compute.graph import Graph, repacked_rows_independent
 
 Q = GGMLQuantizationType
 I8MM_ROWS = FIXTURES / "probes" / "dotprod-i8mm-batch-rows.npz"
@@ -135,6 +136,53 @@ def test_a_batch_through_the_graphs_equals_its_rows_alone(qtype):
     assert isinstance(together, np.ndarray) and np.isfinite(together).all()
     alone = np.concatenate([ffn.ffn(f, x[i : i + 1]) for i in range(9)])
     assert np.array_equal(together.view(np.uint32), alone.view(np.uint32))
+
+
+def repacked_weight(q: int, rows: int, cols: int, seed: int) -> weights.Weight | None:
+    w = weights.repacked(weights.Weight.of_bytes(probes.probe_weight(q, rows, cols, seed), q, (rows, cols)))
+    return w if w.repack is not None else None
+
+
+def plain_batch(w: weights.Weight, x: np.ndarray) -> np.ndarray:
+    """x times w as one plain ggml batch (ggml's batched kernels, whatever they do to a row's bits)."""
+    gr = Graph(0, 4)
+    try:
+        gr.output(gr.g.ggml_mul_mat(gr.ctx, gr.weight(w), gr.input(w.cols, int(x.shape[0]))))
+        out = np.empty((int(x.shape[0]), w.rows), np.float32)
+        gr.build().run([np.ascontiguousarray(x)], [out])
+        return out
+    finally:
+        gr.free()
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_the_repacked_probe_says_what_other_batches_do_on_this_build(qtype):
+    """A repacked layout's verdict against batches of other sizes of another matrix (the repacked GEMM takes
+    planes of 4 rows, the GEMV the rest); a type with no repacked layout here is never called independent."""
+    q = int(qtype)
+    w = repacked_weight(q, 48, 768, seed=5)
+    if w is None:
+        assert not repacked_rows_independent(q)
+        return
+    x = np.random.default_rng(6).standard_normal((16, 768)).astype(np.float32)
+    alone = np.concatenate([plain_batch(w, x[i : i + 1]) for i in range(16)])
+    batched = {n: plain_batch(w, x[:n]) for n in (3, 5, 12, 16)}
+    assert repacked_rows_independent(q) == (not some_row_differs(batched, alone))
+
+
+def test_without_the_repacked_probes_choice_a_batch_changes_rows(monkeypatch):
+    """The verdict matters: a repacked type whose GEMM sums otherwise (Q4_K on x86), said to keep its rows,
+    is multiplied as one batch and its rows come out other than alone."""
+    changed = [q for q in TYPES if repacked_weight(int(q), F, D, 1) is not None and not repacked_rows_independent(int(q))]
+    if not changed:
+        pytest.skip("no repacked layout here sums a batch otherwise than one row: nothing to take away")
+    q = int(changed[0])
+    w = repacked_weight(q, F, D, 1)
+    assert w is not None
+    monkeypatch.setitem(graph_module._repacked_independent, q, True)
+    x = np.random.default_rng(1).standard_normal((8, D)).astype(np.float32)
+    alone = np.concatenate([dense_through_graph(w, x[i : i + 1]) for i in range(8)])
+    assert not np.array_equal(dense_through_graph(w, x).view(np.uint32), alone.view(np.uint32))
 
 
 def test_without_the_probes_choice_a_batch_changes_rows(monkeypatch):

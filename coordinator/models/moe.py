@@ -10,6 +10,7 @@ import contextlib
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -135,6 +136,10 @@ def route(probs: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor,
     (docs/BENCHMARKS.md, the prompt path).
     """
     n_expert = probs.shape[-1]
+    if probs.shape[0] <= FEW_ROWS and probs.device.type == "cpu" and probs.dtype == torch.float32:
+        few = _route_few(probs.detach().numpy(), k, renormalize)
+        if few is not None:
+            return few
     vals, ids = torch.topk(probs, min(k + 1, n_expert), dim=-1)  # [T, K+1], descending
     unsure = (vals[:, 1:] == vals[:, :-1]).any(dim=-1) | vals.isnan().any(dim=-1)  # [T]
     if bool(unsure.any()):
@@ -146,3 +151,21 @@ def route(probs: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor,
         total = torch.cumsum(weights.double(), dim=-1)[:, -1:].float().clamp_min(RENORM_MIN)
         weights = weights / total
     return weights, ids
+
+
+# Rows up to which `route` sorts in numpy: a decode step's or a draft window's, where the dozen torch ops of
+# the general path (each a dispatch of several microseconds, at every layer) cost more than the sort.
+FEW_ROWS = 16
+
+
+def _route_few(probs: np.ndarray, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`route` for a few rows without NaN (None where one has: the general path's order for those): a stable
+    sort by -p is the order by (prob desc, index asc); the renormalization the same float operations."""
+    if np.isnan(probs).any():
+        return None
+    ids = np.argsort(-probs, axis=-1, kind="stable")[:, :k]  # [T, K]
+    weights = np.take_along_axis(probs, ids, axis=-1)  # [T, K]
+    if renormalize:
+        total = np.maximum(np.cumsum(weights, axis=-1, dtype=np.float64)[:, -1:].astype(np.float32), RENORM_MIN)
+        weights = weights / total
+    return torch.from_numpy(np.ascontiguousarray(weights)), torch.from_numpy(ids.astype(np.int64))
