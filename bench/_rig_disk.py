@@ -56,12 +56,14 @@ class LoopImage:
         missing = lacks()
         if missing:
             raise RuntimeError("a loop image needs " + ", ".join(missing))
-        size = self.gguf.stat().st_size + SLACK
+        # the file system's own blocks grow with it (inode tables, a journal of up to 1 GiB): a 6 GB model did
+        # not fit in its size plus SLACK alone
+        size = self.gguf.stat().st_size + SLACK + self.gguf.stat().st_size // 16
         if not self.image.exists() or self.image.stat().st_size != size:
             self.image.unlink(missing_ok=True)
             with open(self.image, "wb") as f:
                 f.truncate(size)
-            _run("mkfs.ext4", "-q", "-F", "-E", "lazy_itable_init=0,lazy_journal_init=0", str(self.image))
+            _run("mkfs.ext4", "-q", "-F", "-m", "0", "-E", "lazy_itable_init=0,lazy_journal_init=0", str(self.image))
         self.loop = _run("losetup", "--direct-io=on", "--show", "-f", str(self.image))
         name = Path(self.loop).name
         if Path(f"/sys/block/{name}/loop/dio").read_text().strip() != "1":
