@@ -4,6 +4,7 @@ directly over loopback or through the delaying relay (bench/_relay.py)."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import subprocess
@@ -22,6 +23,7 @@ from swarm.node.client import NodeClient
 from swarm.sharding.slabs import read_manifest
 
 SPEED = re.compile(r"prefill: (\d+) tokens, ([\d.]+) tok/s \| decode: (\d+) tokens, ([\d.]+) tok/s")
+DRAFTED = Path(__file__).resolve().parent / "_rig_drafted.py"  # a drafted run's coordinator
 RELAY_HOST = "127.0.0.2"  # the relay listens here at the nodes' own port numbers (see bench/_relay.py)
 START_ANON = 24 * MiB  # a node's anonymous memory when it sizes its budget (measured: 18-20 MiB)
 # The nodes' heap, where bench/fits.py is told to set it (--node-tunables): with swarm.compute.malloc's
@@ -56,6 +58,10 @@ class SwarmRun:
     grpc_bytes: int = 0
     stream_bytes: int = 0
     late_ms: float = 0.0
+    # with drafts (bench/_rig_drafted.py): decode_tps is the drafted run's; these the same engine's without
+    undrafted_tps: float | None = None
+    drafts_made: int = 0
+    drafts_kept: int = 0
 
 
 class CappedSwarm:
@@ -122,17 +128,24 @@ class CappedSwarm:
         reads = [d.read_bytes() for d in self.devices]
         return None if any(r is None for r in reads) else sum(r or 0 for r in reads)
 
-    def run(self, rtt_ms: float, prompt: str, n_decode: int, threads: int, audit: bool = False) -> SwarmRun:
+    def run(
+        self, rtt_ms: float, prompt: str, n_decode: int, threads: int, audit: bool = False,
+        drafts: tuple[int, float, int] | None = None,
+    ) -> SwarmRun:  # fmt: skip
         """One `swarm run` on its own capped device: directly (rtt_ms 0) or through a relay adding rtt_ms.
-        `audit`: the coordinator checks answers at its default rate (else `--audit 0`)."""
+        `audit`: the coordinator checks answers at its default rate (else `--audit 0`). `drafts` (k, the chance a
+        draft is wrong, the seed of its draws): bench/_rig_drafted.py in its place, the same run with and
+        without k drafts a pass."""
         extra = ["--threads", str(threads), *([] if audit else ["--audit", "0"])]
+        if drafts is not None:
+            extra += ["--drafts", str(drafts[0]), "--wrong", str(drafts[1]), "--seed", str(drafts[2])]
         if not rtt_ms:
-            return self._run([n.address for n in self.nodes], prompt, n_decode, extra)
+            return self._run([n.address for n in self.nodes], prompt, n_decode, extra, drafts is not None)
         grpc = [f"{RELAY_HOST}:{n.port}" for n in self.nodes]
         streams = [f"{RELAY_HOST}:{port}" for port in self.stream_ports]
         pairs = [(a, a.replace(RELAY_HOST, "127.0.0.1")) for a in grpc + streams]
         with relay(pairs, rtt_ms, self.relay_prefix) as said:
-            run = self._run(grpc, prompt, n_decode, extra)
+            run = self._run(grpc, prompt, n_decode, extra, drafts is not None)
         carried: dict[str, int] = said.get("carried", {})  # type: ignore[assignment]
         missing = [a for a in streams if not carried.get(a)]
         if run.decode_tps is not None and missing:
@@ -147,13 +160,14 @@ class CappedSwarm:
             late_ms=late[0],
         )
 
-    def _run(self, peers: list[str], prompt: str, n_decode: int, extra: list[str]) -> SwarmRun:
+    def _run(self, peers: list[str], prompt: str, n_decode: int, extra: list[str], drafted: bool = False) -> SwarmRun:
         # each coordinator reads the dense weights into its own group (the run before would have them
         # resident, charged to its group, for free)
         drop_page_cache(self.shard_dir / "dense.gguf", self.shard_dir / "manifest.json")
         dev = self.coordinator()
         peer_args = [a for p in peers for a in ("--peer", p)]
-        cmd = [sys.executable, "-c", JOIN, *dev.procs(), "--swarm", "run", str(self.shard_dir), "--no-mdns",
+        program = ["--", sys.executable, str(DRAFTED)] if drafted else ["--swarm"]
+        cmd = [sys.executable, "-c", JOIN, *dev.procs(), *program, "run", str(self.shard_dir), "--no-mdns",
                *peer_args, "--prompt", prompt, "--max-tokens", str(n_decode), *extra]  # fmt: skip
         try:
             try:
@@ -161,6 +175,11 @@ class CappedSwarm:
                 (self.workdir / "coordinator.log").write_text(proc.stderr)  # the last run's, to look into
             except subprocess.TimeoutExpired:
                 return SwarmRun(0, None, 0, None, dev.peak(), "no result in 600 s")
+            if drafted and proc.returncode == 0 and "RESULT " in proc.stdout:
+                r = json.loads(proc.stdout.split("RESULT ", 1)[1].splitlines()[0])
+                return SwarmRun(r["prompt_tokens"], r["drafted"][0], r["decode_tokens"], r["drafted"][1], dev.peak(),
+                                undrafted_tps=r["plain"][1], drafts_made=r["drafts_made"],
+                                drafts_kept=r["drafts_kept"])  # fmt: skip
             found = SPEED.search(proc.stderr)
             if proc.returncode != 0 or not found:
                 killed = dev.oom_kills() > 0

@@ -116,7 +116,8 @@ def measure(args: argparse.Namespace, rig: Rig) -> tuple[list[AtCap], dict[str, 
             print(f"  warm-up: {swarm.run(0, prompt, args.decode_tokens, 1)}", file=sys.stderr, flush=True)
             for rep in range(args.reps):
                 for rtt in args.rtts:
-                    run = swarm.run(rtt, prompt, args.decode_tokens, 1)
+                    drafts = (args.drafts, args.draft_wrong, rep) if args.drafts else None  # other draws a rep
+                    run = swarm.run(rtt, prompt, args.decode_tokens, 1, drafts=drafts)
                     at.swarm.setdefault(rtt, []).append(run)
                     print(
                         f"swarm {cap // MiB} MiB, rtt {rtt} ms, rep {rep}: {run}", file=sys.stderr, flush=True
@@ -171,6 +172,16 @@ def report(
             )
             peaks = ", ".join(f"{x // MiB:,}" for x in at.node_peaks)
             coord = max(r.peak for r in runs) // MiB
+            if args.drafts:  # the same engine's run without drafts, then the drafted one
+                utg = _median([r.undrafted_tps for r in runs if r.undrafted_tps])
+                uratios = ", ".join(
+                    f"{utg / tg.tps:.2f}x ({ra:,} KiB)" for ra, (_, tg) in sorted(at.llama.items()) if utg and tg.tps
+                )
+                lines.append(f"| {at.cap // MiB:,} MiB | {what}, no drafts | | {_f(utg)} | {uratios} | |")
+                made = sum(r.drafts_made for r in runs)
+                kept = sum(r.drafts_kept for r in runs)
+                what += (f", {args.drafts} drafts a pass, each wrong with p {args.draft_wrong:g} "
+                         f"({kept:,} of {made:,} kept)")  # fmt: skip
             lines.append(
                 f"| {at.cap // MiB:,} MiB | {what} | {_f(spp)} | {_f(stg)} | {ratios} | coordinator {coord:,}; nodes {peaks} |"
             )
@@ -211,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--read-ahead-kb", type=int, default=128, help="llama.cpp's file on a loop device (0: not)"
     )
+    p.add_argument("--drafts", type=int, default=0, help="drafts a pass, scripted from the undrafted text (0: none)")
+    p.add_argument("--draft-wrong", type=float, default=0.18, help="the chance each draft is wrong (MTP's published "
+                   "rate on Qwen3.6-35B keeps ~0.82)")  # fmt: skip
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--decode-tokens", type=int, default=16)
     p.add_argument("--reps", type=int, default=3)
@@ -227,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         results, load = measure(args, rig)
     section = "rig_split" if args.layers == 4 and not (args.experts or args.vocab) else (
         f"rig_split-{args.layers}l-{args.dense_type.lower().replace('_', '')}"
-    )
+    ) + (f"-drafts{args.drafts}" if args.drafts else "")
     publish(
         section,
         report(args, results, load, time.monotonic() - t0, command("rig_split.py", argv)),
