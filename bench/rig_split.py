@@ -241,7 +241,9 @@ def main(argv: list[str] | None = None) -> int:
         results, load = measure(args, rig)
     section = "rig_split" if args.layers == 4 and not (args.experts or args.vocab) else (
         f"rig_split-{args.layers}l-{args.dense_type.lower().replace('_', '')}"
-    ) + (f"-drafts{args.drafts}" if args.drafts else "")
+    ) + (f"-drafts{args.drafts}" if args.drafts else "") + (
+        "" if args.layers == 4 else "-cap" + "-".join(str(c // MiB) for c in args.caps)
+    )
     publish(
         section,
         report(args, results, load, time.monotonic() - t0, command("rig_split.py", argv)),
