@@ -88,7 +88,7 @@ def _node_product(w: object, x: np.ndarray) -> np.ndarray:
     from swarm.compute.graph import Graph
 
     n = int(x.shape[0])
-    gr = Graph(0, 4, keep=False)
+    gr = Graph(4, keep=False)
     try:
         gr.output(gr.mul_mat(gr.weight(w), gr.input(D, n)))
         out = np.empty((n, w.rows), np.float32)

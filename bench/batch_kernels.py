@@ -50,7 +50,7 @@ class RowByRow(Graph):
 def product(kind: type[Graph], w: weights.Weight, x: np.ndarray) -> Callable[[], np.ndarray]:
     """A kept graph of `kind` for w times the rows of x: a function that runs it and returns the rows."""
     n, cols = x.shape
-    gr = kind(4 * n * (w.rows + 2 * cols) + (1 << 16), 8, keep=True)
+    gr = kind(8, keep=True)
     y = gr.mul_mat(gr.weight_slot(w), gr.input(cols, n))
     gr.output(y)
     gr.build()

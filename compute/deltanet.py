@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from swarm.compute.dense import Norm, Post, dense_ops, dense_scratch, dense_tensors, post_key
+from swarm.compute.dense import Norm, Post, dense_ops, dense_tensors, post_key
 from swarm.compute.ggml import F32
 from swarm.compute.graph import KEEP_ROWS, Graph, f32_rows, run_graph
 from swarm.compute.weights import Weight
@@ -175,10 +175,6 @@ def _rule_results(
     return out
 
 
-def _delta_rule_scratch(spans: Sequence[tuple[int, int]], c: int, kc: int, hv: int, s: int) -> int:
-    return sum(4 * (t * hv * s + hv * s * s + 10 * (kc - 1 + t) * c) for _, t in spans) + 256 * 1024
-
-
 def delta_net_step(
     mixed: torch.Tensor,
     convs: Sequence[torch.Tensor],
@@ -214,7 +210,7 @@ def delta_net_step(
     w = f32_rows(rule.conv_weight)
 
     def build(keep: bool) -> Graph:
-        gr = Graph(_delta_rule_scratch(spans, c, kc, hv, s), 40 * b + 8, keep)
+        gr = Graph(40 * b + 8, keep)
         tm, tg, tb = gr.input(c, b * t), gr.input(hv, b * t), gr.input(hv, b * t)
         tconv = [gr.input(kc - 1, c) for _ in range(b)]
         tstate = [gr.input(s, s, hv) for _ in range(b)]
@@ -278,8 +274,7 @@ def delta_net_layer(
 
     def build(keep: bool) -> Graph:
         b = len(spans)
-        scratch = _layer_scratch(n, d, inputs, posts, out, spans, lengths, marks, c, kc, hv, s)
-        gr = Graph(scratch, dense_tensors(inputs, posts) + 40 * b + 24 + 24 * sum(map(len, marks)), keep)
+        gr = Graph(dense_tensors(inputs, posts) + 40 * b + 24 + 24 * sum(map(len, marks)), keep)
         xt = gr.input(d, n)
         tconv = [gr.input(kc - 1, c) for _ in range(b)]
         tstate = [gr.input(s, s, hv) for _ in range(b)]
@@ -308,25 +303,6 @@ def delta_net_layer(
         new_convs,
         [r[t * hv * s :].view(hv, s, s) for r, t in zip(results, tails, strict=True)],
         marked or [[] for _ in lengths],
-    )
-
-
-def _layer_scratch(
-    n: int, d: int, inputs: Sequence[Weight], posts: Sequence[Post | None], out: Weight,
-    spans: Sequence[tuple[int, int]], lengths: Sequence[int], marks: Sequence[Sequence[int]], c: int, kc: int,
-    hv: int, s: int,
-) -> int:  # fmt: skip
-    """Scratch bytes of delta_net_layer's graph: the input products, each sequence's rule, the out product,
-    o and its gated norm, and each mark's pieces."""
-    return (
-        dense_scratch(n, d, inputs, posts)
-        + _delta_rule_scratch(spans, c, kc, hv, s)
-        + dense_scratch(n, hv * s, [out], [None])
-        + 4 * 2 * n * hv * s
-        + sum(
-            4 * len(ms) * (t * hv * s + 2 * hv * s * s + (kc - 1) * c)
-            for ms, t in zip(marks, lengths, strict=False)
-        )
     )
 
 

@@ -75,7 +75,7 @@ def linear(
         raise ValueError(f"a norm of {norm.weight.numel()} values does not divide rows of {cols}")
 
     def build(keep: bool) -> Graph:
-        gr = Graph(dense_scratch(n, cols, weights, posts), dense_tensors(weights, posts), keep)
+        gr = Graph(dense_tensors(weights, posts), keep)
         xt = gr.input(cols, n)
         gt = gr.input(cols, n) if gate is not None else None
         rt = gr.input(weights[0].rows, n) if residual is not None else None
@@ -93,13 +93,6 @@ def linear(
                *((w.ptr, post_key(p)) for w, p in zip(weights, posts, strict=True)))  # fmt: skip
     run_graph(key, build, inputs, outs)
     return outs
-
-
-def dense_scratch(n: int, cols: int, weights: Sequence[Weight], posts: Sequence[Post | None]) -> int:
-    """Graph memory for dense_ops over n rows: each product before it is pointed at its output, its
-    steps, the quantized activations."""
-    products = sum(4 * n * w.rows * (2 + len(p or ())) + 64 for w, p in zip(weights, posts, strict=True))
-    return products + 4 * 4 * n * cols + 256
 
 
 def dense_tensors(weights: Sequence[Weight], posts: Sequence[Post | None]) -> int:
@@ -182,8 +175,7 @@ def attention_heads(
         outs.append(torch.empty(n, h * hd))
 
     def build(keep: bool) -> Graph:
-        gr = Graph(dense_scratch(n, cols, weights, posts) + 4 * 4 * n * (3 * h + 2 * hkv) * hd,
-                   dense_tensors(weights, posts) + 24, keep)  # fmt: skip
+        gr = Graph(dense_tensors(weights, posts) + 24, keep)
         g, ctx = gr.g, gr.ctx
         xt = gr.input(cols, n)
         pt = gr.input(n, qtype=g.GGML_TYPE_I32)
@@ -217,7 +209,6 @@ def attention_heads(
     return outs[0], outs[1], outs[2], outs[3] if heads.gated else None
 
 
-
 _UNARY = ("sigmoid", "silu", "softplus", "exp", "soft_max")  # soft_max: over each row (the last dim)
 
 
@@ -243,7 +234,7 @@ def unary(op: str, x: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(x2)
 
     def build(keep: bool) -> Graph:
-        gr = Graph(4 * x2.numel() + 64, 3, keep)
+        gr = Graph(3, keep)
         gr.output(getattr(gr.g, f"ggml_{op}")(gr.ctx, gr.input(cols, rows)))
         return gr
 

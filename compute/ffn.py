@@ -102,8 +102,7 @@ def ffn_rows(
     d = int(x.shape[1])
 
     def build(kept: bool) -> Graph:
-        scratch = sum(4 * n * (5 * f.width) + 4 * n * d + 256 for f, _, n in blocks)
-        gr = Graph(scratch, 16 * len(blocks) + 2, kept)  # 3 products, their views, swiglu, the joined inner, in, out
+        gr = Graph(16 * len(blocks) + 2, kept)  # 3 products, their views, swiglu, the joined inner, in, out
         for f, _, n in blocks:
             products: list[object] | None = [] if inner is not None else None
             gr.output(f.add_to(gr, gr.input(d, n), products))
@@ -142,10 +141,6 @@ class ExpertStack:
     gate_up: Weight | None = None
 
 
-def _moe_scratch(n: int, slots: int, d: int, f: int) -> int:
-    return 4 * n * slots * (6 * f + d) + 4096  # gate, up, h, the joined inner products [2F], the outputs
-
-
 def _moe_ops(
     gr: Graph, stack: ExpertStack, xt: object, it: object, inner: list[object] | None = None
 ) -> object:
@@ -165,11 +160,6 @@ def _moe_ops(
             inner.append(g.ggml_concat(ctx, gate, up, 0))  # [2F, S, N], gate first
         h = g.ggml_swiglu_split(ctx, gate, up)
     return g.ggml_mul_mat_id(ctx, gr.weight(stack.down), h, it)  # [D, S, N]
-
-
-def _combine_scratch(t: int, k: int, d: int) -> int:
-    """_combine_ops' tensors: the weighted outputs [D, K, T] and each sum [D, T] along the way."""
-    return 4 * t * d * (2 * k + 4) + 4096
 
 
 def _combine_ops(gr: Graph, out: object, wt: object, shared: object | None, ht: object) -> object:
@@ -200,7 +190,7 @@ def moe_combine(h: Array, out: Array, weights: Array, shared: Array | None) -> A
     y = empty_rows(ins[0], (t, d))
 
     def build(keep: bool) -> Graph:
-        gr = Graph(_combine_scratch(t, k, d), 2 * k + 12, keep)
+        gr = Graph(2 * k + 12, keep)
         ht, ot, wt = gr.input(d, t), gr.input(d, k, t), gr.input(1, k, t)
         st = gr.input(d, t) if shared is not None else None
         gr.output(_combine_ops(gr, ot, wt, st, ht))
@@ -226,7 +216,6 @@ def moe_layer(
     the same bits as computing the experts apart (here or on nodes) and combining them with moe_combine."""
     t, d = int(x.shape[0]), int(x.shape[1])
     k = int(ids.shape[1])
-    f = stack.down.cols
     ins = [f32_rows(x), i32_rows(ids), f32_rows(weights), f32_rows(h)]
     if shared_gate is not None:
         ins.append(f32_rows(shared_gate))
@@ -234,10 +223,7 @@ def moe_layer(
 
     def build(keep: bool) -> Graph:
         g = ggml_lib()
-        scratch = _moe_scratch(t, k, d, f) + _combine_scratch(t, k, d)
-        if shared is not None:
-            scratch += 4 * t * (3 * shared.width) + 4 * t * d + 256
-        gr = Graph(scratch, 2 * k + 40, keep)
+        gr = Graph(2 * k + 40, keep)
         xt = gr.input(d, t)
         it = gr.input(k, t, qtype=g.GGML_TYPE_I32)
         wt = gr.input(1, k, t)
@@ -273,10 +259,9 @@ def moe_rows(stack: ExpertStack, ids: Array, x: Array, out: Array, inner: Array 
         return
     slots = int(ids.shape[1])
     ids = i32_rows(ids)
-    f = stack.down.cols
 
     def build(keep: bool) -> Graph:
-        gr = Graph(_moe_scratch(n, slots, d, f), 12, keep)
+        gr = Graph(12, keep)
         xt = gr.input(d, 1, n)  # [D, 1, N]: every slot of a row reads the row
         it = gr.input(slots, n, qtype=gr.g.GGML_TYPE_I32)
         products: list[object] | None = [] if inner is not None else None
@@ -298,7 +283,6 @@ def moe_rows(stack: ExpertStack, ids: Array, x: Array, out: Array, inner: Array 
     run_graph(key, build, [x, ids], outs)
 
 
-
 def swiglu_rows(gate_up: Array) -> Array:
     """silu(gate) * up of rows [N, 2F] (gate first) -> [N, F], by ggml's own swiglu: the same bits as the h a
     graph of this build forms between an expert's products (its vectorized exp is not libm's)."""
@@ -309,7 +293,7 @@ def swiglu_rows(gate_up: Array) -> Array:
         return h
 
     def build(keep: bool) -> Graph:
-        gr = Graph(4 * n * f2 + 1024, 4, keep)
+        gr = Graph(4, keep)
         gr.output(gr.swiglu(gr.input(f2, n)))
         return gr
 

@@ -84,25 +84,20 @@ class Graph:
 
     Inputs and outputs are slots: float32 CPU arrays (numpy arrays, or the coordinator's torch tensors: both
     are read through `_buffer`, which imports nothing) whose data pointers are set on each run, so
-    ggml reads and writes them in place. Weights are used where they lie. Intermediates live in the
-    graph's own memory (a kept graph: `scratch_bytes` of it) or in the per-thread buffer of ggml's graph
-    allocator (a one-off graph: a prompt's, whose intermediates are laid out to share memory).
+    ggml reads and writes them in place. Weights are used where they lie. Intermediates are laid out by ggml's
+    graph allocator so that one whose last reader has run lends its memory to the next: in the per-thread
+    buffer (a one-off graph: a prompt's) or in a buffer of the graph's own (a kept graph), which then holds
+    the graph's largest live set, not every intermediate at once (a draft window's graphs keep their rows'
+    DeltaNet states: summed, a 3-draft window's graphs of 30 layers held over a GiB).
     """
 
-    def __init__(self, scratch_bytes: int, n_tensors: int, keep: bool = False) -> None:
+    def __init__(self, n_tensors: int, keep: bool = False) -> None:
         g = self.g = ggml_lib()
         self.n_nodes = max(16, 2 * n_tensors)
-        size = (
-            (scratch_bytes if keep else 0)
-            + (n_tensors + 8) * g.ggml_tensor_overhead()
-            + g.ggml_graph_overhead_custom(self.n_nodes, False)
-            + 4096
-        )
+        size = (n_tensors + 8) * g.ggml_tensor_overhead() + g.ggml_graph_overhead_custom(self.n_nodes, False) + 4096
         self.kept = keep
         self.mem = np.empty(size, dtype=np.uint8) if keep else _buffers.get_ctx(size)
-        params = g.ggml_init_params(
-            mem_size=self.mem.nbytes, mem_buffer=self.mem.ctypes.data, no_alloc=not keep
-        )
+        params = g.ggml_init_params(mem_size=self.mem.nbytes, mem_buffer=self.mem.ctypes.data, no_alloc=True)
         self.ctx = g.ggml_init(params)
         if not self.ctx:
             raise MemoryError("ggml_init failed")
@@ -116,11 +111,13 @@ class Graph:
         self.plan: object = None
         self.plan_threads = 0
         self.work = np.empty(0, dtype=np.uint8)
+        self.galloc: _GraphAllocator | None = None  # a kept graph's own: its intermediates' buffer
 
     def free(self) -> None:
         if self.ctx:
             ctx, self.ctx = self.ctx, None
             self.g.ggml_free(ctx)
+        self.galloc = None
 
     def __del__(self) -> None:
         if getattr(self.g, "ggml_free", None) is not None:  # at interpreter exit ggml may be gone first
@@ -128,11 +125,7 @@ class Graph:
 
     def placed(self, qtype: int, *ne: int) -> object:
         """A tensor of ggml shape `ne` (fastest dimension first) whose data the caller points somewhere."""
-        g = self.g
-        g.ggml_set_no_alloc(self.ctx, True)
-        t = g.ggml_new_tensor(self.ctx, qtype, len(ne), (ctypes.c_int64 * len(ne))(*ne))
-        g.ggml_set_no_alloc(self.ctx, not self.kept)
-        return t
+        return self.g.ggml_new_tensor(self.ctx, qtype, len(ne), (ctypes.c_int64 * len(ne))(*ne))
 
     def weight(self, w: Weight) -> object:
         t = self._matrix(w)
@@ -214,12 +207,12 @@ class Graph:
         for t, _, _ in self.outputs:
             g.ggml_build_forward_expand(self.graph, t)
         self._find_slot_views()
-        if not self.kept:
-            self._allocate()
+        self._allocate()
         return self
 
     def _allocate(self) -> None:
-        """Place the intermediates of a one-off graph with ggml's graph allocator. The slots (inputs, outputs,
+        """Place the intermediates with ggml's graph allocator: the per-thread one for a one-off graph, one of
+        its own for a kept graph (its layout must outlive the next graph's). The slots (inputs, outputs,
         weight slots) get their memory on each run: they point at a placeholder meanwhile, so that the
         allocator leaves them (and their views) alone."""
         g = self.g
@@ -229,7 +222,11 @@ class Graph:
                 t.data = _PLACEHOLDER
         for v, src, offs in self.views:
             v.data = src.data + offs
-        galloc = _buffers.get_galloc()
+        if self.kept:
+            self.galloc = _GraphAllocator()
+            galloc = self.galloc.ptr
+        else:
+            galloc = _buffers.get_galloc()
         # laid out for this graph: ggml_gallocr_alloc_graph alone reuses the last graph's layout when the new
         # one fits it by node counts and sizes, and a graph of another wiring then has an intermediate
         # overwritten before its last reader runs (test_kernels: ..._each_get_their_own_layout)
@@ -412,7 +409,7 @@ def _probe_repacked(qtype: int) -> bool:
     x = np.random.default_rng(1).standard_normal((max(probes.PROBE_ROWS), cols)).astype(np.float32)
 
     def product(xs: np.ndarray) -> np.ndarray:
-        gr = Graph(4 * len(xs) * (rows + 2 * cols) + (1 << 16), 8, keep=True)
+        gr = Graph(8, keep=True)
         try:
             y = gr.g.ggml_mul_mat(gr.ctx, gr.weight(w), gr.input(cols, len(xs)))  # one plain batch
             gr.output(y)

@@ -351,7 +351,7 @@ def test_a_prompt_graphs_intermediates_share_memory() -> None:
 
 def _prompt_graph_shares_memory() -> None:
     rows, cols, steps = 512, 2048, 12
-    gr = graph.Graph(0, steps + 4)
+    gr = graph.Graph(steps + 4)
     g = gr.g
     t = gr.input(cols, rows)
     for i in range(steps):
@@ -382,7 +382,7 @@ def test_one_off_graphs_of_the_same_size_but_other_wiring_each_get_their_own_lay
     x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(1))
 
     def run(wire: str) -> torch.Tensor:
-        gr = graph.Graph(0, 8)
+        gr = graph.Graph(8)
         g, ctx = gr.g, gr.ctx
         t = gr.input(cols, rows)
         a = g.ggml_silu(ctx, t)

@@ -103,7 +103,7 @@ def test_the_live_probe_says_what_other_batches_do_on_this_build(qtype):
 def dense_through_graph(w: weights.Weight, x: np.ndarray) -> np.ndarray:
     """x [n, I] times w in a graph of one product (Graph.mul_mat), numpy in and out."""
     n = int(x.shape[0])
-    gr = Graph(0, 4)
+    gr = Graph(4)
     try:
         gr.output(gr.mul_mat(gr.weight(w), gr.input(w.cols, n)))
         out = np.empty((n, w.rows), np.float32)
@@ -145,7 +145,7 @@ def repacked_weight(q: int, rows: int, cols: int, seed: int) -> weights.Weight |
 
 def plain_batch(w: weights.Weight, x: np.ndarray) -> np.ndarray:
     """x times w as one plain ggml batch (ggml's batched kernels, whatever they do to a row's bits)."""
-    gr = Graph(0, 4)
+    gr = Graph(4)
     try:
         gr.output(gr.g.ggml_mul_mat(gr.ctx, gr.weight(w), gr.input(w.cols, int(x.shape[0]))))
         out = np.empty((int(x.shape[0]), w.rows), np.float32)
@@ -208,7 +208,7 @@ def test_a_flagged_type_is_multiplied_one_row_at_a_time(monkeypatch, name):
     w = weights.Weight.of_bytes(probes.probe_weight(q, F, D, 1), q, (F, D))
     for verdict, rows_per_product in ((True, 8), (False, 1)):
         monkeypatch.setitem(probes._independent, q, verdict)
-        gr = Graph(0, 4)
+        gr = Graph(4)
         try:
             y = gr.mul_mat(gr.weight(w), gr.input(D, 8))
             while y.contents.op == gr.g.GGML_OP_RESHAPE:

@@ -58,7 +58,7 @@ def chain(
     inputs = [x] if residual is None else [x, f32_rows(residual)]
 
     def build(keep: bool) -> Graph:
-        gr = Graph(0, 8 + 6 * len(steps) + 8, keep)
+        gr = Graph(8 + 6 * len(steps) + 8, keep)
         g, ctx = gr.g, gr.ctx
         t = gr.input(cols, n)
         rt = gr.input(out_cols, out_rows) if residual is not None else None
@@ -93,7 +93,7 @@ def pair(x: torch.Tensor, first: Linear, second: Linear, bias: torch.Tensor) -> 
     out = torch.empty(n, first.d_out)
 
     def build(keep: bool) -> Graph:
-        gr = Graph(0, 16, keep)
+        gr = Graph(16, keep)
         g, ctx = gr.g, gr.ctx
         t = gr.input(cols, n)
         ys = [_whole_picture(gr, gr.weight(lin.matrix.weight), t) for lin in (first, second)]  # type: ignore[union-attr]
