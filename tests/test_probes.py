@@ -100,12 +100,14 @@ def test_the_live_probe_says_what_other_batches_do_on_this_build(qtype):
         assert probes.rows_independent(q)  # x86's kernels take one row at a time (or tinyBLAS, exact here)
 
 
-def dense_through_graph(w: weights.Weight, x: np.ndarray) -> np.ndarray:
-    """x [n, I] times w in a graph of one product (Graph.mul_mat), numpy in and out."""
+def dense_through_graph(w: weights.Weight, x: np.ndarray, plain: bool = False) -> np.ndarray:
+    """x [n, I] times w in a graph of one product (Graph.mul_mat; `plain`: one plain ggml batch, whatever
+    ggml's batched kernels do to a row's bits), numpy in and out."""
     n = int(x.shape[0])
     gr = Graph(4)
     try:
-        gr.output(gr.mul_mat(gr.weight(w), gr.input(w.cols, n)))
+        wt, xt = gr.weight(w), gr.input(w.cols, n)
+        gr.output(gr.g.ggml_mul_mat(gr.ctx, wt, xt) if plain else gr.mul_mat(wt, xt))
         out = np.empty((n, w.rows), np.float32)
         gr.build().run([np.ascontiguousarray(x)], [out])
         return out
@@ -144,15 +146,7 @@ def repacked_weight(q: int, rows: int, cols: int, seed: int) -> weights.Weight |
 
 
 def plain_batch(w: weights.Weight, x: np.ndarray) -> np.ndarray:
-    """x times w as one plain ggml batch (ggml's batched kernels, whatever they do to a row's bits)."""
-    gr = Graph(4)
-    try:
-        gr.output(gr.g.ggml_mul_mat(gr.ctx, gr.weight(w), gr.input(w.cols, int(x.shape[0]))))
-        out = np.empty((int(x.shape[0]), w.rows), np.float32)
-        gr.build().run([np.ascontiguousarray(x)], [out])
-        return out
-    finally:
-        gr.free()
+    return dense_through_graph(w, x, plain=True)
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
